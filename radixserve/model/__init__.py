@@ -1,0 +1,1 @@
+"""Model execution: loading, layers, attention backends, model classes, runner, sampler."""

@@ -1,0 +1,105 @@
+"""Attention backends: they write the new tokens' K/V into the pool and attend over the pool.
+
+The interface is two calls: `prepare(batch)` once per forward pass (index and mask building
+shared by all layers), then `forward(layer, q, k, v, meta)` in every layer. Faster backends
+(Triton kernels, CUDA graphs) implement the same two calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.cache import KVPool, ReqToTokenPool
+from radixserve.cache.allocator import PADDING_SLOT
+from radixserve.core.batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class TorchNativeMetadata:
+    out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
+    kv_index: torch.Tensor  # (B, S) slot of each key position; padding → PADDING_SLOT
+    mask: torch.Tensor  # (B, 1, Q, S) bool, True where query may attend to key
+    q_index: torch.Tensor | None  # (T,) flat token → row of the padded (B*Q) layout; None: identity
+    max_q: int
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch) -> object: ...
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object
+    ) -> torch.Tensor: ...
+
+
+class TorchNativeAttention:
+    """Gather K/V by slot index into a padded (B, heads, S, D) batch, then one SDPA call.
+
+    Works on CPU and CUDA. Queries are padded to the longest extend length of the batch
+    (1 in decode mode); the mask encodes causality after each request's cached prefix and
+    the padding of keys and queries.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.scale = scale
+
+    def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        device = batch.input_ids.device
+        seq_lens = torch.tensor(batch.seq_lens, device=device)
+        prefix_lens = torch.tensor(batch.prefix_lens, device=device)
+        extend_lens = torch.tensor(batch.extend_lens, device=device)
+        max_s = max(batch.seq_lens)
+        max_q = 1 if batch.mode is ForwardMode.DECODE else max(batch.extend_lens)
+
+        key_pos = torch.arange(max_s, device=device)  # (S,)
+        key_valid = key_pos[None, :] < seq_lens[:, None]  # (B, S)
+        kv_index = self.req_to_token.table[batch.req_rows, :max_s]
+        kv_index = torch.where(key_valid, kv_index, PADDING_SLOT)
+
+        q_off = torch.arange(max_q, device=device)  # (Q,)
+        q_pos = prefix_lens[:, None] + q_off[None, :]  # (B, Q) absolute position of each query
+        mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # (B,Q,S)
+        # Padded query rows attend to key 0 only, so their softmax stays finite; discarded.
+        q_pad = q_off[None, :] >= extend_lens[:, None]  # (B, Q)
+        mask = torch.where(q_pad[:, :, None], key_pos[None, None, :] == 0, mask)
+
+        q_index = None
+        if max_q > 1 and not all(n == max_q for n in batch.extend_lens):
+            starts = torch.arange(batch.batch_size, device=device) * max_q
+            q_index = torch.repeat_interleave(starts, extend_lens) + _ragged_arange(extend_lens)
+        return TorchNativeMetadata(batch.out_slots, kv_index, mask[:, None], q_index, max_q)
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (T, H, D)
+        k: torch.Tensor,  # (T, KH, D)
+        v: torch.Tensor,  # (T, KH, D)
+        meta: TorchNativeMetadata,
+    ) -> torch.Tensor:  # (T, H * D)
+        self.kv_pool.write(layer, meta.out_slots, k, v)
+        _, num_heads, head_dim = q.shape
+        batch_size = meta.kv_index.shape[0]
+        if meta.q_index is not None:
+            padded = q.new_zeros(batch_size * meta.max_q, num_heads, head_dim)
+            q = padded.index_copy_(0, meta.q_index, q)
+        q = q.view(batch_size, meta.max_q, num_heads, head_dim).transpose(1, 2)  # (B, H, Q, D)
+        keys = self.kv_pool.k[layer][meta.kv_index].transpose(1, 2)  # (B, KH, S, D)
+        values = self.kv_pool.v[layer][meta.kv_index].transpose(1, 2)  # (B, KH, S, D)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
+        )  # (B, H, Q, D)
+        out = out.transpose(1, 2).reshape(batch_size * meta.max_q, num_heads * head_dim)
+        return out if meta.q_index is None else out[meta.q_index]
+
+
+def _ragged_arange(lengths: torch.Tensor) -> torch.Tensor:
+    """[0..l0-1, 0..l1-1, ...] for lengths (B,)."""
+    total = int(lengths.sum())
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.arange(total, device=lengths.device) - torch.repeat_interleave(starts, lengths)

@@ -1,0 +1,138 @@
+"""The model runner: owns the model, the KV pool, the request→token table and the slot
+allocator, and runs one forward pass over a `ForwardBatch`.
+
+The scheduler reaches the model only through `ModelRunner.forward`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
+from radixserve.config import Config, resolve_device_and_dtype
+from radixserve.core.batch import ForwardBatch
+from radixserve.model.attention import TorchNativeAttention
+from radixserve.model.llama import MODEL_CLASSES, LlamaForCausalLM, head_dim_of
+from radixserve.model.loader import (
+    ModelLoadError,
+    iter_safetensors,
+    read_architecture,
+    resolve_model_folder,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_MEM_FRACTION = 0.25
+DEFAULT_CUDA_MEM_FRACTION = 0.85
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # (L, vocab) fp32, rows in the order of batch.logits_indices
+
+
+class ModelRunner:
+    def __init__(self, config: Config, progress: bool = True) -> None:
+        self.config = config
+        self.device, self.dtype = resolve_device_and_dtype(config.model)
+        start = time.perf_counter()
+        self.model_folder = resolve_model_folder(
+            config.model.model_path, config.model.cache_dir, progress=progress
+        )
+        self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
+        self.model = build_model(self.model_folder, self.hf_config, self.dtype, self.device)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.context_len = int(self.hf_config.max_position_embeddings)
+
+        self.max_total_tokens = self._kv_pool_size()
+        num_kv_heads = self.hf_config.num_key_value_heads
+        head_dim = head_dim_of(self.hf_config)
+        self.kv_pool = KVPool(
+            self.max_total_tokens, self.hf_config.num_hidden_layers, num_kv_heads, head_dim,
+            self.dtype, self.device,
+        )
+        self.allocator = SlotAllocator(self.max_total_tokens, self.device)
+        self.req_to_token = ReqToTokenPool(
+            min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens),
+            self.context_len,
+            self.device,
+        )
+        self.attention = TorchNativeAttention(self.kv_pool, self.req_to_token, head_dim**-0.5)
+        logger.info(
+            "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens",
+            self.model_folder, type(self.model).__name__, self.device, self.dtype,
+            time.perf_counter() - start, self.max_total_tokens,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        meta = self.attention.prepare(batch)
+        logits = self.model(
+            batch.input_ids, batch.positions, batch.logits_indices, self.attention, meta
+        )
+        return ForwardOutput(logits)
+
+    def _kv_pool_size(self) -> int:
+        """KV tokens: --max-total-tokens if given, else what the memory fraction leaves
+        after the weights."""
+        cache = self.config.cache
+        if cache.max_total_tokens is not None:
+            return cache.max_total_tokens
+        per_token = KVPool.bytes_per_token(
+            self.hf_config.num_hidden_layers,
+            self.hf_config.num_key_value_heads,
+            head_dim_of(self.hf_config),
+            self.dtype,
+        )
+        if self.device.type == "cuda":
+            fraction = cache.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION
+            _, total = torch.cuda.mem_get_info(self.device)
+            used = torch.cuda.memory_allocated(self.device)
+        else:
+            fraction = cache.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            used = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = int(total * fraction) - used
+        tokens = budget // per_token
+        if tokens < 1:
+            raise ValueError(
+                f"mem_fraction_static={fraction} leaves no memory for the KV cache after the "
+                f"weights ({used / 2**30:.2f} GiB of {total / 2**30:.2f} GiB); raise it or "
+                "set --max-total-tokens"
+            )
+        return int(tokens)
+
+
+def load_config_and_tokenizer(folder: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    read_architecture(folder)  # a clear error for unsupported models before anything else
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the config or tokenizer of {folder}: {e}") from e
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ModelLoadError(f"{folder}: sliding-window attention is not supported yet")
+    return hf_config, tokenizer
+
+
+def build_model(
+    folder: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    cls = MODEL_CLASSES[read_architecture(folder)]
+    with torch.device("meta"):
+        model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
+    model = model.to_empty(device="cpu")
+    model.rotary.reset_tables()  # to_empty leaves buffers uninitialised
+    try:
+        model.load_weights(iter_safetensors(folder))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
+    return model.to(device=device, dtype=dtype).eval()

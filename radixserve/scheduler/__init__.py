@@ -1,0 +1,1 @@
+"""Scheduling: turning requests into forward batches and running them to completion."""

@@ -1,0 +1,158 @@
+"""Static-batch generation: one fixed batch prefilled together, then decoded step by step
+until every request has finished. No admission control, no prefix cache: the command line's
+`generate` and the runner benchmark use it; the continuous-batching scheduler builds on the
+same `BatchBuilder` and `Sampler`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.model.runner import ModelRunner
+from radixserve.model.sampler import Sampler, SampleOutput, SamplingBatch
+from radixserve.scheduler.batch_builder import BatchBuilder
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[float, int]]]
+
+
+def eos_token_ids(runner: ModelRunner) -> set[int]:
+    """End-of-sequence ids from the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids
+
+
+class StaticGenerator:
+    _rids = itertools.count()
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+        self.sampler = Sampler()
+        self.eos_ids = eos_token_ids(runner)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        top_logprobs_num: int = 0,
+        return_logprob: bool = False,
+        on_step: Any = None,
+    ) -> list[GenerateResult]:
+        """Generate for every prompt; `on_step(reqs)` is called after each sampled step."""
+        reqs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            p.verify_vocab(self.runner.vocab_size)
+            if len(prompt) + p.max_new_tokens > self.runner.context_len:
+                raise ValueError(
+                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({p.max_new_tokens}) "
+                    f"exceeds the context length {self.runner.context_len}"
+                )
+            reqs.append(Req(f"static-{next(self._rids)}", list(prompt), p))
+        try:
+            self._run(reqs, return_logprob, top_logprobs_num, on_step)
+        finally:
+            for req in reqs:
+                self.builder.release(req)
+        return [
+            GenerateResult(r.output_ids, r.finish_reason or {}, r.output_logprobs,
+                           r.output_top_logprobs)
+            for r in reqs
+        ]
+
+    def _run(self, reqs: list[Req], return_logprob: bool, top_n: int, on_step: Any) -> None:
+        for req in reqs:
+            if req.params.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+        active = [r for r in reqs if not r.finished]
+        if not active:
+            return
+        batch = self.builder.extend(active, [r.input_ids for r in active])
+        while active:
+            logits = self.runner.forward(batch).logits
+            out = self.sampler(logits, self._sampling_batch(active), return_logprob, top_n)
+            self._append(active, out)
+            if on_step is not None:
+                on_step(active)
+            for req in active:
+                if req.finished:
+                    self.builder.release(req)
+            active = [r for r in active if not r.finished]
+            if active:
+                batch = self.builder.decode(active)
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        stop = [self._stop_ids(r) for r in reqs]
+        banned = [
+            sorted(ids) if len(r.output_ids) < r.params.min_new_tokens else []
+            for r, ids in zip(reqs, stop, strict=True)
+        ]
+        return SamplingBatch.build(
+            [r.params for r in reqs], [r.seed for r in reqs], [r.input_ids for r in reqs],
+            [r.output_ids for r in reqs], self.runner.vocab_size, self.runner.device, banned,
+        )
+
+    def _stop_ids(self, req: Req) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids |= self.eos_ids
+        return ids
+
+    def _append(self, reqs: list[Req], out: SampleOutput) -> None:
+        next_ids = out.next_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        tops = None
+        if out.top_logprobs is not None and out.top_ids is not None:
+            tops = [
+                list(zip(lp, ids, strict=True))
+                for lp, ids in zip(out.top_logprobs.tolist(), out.top_ids.tolist(), strict=True)
+            ]
+        for i, (req, token) in enumerate(zip(reqs, next_ids, strict=True)):
+            req.output_ids.append(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+            if tops is not None:
+                req.output_top_logprobs.append(tops[i])
+            if token in self._stop_ids(req):  # banned until min_new_tokens is reached
+                req.finish_reason = {"type": "stop", "matched": token}
+            elif len(req.output_ids) >= req.params.max_new_tokens:
+                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+
+
+@torch.inference_mode()
+def generate_text(
+    runner: ModelRunner,
+    prompt: str,
+    params: SamplingParams,
+    use_chat_template: bool = True,
+) -> str:
+    """One prompt in, the completion's text out (the chat template applied if asked and
+    the model has one)."""
+    tok = runner.tokenizer
+    if use_chat_template and tok.chat_template:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    [result] = StaticGenerator(runner).generate([ids], [params])
+    out = result.output_ids
+    if result.finish_reason.get("type") == "stop" and not params.no_stop_trim:
+        out = out[:-1]
+    return tok.decode(out, skip_special_tokens=params.skip_special_tokens)

@@ -1,0 +1,151 @@
+"""The runner against transformers (the reference) on the same weights, fp32.
+
+Logits agree within 1e-4 max-abs, teacher-forced on the same tokens (prefill and every decode
+step); greedy continuations are token-identical, alone, in a batch of 8 prompts of different
+lengths, and with a prefix already in the KV pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.scheduler.batch_builder import BatchBuilder
+from radixserve.scheduler.static_generator import StaticGenerator
+
+ATOL = 1e-4
+STEPS = 32
+TEXTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1 2 3 4 5",
+    "A radix tree stores shared prefixes once; every request that shares a prefix",
+    "Hi",
+    "Continuous batching lets new requests join a running batch between decoding steps, so",
+    '{"name": "Ada", "age":',
+]
+
+
+def encode(runner, text: str) -> list[int]:
+    return runner.tokenizer.encode(text, add_special_tokens=False)
+
+
+@torch.no_grad()
+def reference_logits(reference, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V) logits of every position, one full forward pass."""
+    return reference(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
+    """Plain argmax decoding with transformers' own KV cache; eos is just another token
+    (generate's min_new_tokens would suppress it, which our ignore_eos does not)."""
+    out = reference(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = reference(
+            torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True
+        )
+    return tokens
+
+
+def greedy(max_new_tokens: int = STEPS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    diff = (ours - ref).abs().max().item()
+    assert diff <= ATOL, f"{what}: max-abs logit difference {diff:.3g} > {ATOL}"
+
+
+def test_prefill_and_decode_logits_teacher_forced(model_case):
+    """A batch of 8 prompts: prefill logits at every position, then each decode step's
+    logits, fed the reference's own greedy continuation."""
+    name, runner, reference = model_case
+    prompts = [encode(runner, t) for t in TEXTS]
+    continuations = [reference_greedy(reference, p, 8) for p in prompts]
+    refs = [reference_logits(reference, p + c) for p, c in zip(prompts, continuations)]
+
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    reqs = [Req(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
+    free_before = runner.allocator.num_free
+    try:
+        batch = builder.extend(reqs, prompts, all_logits=[True] * len(reqs))
+        logits = runner.forward(batch).logits
+        offset = 0
+        for p, ref in zip(prompts, refs):
+            assert_close(logits[offset : offset + len(p)], ref[: len(p)], f"{name} prefill")
+            offset += len(p)
+        for step in range(8):
+            for req, c in zip(reqs, continuations):
+                req.output_ids.append(c[step])
+            logits = runner.forward(builder.decode(reqs)).logits
+            for i, (p, ref) in enumerate(zip(prompts, refs)):
+                assert_close(logits[i], ref[len(p) + step], f"{name} decode step {step}")
+    finally:
+        for req in reqs:
+            builder.release(req)
+    assert runner.allocator.num_free == free_before
+
+
+def test_greedy_single_request_matches(model_case):
+    name, runner, reference = model_case
+    prompt = encode(runner, TEXTS[2])
+    [result] = StaticGenerator(runner).generate([prompt], [greedy()])
+    assert result.output_ids == reference_greedy(reference, prompt, STEPS), name
+
+
+def test_greedy_batch_of_eight_matches(model_case):
+    name, runner, reference = model_case
+    prompts = [encode(runner, t) for t in TEXTS]
+    assert len({len(p) for p in prompts}) > 4, "prompts should differ in length"
+    results = StaticGenerator(runner).generate(prompts, [greedy() for _ in prompts])
+    for prompt, result in zip(prompts, results):
+        assert result.output_ids == reference_greedy(reference, prompt, STEPS), name
+    assert runner.allocator.num_free == runner.allocator.size
+
+
+@pytest.mark.parametrize("split", [1, 5, -1])
+def test_prefix_in_pool_extended_by_suffix(model_case, split):
+    """Extend a cached prefix of any length (here 1, 5 and all but one token) by the rest:
+    suffix logits match, and greedy decoding from there matches too."""
+    name, runner, reference = model_case
+    prompt = encode(runner, TEXTS[4])
+    split = split % len(prompt)
+    ref = reference_logits(reference, prompt)
+    expected = reference_greedy(reference, prompt, STEPS)
+
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    req = Req("prefix", prompt, greedy())
+    try:
+        runner.forward(builder.extend([req], [prompt[:split]]))
+        logits = runner.forward(builder.extend([req], [prompt[split:]], all_logits=[True])).logits
+        assert_close(logits, ref[split:], f"{name} suffix after a {split}-token prefix")
+        for _ in range(STEPS):
+            req.output_ids.append(int(logits[-1].argmax()))
+            if len(req.output_ids) == STEPS:
+                break
+            logits = runner.forward(builder.decode([req])).logits
+        assert req.output_ids == expected, name
+    finally:
+        builder.release(req)
+
+
+def test_logprobs_match_reference_log_softmax(model_case):
+    name, runner, reference = model_case
+    prompt = encode(runner, TEXTS[0])
+    [result] = StaticGenerator(runner).generate(
+        [prompt], [greedy(8)], return_logprob=True, top_logprobs_num=5
+    )
+    ref = torch.log_softmax(reference_logits(reference, prompt + result.output_ids), dim=-1)
+    for step, token in enumerate(result.output_ids):
+        row = ref[len(prompt) - 1 + step]
+        assert abs(result.logprobs[step] - row[token].item()) <= ATOL, name
+        top_lp, top_ids = row.topk(5)
+        got_lp = [lp for lp, _ in result.top_logprobs[step]]
+        assert torch.allclose(torch.tensor(got_lp), top_lp, atol=ATOL), name
+        assert result.top_logprobs[step][0][1] == top_ids[0].item() == token
