@@ -1,0 +1,5 @@
+import sys
+
+from radixserve.cli import main
+
+sys.exit(main())

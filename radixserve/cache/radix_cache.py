@@ -1,0 +1,199 @@
+"""RadixAttention's prefix cache: a radix tree over token sequences whose nodes hold the KV
+slots of their tokens.
+
+Contract (what callers may rely on):
+- `match_prefix(tokens)` returns the longest cached prefix, page-aligned: its slots (a
+  tensor, safe to use while the returned node is locked) and the last node of the match. A
+  match ending inside an edge splits that node so the node returned covers it exactly. The
+  access time of every node on the path is refreshed.
+- `insert(tokens, slots)` caches a page-aligned prefix of `tokens` with their slots and
+  returns how many leading tokens were already cached: the caller owns (and must free) its
+  slots for those, since the tree keeps its own copies.
+- `lock(node)` / `unlock(node)` add / remove a reference on every node from `node` up to the
+  root. A locked node is never evicted.
+- `evict(n)` frees at least `n` tokens (or all it can) from least-recently-used unlocked
+  leaves, cascading to parents that become unlocked leaves.
+- `evictable_size + protected_size` is the number of slots the tree holds; with the
+  allocator's free slots and the slots held only by running requests they sum to the pool.
+- `extra_key` namespaces the tree (e.g. a cache salt or adapter id): sequences under
+  different keys never share.
+Nothing here imports the model, the scheduler or the server.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.cache.allocator import SlotAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: tuple[int, ...] = ()  # the edge's tokens
+    value: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+@dataclass
+class MatchResult:
+    slots: torch.Tensor  # (L,) int64, KV slots of the matched prefix
+    last_node: TreeNode  # lock this while the slots are in use
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+class RadixCache:
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self._clock = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node (the caller frees the slots first with `evict` or a pool reset)."""
+        self.roots: dict[Hashable, TreeNode] = {}
+        self.evictable_size = 0
+        self.protected_size = 0
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    # -- lookup ---------------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int], extra_key: Hashable = None) -> MatchResult:
+        node = self._root(extra_key)
+        tokens = tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
+        parts: list[torch.Tensor] = []
+        now = next(self._clock)
+        node.last_access = now
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens[pos:]))
+            if child is None:
+                break
+            n = self._common_len(child.key, tokens[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            parts.append(child.value)
+            node, pos = child, pos + n
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return MatchResult(slots, node)
+
+    # -- update ---------------------------------------------------------------------------
+    def insert(
+        self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable = None
+    ) -> int:
+        """Cache the page-aligned prefix of `tokens`; returns the already-cached length."""
+        aligned = len(tokens) - len(tokens) % self.page_size
+        tokens, slots = tuple(tokens[:aligned]), slots[:aligned]
+        node = self._root(extra_key)
+        now = next(self._clock)
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens[pos:]))
+            if child is None:
+                new = TreeNode(tokens[pos:], slots[pos:].clone(), node, last_access=now)
+                node.children[self._child_key(new.key)] = new
+                self.evictable_size += len(new.key)
+                return pos
+            n = self._common_len(child.key, tokens[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, pos = child, pos + n
+        return pos
+
+    def lock(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock without a matching lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from LRU unlocked leaves; returns slots freed."""
+        heap = [n for n in self._nodes() if n.is_leaf and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._child_key(leaf.key)]
+            if parent.parent is not None and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def evict_all(self) -> int:
+        """Free every unlocked node (used by flush); locked paths stay."""
+        return self.evict(self.evictable_size)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _root(self, extra_key: Hashable) -> TreeNode:
+        root = self.roots.get(extra_key)
+        if root is None:
+            root = self.roots[extra_key] = TreeNode(lock_ref=1)
+        return root
+
+    def _child_key(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        return tuple(tokens[: self.page_size])
+
+    def _common_len(self, a: Sequence[int], b: Sequence[int]) -> int:
+        """Length of the common prefix, rounded down to whole pages."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n - n % self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child`'s edge after n tokens; returns the new upper node (same lock state)."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(
+            child.key[:n], child.value[:n], parent, lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
+        parent.children[self._child_key(upper.key)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[self._child_key(child.key)] = child
+        return upper
+
+    def _nodes(self):
+        stack = [c for root in self.roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,64 @@
+"""The KV allocator and the request→token table: slots are never handed out twice, never
+lost, and the padding slot is never allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
+from radixserve.cache.allocator import PADDING_SLOT
+
+POOL = 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=60))
+def test_allocator_never_double_allocates_or_leaks(ops):
+    alloc = SlotAllocator(POOL)
+    held: list[torch.Tensor] = []
+    for is_alloc, n in ops:
+        if is_alloc:
+            slots = alloc.alloc(n)
+            if n > POOL - sum(len(h) for h in held):
+                assert slots is None
+            else:
+                assert slots is not None and len(slots) == n
+                held.append(slots)
+        elif held:
+            alloc.free(held.pop(n % len(held)))
+        owned = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+        assert len(set(owned.tolist())) == len(owned), "a slot was handed out twice"
+        assert PADDING_SLOT not in owned.tolist()
+        assert alloc.num_free + len(owned) == POOL
+        assert all(1 <= s <= POOL for s in owned.tolist())
+    for h in held:
+        alloc.free(h)
+    assert alloc.num_free == POOL
+
+
+def test_req_to_token_rows_and_table():
+    table = ReqToTokenPool(num_rows=2, max_context_len=8, device="cpu")
+    a, b = table.alloc(), table.alloc()
+    assert {a, b} == {0, 1} and table.alloc() is None
+    table.write(a, 0, torch.tensor([5, 6, 7]))
+    table.write(a, 3, torch.tensor([9]))
+    assert table.slots(a, 0, 4).tolist() == [5, 6, 7, 9]
+    with pytest.raises(ValueError, match="context length"):
+        table.write(b, 6, torch.tensor([1, 2, 3]))
+    table.free(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        table.free(a)
+    assert table.alloc() == a
+
+
+def test_kv_pool_padding_slot_is_zero_and_writes_land():
+    pool = KVPool(size=4, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32,
+                  device="cpu")
+    assert all(buf[PADDING_SLOT].abs().sum() == 0 for buf in (*pool.k, *pool.v))
+    k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    pool.write(1, torch.tensor([2, 4]), k, v)
+    assert torch.equal(pool.k[1][[2, 4]], k) and torch.equal(pool.v[1][[2, 4]], v)
+    assert KVPool.bytes_per_token(2, 3, 8, torch.float32) == 2 * 2 * 3 * 8 * 4
