@@ -23,9 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
-    gen.add_argument(
-        "--no-chat-template", action="store_true", help="send the prompt as raw text"
-    )
+    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     add_config_args(gen, RUNNER_PARTS)
 
     bench = commands.add_parser("bench", help="benchmarks")

@@ -42,7 +42,8 @@ class ModelConfig:
     )
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     dtype: str = _opt(
-        "auto", "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).",
+        "auto",
+        "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).",
         choices=("auto", *DTYPES),
     )
     model_cache_dir: str | None = _opt(

@@ -9,20 +9,31 @@ import sys
 def radixserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "radixserve", *args],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
 def test_generate_answers_a_chat_prompt_with_the_default_model():
-    proc = radixserve("generate", "--prompt", "What is the capital of France?",
-                      "--max-new-tokens", "24")
+    proc = radixserve(
+        "generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "24"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
 
 def test_generate_raw_text_with_a_tiny_model(tiny_model_dirs):
-    proc = radixserve("generate", "--model-path", str(tiny_model_dirs["qwen2"]), "--prompt",
-                      "The quick", "--no-chat-template", "--max-new-tokens", "5")
+    proc = radixserve(
+        "generate",
+        "--model-path",
+        str(tiny_model_dirs["qwen2"]),
+        "--prompt",
+        "The quick",
+        "--no-chat-template",
+        "--max-new-tokens",
+        "5",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
 
@@ -34,7 +45,8 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 
 def test_bad_sampling_value_is_a_clear_error(tiny_model_dirs):
-    proc = radixserve("generate", "--model-path", str(tiny_model_dirs["llama"]), "--prompt",
-                      "hi", "--top-p", "0")
+    proc = radixserve(
+        "generate", "--model-path", str(tiny_model_dirs["llama"]), "--prompt", "hi", "--top-p", "0"
+    )
     assert proc.returncode == 2
     assert "top_p" in proc.stderr and "Traceback" not in proc.stderr

@@ -47,9 +47,7 @@ def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
     tokens = []
     for _ in range(steps):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = reference(
-            torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True
-        )
+        out = reference(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
     return tokens
 
 

@@ -55,8 +55,9 @@ def test_req_to_token_rows_and_table():
 
 
 def test_kv_pool_padding_slot_is_zero_and_writes_land():
-    pool = KVPool(size=4, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32,
-                  device="cpu")
+    pool = KVPool(
+        size=4, num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32, device="cpu"
+    )
     assert all(buf[PADDING_SLOT].abs().sum() == 0 for buf in (*pool.k, *pool.v))
     k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     pool.write(1, torch.tensor([2, 4]), k, v)

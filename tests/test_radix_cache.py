@@ -61,8 +61,9 @@ def tree_contents(cache: RadixCache) -> dict[tuple, tuple[int, ...]]:
         while stack:
             node, toks, slots = stack.pop()
             toks, slots = toks + node.key, slots + tuple(node.value.tolist())
-            for n in range(len(toks) - len(node.key) + cache.page_size, len(toks) + 1,
-                           cache.page_size):
+            for n in range(
+                len(toks) - len(node.key) + cache.page_size, len(toks) + 1, cache.page_size
+            ):
                 out[(key, toks[:n])] = slots[:n]
             stack.extend((c, toks, slots) for c in node.children.values())
     return out

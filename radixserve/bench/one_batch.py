@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         _figure(
             f"prefill {args.input_len} tokens (tok/s)",
             lambda w: args.input_len / w.prefill_seconds(prefill[0]),
-            ours, theirs, args.repeats,
+            ours,
+            theirs,
+            args.repeats,
         )
     )
     for batch in args.batch_sizes:
@@ -70,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
         figures.append(
             _figure(
                 f"decode batch {batch} (tok/s)",
-                lambda w, p=batch_prompts: len(p) * args.output_len
-                / w.decode_seconds(p, args.output_len),
-                ours, theirs, args.repeats,
+                lambda w, p=batch_prompts: (
+                    len(p) * args.output_len / w.decode_seconds(p, args.output_len)
+                ),
+                ours,
+                theirs,
+                args.repeats,
             )
         )
     _print_table(figures, runner, args)
@@ -130,8 +135,12 @@ class RunnerWorkload:
         try:
             batch = self.builder.extend(reqs, prompts)
             sampling = SamplingBatch.build(
-                [r.params for r in reqs], [r.seed for r in reqs], prompts,
-                [[] for _ in reqs], self.runner.vocab_size, self.runner.device,
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                prompts,
+                [[] for _ in reqs],
+                self.runner.vocab_size,
+                self.runner.device,
             )
             self._step(reqs, batch, sampling)
             _sync(self.runner.device)

@@ -98,9 +98,7 @@ class RadixCache:
         return MatchResult(slots, node)
 
     # -- update ---------------------------------------------------------------------------
-    def insert(
-        self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable = None
-    ) -> int:
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable = None) -> int:
         """Cache the page-aligned prefix of `tokens`; returns the already-cached length."""
         aligned = len(tokens) - len(tokens) % self.page_size
         tokens, slots = tuple(tokens[:aligned]), slots[:aligned]
@@ -183,7 +181,10 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
         upper = TreeNode(
-            child.key[:n], child.value[:n], parent, lock_ref=child.lock_ref,
+            child.key[:n],
+            child.value[:n],
+            parent,
+            lock_ref=child.lock_ref,
             last_access=child.last_access,
         )
         parent.children[self._child_key(upper.key)] = upper

@@ -86,4 +86,6 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad}")
+                raise ValueError(
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad}"
+                )

@@ -84,7 +84,9 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         if act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh")
+            raise ValueError(
+                f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh"
+            )
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)

@@ -125,7 +125,9 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add((name, shard))
-        missing = sorted(f"{n}[{s}]" if self._num_shards(n) > 1 else n for n, s in expected - loaded)
+        missing = sorted(
+            f"{n}[{s}]" if self._num_shards(n) > 1 else n for n, s in expected - loaded
+        )
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
 

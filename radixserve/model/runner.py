@@ -56,8 +56,12 @@ class ModelRunner:
         num_kv_heads = self.hf_config.num_key_value_heads
         head_dim = head_dim_of(self.hf_config)
         self.kv_pool = KVPool(
-            self.max_total_tokens, self.hf_config.num_hidden_layers, num_kv_heads, head_dim,
-            self.dtype, self.device,
+            self.max_total_tokens,
+            self.hf_config.num_hidden_layers,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
         self.req_to_token = ReqToTokenPool(
@@ -68,8 +72,12 @@ class ModelRunner:
         self.attention = TorchNativeAttention(self.kv_pool, self.req_to_token, head_dim**-0.5)
         logger.info(
             "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens",
-            self.model_folder, type(self.model).__name__, self.device, self.dtype,
-            time.perf_counter() - start, self.max_total_tokens,
+            self.model_folder,
+            type(self.model).__name__,
+            self.device,
+            self.dtype,
+            time.perf_counter() - start,
+            self.max_total_tokens,
         )
 
     @torch.inference_mode()

@@ -97,8 +97,7 @@ class _Penalties:
     @classmethod
     def build(cls, params, prompt_ids, output_ids, vocab_size, device) -> _Penalties | None:
         if not any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-            for p in params
+            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
         ):
             return None
         batch = len(params)

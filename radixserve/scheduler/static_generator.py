@@ -16,7 +16,7 @@ import torch
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
-from radixserve.model.sampler import Sampler, SampleOutput, SamplingBatch
+from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
 from radixserve.scheduler.batch_builder import BatchBuilder
 
 
@@ -70,8 +70,9 @@ class StaticGenerator:
             for req in reqs:
                 self.builder.release(req)
         return [
-            GenerateResult(r.output_ids, r.finish_reason or {}, r.output_logprobs,
-                           r.output_top_logprobs)
+            GenerateResult(
+                r.output_ids, r.finish_reason or {}, r.output_logprobs, r.output_top_logprobs
+            )
             for r in reqs
         ]
 
@@ -103,8 +104,13 @@ class StaticGenerator:
             for r, ids in zip(reqs, stop, strict=True)
         ]
         return SamplingBatch.build(
-            [r.params for r in reqs], [r.seed for r in reqs], [r.input_ids for r in reqs],
-            [r.output_ids for r in reqs], self.runner.vocab_size, self.runner.device, banned,
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            self.runner.vocab_size,
+            self.runner.device,
+            banned,
         )
 
     def _stop_ids(self, req: Req) -> set[int]:
