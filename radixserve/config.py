@@ -84,10 +84,61 @@ class CacheConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    schedule_policy: str = _opt(
+        "fcfs",
+        "Order of admission: fcfs, lpm (longest cached prefix first), dfs-weight (depth-first "
+        "over the prefix tree of waiting requests), lof (longest output first), random, "
+        "priority (request field `priority`, larger first).",
+        choices=SCHEDULE_POLICIES,
+    )
+    max_running_requests: int | None = _opt(
+        None, "Most requests decoding at once. Default: min(256, KV pool tokens)."
+    )
+    max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch.")
+    chunked_prefill_size: int = _opt(
+        8192,
+        "Longest prefill chunk; longer prompts are split and interleaved with decode "
+        "steps. 0 or -1 disables chunking.",
+    )
+    disable_radix_cache: bool = _opt(
+        False, "Do not keep finished requests' KV: every request computes its whole prompt."
+    )
+    init_new_token_ratio: float = _opt(
+        0.7,
+        "Share of a request's remaining max_new_tokens reserved in KV at admission; "
+        "it decays to min-new-token-ratio while decoding runs smoothly.",
+    )
+    min_new_token_ratio: float = _opt(0.1, "Floor of the output reserve ratio.")
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                f"got {self.schedule_policy!r}"
+            )
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The chunk length, or None when chunking is off."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> Config:

@@ -14,6 +14,7 @@ from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.scheduler.batch_builder import BatchBuilder
 from radixserve.scheduler.static_generator import StaticGenerator
+from tests.reference import reference_greedy, reference_logits
 
 ATOL = 1e-4
 STEPS = 32
@@ -31,24 +32,6 @@ TEXTS = [
 
 def encode(runner, text: str) -> list[int]:
     return runner.tokenizer.encode(text, add_special_tokens=False)
-
-
-@torch.no_grad()
-def reference_logits(reference, ids: list[int]) -> torch.Tensor:
-    """(len(ids), V) logits of every position, one full forward pass."""
-    return reference(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
-    """Plain argmax decoding with transformers' own KV cache; eos is just another token
-    (generate's min_new_tokens would suppress it, which our ignore_eos does not)."""
-    out = reference(torch.tensor([ids]), use_cache=True)
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        out = reference(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens
 
 
 def greedy(max_new_tokens: int = STEPS) -> SamplingParams:

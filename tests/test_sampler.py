@@ -110,6 +110,10 @@ def restricted(probs: torch.Tensor, allowed: set[int]) -> torch.Tensor:
     return kept / kept.sum()
 
 
+def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+
+
 def assert_frequencies_match(tokens: torch.Tensor, expected: torch.Tensor) -> None:
     """Each token's empirical frequency within SIGMAS binomial standard deviations."""
     n = len(tokens)
@@ -424,10 +428,6 @@ def test_exponential_noise_is_exp1():
     assert abs(correlation(noise[:-1], noise[1:])) < 0.01
 
 
-def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
-
-
 # --- 6. logprobs ---------------------------------------------------------------------------
 
 
@@ -534,10 +534,9 @@ def test_greedy_threshold():
     assert not SamplingParams(temperature=1e-3).is_greedy
 
 
-# --- known issues (strict xfail: these start failing when the sampler is fixed) ------------
+# --- regressions: bugs found while writing these tests ---------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="top-p keeps a token whose preceding mass == top_p")
 def test_top_p_keeps_only_the_smallest_nucleus_at_an_exact_boundary():
     # Four tokens of probability exactly 0.25: two of them already reach top_p = 0.5.
     logits = torch.zeros(1, 4)
@@ -545,11 +544,10 @@ def test_top_p_keeps_only_the_smallest_nucleus_at_an_exact_boundary():
     assert int((kept > 0).sum()) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="float32 cumsum > 1 cuts the tail of top_p=1 rows")
 def test_top_p_one_row_is_unaffected_by_a_top_k_neighbour():
     # One dominant token plus 31999 tokens of ~3e-8: float32 softmax sums to slightly more
-    # than 1, so the top-p test (mass before token > 1.0) drops the last tail tokens once
-    # another row in the batch switches the top-k/top-p path on.
+    # than 1; a top_p=1 row must still keep its whole tail when another row in the batch
+    # switches the top-k/top-p path on.
     vocab = 32000
     logits = torch.zeros(1, vocab)
     logits[0, 0] = -math.log(3.1e-8)
@@ -561,9 +559,8 @@ def test_top_p_one_row_is_unaffected_by_a_top_k_neighbour():
     assert torch.equal(filtered_probs(logits.expand(2, -1), both)[0], alone[0])
 
 
-@pytest.mark.xfail(strict=True, reason="seed and step are combined symmetrically by XOR")
 def test_noise_distinguishes_seed_and_step():
-    # row key = mix(seed) ^ mix(step + 0x9E3779B9): (seed=c+a, step=b) == (seed=c+b, step=a).
+    # A symmetric combination would make (seed=c+a, step=b) equal (seed=c+b, step=a).
     c = 0x9E3779B9
     noise = exponential_noise(torch.tensor([c + 5, c + 7]), torch.tensor([7, 5]), 16)
     assert not torch.equal(noise[0], noise[1])

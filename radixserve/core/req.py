@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.core.sampling_params import SamplingParams
+
+LogprobEntry = tuple[float | None, int]  # (logprob or None, token id)
 
 
 @dataclass
@@ -15,12 +19,28 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     seed: int = -1  # the draw seed: params.sampling_seed, else a random one
+    priority: int = 0  # larger runs first under the "priority" policy
+    extra_key: Hashable = None  # namespaces the prefix cache (cache salt, adapter id)
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output logprobs only
+    top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
+
+    # KV state, owned by the scheduler
     row: int | None = None  # request→token table row while it holds KV
-    kv_len: int = 0  # tokens (from the start of input+output) whose K/V are in the pool
+    kv_len: int = 0  # leading tokens of all_ids whose K/V are in the pool
+    tree_len: int = 0  # leading tokens whose slots belong to the radix tree (locked)
+    last_node: Any = None  # the radix node locked for those tokens
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported)
+    retractions: int = 0
+
+    # results
     finish_reason: dict[str, Any] | None = None
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    input_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    created: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -28,7 +48,10 @@ class Req:
         if self.seed < 0:
             seed = self.params.sampling_seed
             self.seed = random.getrandbits(32) if seed is None else seed
-        assert 0 <= self.kv_len <= len(self.input_ids) + len(self.output_ids)
+        self.check()
+
+    def check(self) -> None:
+        assert 0 <= self.tree_len <= self.kv_len <= len(self.input_ids) + len(self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -37,3 +60,15 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+    @property
+    def max_cacheable_prefix(self) -> int:
+        """Prompt tokens that may come from the cache: input logprobs need the logits of the
+        positions from logprob_start_len - 1 on, so those must be computed."""
+        if self.wants_input_logprobs:
+            return max(self.logprob_start_len - 1, 0)
+        return len(self.input_ids) + len(self.output_ids) - 1

@@ -64,10 +64,12 @@ class ModelRunner:
             self.device,
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
+        self.max_running_requests = config.scheduler.max_running_requests or min(
+            DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens
+        )
+        # +1 row: the request being prefilled in chunks is not yet among the running ones
         self.req_to_token = ReqToTokenPool(
-            min(DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens),
-            self.context_len,
-            self.device,
+            self.max_running_requests + 1, self.context_len, self.device
         )
         self.attention = TorchNativeAttention(self.kv_pool, self.req_to_token, head_dim**-0.5)
         logger.info(

@@ -153,7 +153,9 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)
         drop = rank[None, :] >= batch.top_ks[:, None]
-        drop |= (sorted_p.cumsum(-1) - sorted_p) > batch.top_ps[:, None]  # keeps the top token
+        # the smallest set reaching top_p; rows with top_p == 1 are left whole
+        before = sorted_p.cumsum(-1) - sorted_p
+        drop |= (before >= batch.top_ps[:, None]) & (batch.top_ps < 1.0)[:, None]
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     if batch.need_min_p:
         threshold = batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -164,7 +166,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(B, V) i.i.d. Exp(1) noise, a pure function of (seed, step, token id)."""
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    row = _mix32(_mix32(seeds) ^ _mix32(steps + 0x9E3779B9))  # (B,)
+    row = _mix32(_mix32(_mix32(seeds) ^ 0x9E3779B9) ^ steps)  # (B,), not symmetric in the two
     x = _mix32(_mix32(row[:, None] ^ token[None, :]) + row[:, None])  # (B, V) in [0, 2^32)
     u = (x.double() + 0.5) / 2.0**32  # (0, 1)
     return -torch.log(u)

@@ -82,13 +82,21 @@ class BatchBuilder:
             req.kv_len += 1
         return batch
 
+    def attach_prefix(self, req: Req, slots: torch.Tensor) -> None:
+        """Give a request with no KV yet the cached slots of its first len(slots) tokens."""
+        assert req.kv_len == 0
+        self._ensure_row(req)
+        self.req_to_token.write(req.row, 0, slots)
+        req.kv_len = req.tree_len = int(slots.numel())
+
     def release(self, req: Req) -> None:
-        """Give back the request's KV slots and its table row."""
+        """Give back the request's own KV slots (those past `tree_len`; the prefix cache
+        owns the rest) and its table row."""
         if req.row is None:
             return
-        self.allocator.free(self.req_to_token.slots(req.row, 0, req.kv_len).clone())
+        self.allocator.free(self.req_to_token.slots(req.row, req.tree_len, req.kv_len).clone())
         self.req_to_token.free(req.row)
-        req.row, req.kv_len = None, 0
+        req.row, req.kv_len, req.tree_len = None, 0, 0
 
     def _ensure_row(self, req: Req) -> None:
         if req.row is None:

@@ -1,0 +1,504 @@
+"""The scheduler: continuous batching over a radix prefix cache.
+
+Each `step()`: admit waiting requests into a prefill (extend) batch when the KV budget
+allows (the last prompt may be a chunk), else run one decode step of the running batch; a
+chunked prefill alternates with decode steps so running requests keep streaming. After a
+forward: sample, check stop conditions, and hand back one `ReqOutput` per request that
+changed. Prompts are inserted into the tree as soon as they are computed (so requests
+admitted later share them); finished requests insert everything and unlock.
+
+KV accounting (checked by `check_kv_accounting`): free slots + slots held by the tree +
+slots held only by live requests == pool size.
+
+The transport (in-process Engine thread, or the server's scheduler process) only calls
+`add_request`, `abort`, `step`, `flush_cache` and reads `has_work`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.config import SchedulerConfig
+from radixserve.core.req import LogprobEntry, Req
+from radixserve.model.runner import ModelRunner
+from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
+from radixserve.scheduler.batch_builder import BatchBuilder
+from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.static_generator import eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one round
+NEW_TOKEN_RESERVE_CAP = 4096  # at most this many future tokens reserved per request
+RATIO_DECAY = 0.001  # per decode step
+
+
+@dataclass
+class ReqOutput:
+    """What changed for one request in one step (new tokens are a delta)."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    new_logprobs: list[LogprobEntry] = field(default_factory=list)
+    new_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
+    input_top_logprobs: list[list[LogprobEntry]] | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, page_size: int = 1) -> None:
+        self.runner = runner
+        self.config = config
+        self.tokenizer = runner.tokenizer
+        self.builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+        self.tree = None if config.disable_radix_cache else RadixCache(runner.allocator, page_size)
+        self.page_size = page_size
+        self.sampler = Sampler()
+        self.eos_ids = eos_token_ids(runner)
+        self.max_running = runner.max_running_requests
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self.new_token_ratio = config.init_new_token_ratio
+        self.rng = random.Random(0)
+        self._aborted: dict[str, str] = {}
+        self._last_was_prefill = False
+        self.stats = {
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "retractions": 0,
+        }
+
+    # -- the transport's interface --------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a request; raises ValueError if it can never run on this engine."""
+        req.params.verify_vocab(self.runner.vocab_size)
+        need = len(req.input_ids) + req.params.max_new_tokens
+        if need > self.runner.context_len:
+            raise ValueError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                f"({req.params.max_new_tokens}) = {need} exceeds the context length "
+                f"{self.runner.context_len}"
+            )
+        if need > self.runner.max_total_tokens:
+            raise ValueError(
+                f"the request needs {need} KV tokens but the KV pool holds only "
+                f"{self.runner.max_total_tokens}"
+            )
+        self.waiting.append(req)
+
+    def abort(self, rid: str | None = None, message: str = "aborted") -> None:
+        """Abort one request by rid, or all (rid None); takes effect at the next step."""
+        for req in self._live():
+            if rid is None or req.rid == rid:
+                self._aborted[req.rid] = message
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> list[ReqOutput]:
+        outputs = self._finish_aborted()
+        prefill = None
+        if not (self._last_was_prefill and self.running):
+            prefill = self._schedule_prefill()
+        if prefill:
+            outputs += self._run_prefill(*prefill)
+            self._last_was_prefill = True
+        elif self.running:
+            outputs += self._run_decode()
+            self._last_was_prefill = False
+        else:
+            self._last_was_prefill = False
+        return outputs
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests are live."""
+        if self.has_work:
+            return False
+        if self.tree is not None:
+            self.tree.evict_all()
+            self.tree.reset()
+        self.runner.allocator.clear()
+        return True
+
+    def check_kv_accounting(self) -> None:
+        """free + tree + held only by live requests == pool size (a leak is a bug)."""
+        held = sum(r.kv_len - r.tree_len for r in self._live() if r.row is not None)
+        in_tree = self.tree.total_size if self.tree is not None else 0
+        free = self.runner.allocator.num_free
+        total = self.runner.allocator.size
+        assert free + in_tree + held == total, (
+            f"KV accounting broken: free {free} + tree {in_tree} + requests {held} != {total}"
+        )
+
+    # -- admission ------------------------------------------------------------------------
+    def _schedule_prefill(self) -> tuple[list[Req], list[list[int]]] | None:
+        """Requests to extend now and the tokens each extends by (the last may be a chunk).
+
+        Each admitted request is charged its uncached tokens plus a reserve for its future
+        output against free + evictable KV (minus what running requests reserve).
+        """
+        if not self.waiting and self.chunked is None:
+            return None
+        chunk = self.config.chunk_size
+        token_budget = min(self.config.max_prefill_tokens, chunk or self.config.max_prefill_tokens)
+        kv_budget = self._available_kv() - self._running_reserve()
+        reqs: list[Req] = []
+        extends: list[list[int]] = []
+
+        def admit(req: Req, reserve: int) -> None:
+            nonlocal token_budget, kv_budget
+            piece = self._take(req, token_budget, chunk)
+            reqs.append(req)
+            extends.append(piece)
+            token_budget -= len(piece)
+            kv_budget -= len(piece) + reserve
+
+        if self.chunked is not None:  # a chunked prompt continues before anything new
+            req, self.chunked = self.chunked, None
+            admit(req, self._reserve(req))
+        for req in order_waiting(self.config.schedule_policy, self.waiting, self.tree, self.rng):
+            if self.chunked is not None or token_budget <= 0:
+                break
+            if len(self.running) + len(reqs) >= self.max_running:
+                break
+            if self._shares_uncached_prefix(req, [r.all_ids for r in reqs]):
+                continue  # it will reuse that prefix next round
+            if self.runner.req_to_token.num_free == 0:
+                break
+            self._match(req)
+            remaining = len(req.all_ids) - req.kv_len
+            reserve = self._reserve(req)
+            alone = not reqs and not self.running
+            too_big = remaining > token_budget and chunk is None
+            if not alone and (remaining + reserve > kv_budget or too_big):
+                self._unmatch(req)
+                break
+            needed = sum(map(len, extends)) + min(remaining, token_budget)
+            if not self._ensure_free(needed):
+                self._unmatch(req)
+                break
+            self.waiting.remove(req)
+            admit(req, reserve)
+        if not reqs:
+            return None
+        if not self._ensure_free(sum(map(len, extends))):  # only a continued chunk gets here
+            for req in reqs:
+                self._requeue(req)
+            return None
+        return reqs, extends
+
+    def _take(self, req: Req, budget: int, chunk: int | None) -> list[int]:
+        """The tokens `req` extends by now; marks it chunked if its prompt does not fit."""
+        rest = req.all_ids[req.kv_len :]
+        if chunk is not None and len(rest) > budget:
+            size = max(budget - budget % self.page_size, 1)
+            self.chunked = req
+            return rest[:size]
+        return rest
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[list[int]]) -> bool:
+        """True if a request admitted this round will compute a prefix `req` could reuse."""
+        if self.tree is None or not admitted:
+            return False
+        cached = self.tree.match_prefix(req.all_ids, req.extra_key).length
+        ids = req.all_ids
+        for other in admitted:
+            n = 0
+            for a, b in zip(ids, other):
+                if a != b:
+                    break
+                n += 1
+            if n - cached >= IN_BATCH_PREFIX_MIN:
+                return True
+        return False
+
+    def _match(self, req: Req) -> None:
+        """Take the request's cached prefix from the tree (locked) into its table row."""
+        if req.row is not None:  # a chunked request keeps its KV between chunks
+            return
+        if self.tree is None:
+            self.builder.attach_prefix(req, torch.empty(0, dtype=torch.int64))
+            return
+        match = self.tree.match_prefix(req.all_ids[: req.max_cacheable_prefix], req.extra_key)
+        self.tree.lock(match.last_node)
+        req.last_node = match.last_node
+        self.builder.attach_prefix(req, match.slots.to(self.runner.device))
+        if not req.output_ids:
+            req.cached_tokens = match.length
+
+    def _unmatch(self, req: Req) -> None:
+        """Undo `_match` for a request that was not admitted after all."""
+        if self.tree is not None and req.last_node is not None:
+            self.tree.unlock(req.last_node)
+            req.last_node = None
+        self.builder.release(req)
+
+    def _requeue(self, req: Req) -> None:
+        self._unmatch(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req not in self.waiting:
+            self.waiting.insert(0, req)
+
+    def _reserve(self, req: Req) -> int:
+        left = req.params.max_new_tokens - len(req.output_ids)
+        return int(min(left, NEW_TOKEN_RESERVE_CAP) * self.new_token_ratio)
+
+    def _running_reserve(self) -> int:
+        return sum(self._reserve(r) for r in self.running)
+
+    def _available_kv(self) -> int:
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        return self.runner.allocator.num_free + evictable
+
+    def _ensure_free(self, n: int) -> bool:
+        """Make at least n slots free, evicting from the tree if needed."""
+        short = n - self.runner.allocator.num_free
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.runner.allocator.num_free >= n
+
+    # -- running batches ------------------------------------------------------------------
+    def _run_prefill(self, reqs: list[Req], extends: list[list[int]]) -> list[ReqOutput]:
+        want_all = [self._wants_prompt_logits(r) for r in reqs]
+        starts = [r.kv_len for r in reqs]
+        batch = self.builder.extend(reqs, extends, all_logits=want_all)
+        logits = self.runner.forward(batch).logits
+        done: list[Req] = []
+        done_rows: list[int] = []
+        row = 0
+        for req, ext, full, start in zip(reqs, extends, want_all, starts):
+            n = len(ext) if full else 1
+            if full:
+                self._record_input_logprobs(req, logits[row : row + n], start)
+            if req is not self.chunked:
+                done.append(req)
+                done_rows.append(row + n - 1)
+            row += n
+            if req.row is not None:
+                self._cache_computed(req)
+        for req in reqs:
+            if req is not self.chunked and not req.output_ids:
+                self.stats["prompt_tokens"] += len(req.input_ids)
+                self.stats["cached_tokens"] += req.cached_tokens
+        outputs = []
+        prefill_only = [r for r in done if r.params.max_new_tokens == 0]
+        for req in prefill_only:
+            req.finish_reason = {"type": "length", "length": 0}
+            outputs.append(self._finish(req))
+        sample = [(r, i) for r, i in zip(done, done_rows) if r.params.max_new_tokens > 0]
+        if sample:
+            sample_reqs = [r for r, _ in sample]
+            rows = torch.tensor([i for _, i in sample], device=logits.device)
+            outputs += self._sample_and_update(sample_reqs, logits[rows])
+            self.running += [r for r in sample_reqs if not r.finished]
+        return outputs
+
+    def _run_decode(self) -> list[ReqOutput]:
+        outputs = self._make_room_for_decode()
+        if not self.running:
+            return outputs
+        batch = self.builder.decode(self.running)
+        logits = self.runner.forward(batch).logits
+        reqs = self.running
+        outputs += self._sample_and_update(reqs, logits)
+        self.running = [r for r in reqs if not r.finished]
+        self.new_token_ratio = max(
+            self.config.min_new_token_ratio, self.new_token_ratio - RATIO_DECAY
+        )
+        return outputs
+
+    def _make_room_for_decode(self) -> list[ReqOutput]:
+        """One slot per running request: evict from the tree, then retract requests."""
+        outputs: list[ReqOutput] = []
+        while self.running and not self._ensure_free(len(self.running)):
+            # retract the request that loses least: fewest outputs, then longest prompt
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            self.running.remove(victim)
+            self._retract(victim)
+        return outputs
+
+    def _retract(self, req: Req) -> None:
+        """Back to the waiting queue with its generated tokens; its KV goes to the tree
+        (evictable) so a later admission can reuse whatever survives."""
+        self.stats["retractions"] += 1
+        req.retractions += 1
+        self._release(req)
+        self.waiting.insert(0, req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("retracted %s after %d output tokens", req.rid, len(req.output_ids))
+
+    # -- after a forward ------------------------------------------------------------------
+    def _sample_and_update(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+        want_lp = any(r.return_logprob for r in reqs)
+        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        out = self.sampler(logits, self._sampling_batch(reqs), want_lp, top_n)
+        outputs = []
+        for i, (req, token) in enumerate(zip(reqs, out.next_ids.tolist())):
+            req.output_ids.append(token)
+            self.stats["generated_tokens"] += 1
+            new_lp, new_top = self._record_output_logprobs(req, out, i)
+            self._check_finished(req)
+            if req.finished:
+                outputs.append(self._finish(req, [token], new_lp, new_top))
+            else:
+                outputs.append(self._output(req, [token], new_lp, new_top))
+        return outputs
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        banned = [
+            sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else []
+            for r in reqs
+        ]
+        return SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            self.runner.vocab_size,
+            self.runner.device,
+            banned,
+        )
+
+    def _stop_ids(self, req: Req) -> set[int]:
+        ids = set(req.params.stop_token_ids)
+        return ids if req.params.ignore_eos else ids | self.eos_ids
+
+    def _check_finished(self, req: Req) -> None:
+        p = req.params
+        n = len(req.output_ids)
+        if n < p.min_new_tokens:
+            return
+        token = req.output_ids[-1]
+        if token in self._stop_ids(req):
+            req.finish_reason = {"type": "stop", "matched": token}
+            return
+        if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it
+            longest = max(len(s.encode()) for s in p.stop)
+            tail = self.tokenizer.decode(
+                req.output_ids[-(longest + 1) :], skip_special_tokens=p.skip_special_tokens
+            )
+            for stop in p.stop:
+                if stop in tail:
+                    req.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len:
+            req.finish_reason = {"type": "length", "length": n}
+
+    def _wants_prompt_logits(self, req: Req) -> bool:
+        return req.wants_input_logprobs and not req.input_logprobs
+
+    def _record_input_logprobs(self, req: Req, logits: torch.Tensor, start: int) -> None:
+        """Logprobs of prompt tokens start+1..start+len(logits) (each from the logits of the
+        position before it); the first prompt token has none."""
+        ids = req.input_ids
+        lp_all = torch.log_softmax(logits.float(), dim=-1)
+        if start == 0 and not req.input_logprobs and req.logprob_start_len == 0:
+            req.input_logprobs.append((None, ids[0]))
+            req.input_top_logprobs.append([])
+        targets = [p + 1 for p in range(start, start + len(logits))]
+        keep = [(i, t) for i, t in enumerate(targets) if req.logprob_start_len <= t < len(ids)]
+        if not keep:
+            return
+        rows = torch.tensor([i for i, _ in keep])
+        tokens = torch.tensor([ids[t] for _, t in keep])
+        chosen = lp_all[rows, tokens].tolist()
+        req.input_logprobs += [(lp, ids[t]) for lp, (_, t) in zip(chosen, keep)]
+        if req.top_logprobs_num:
+            top_lp, top_ids = lp_all[rows].topk(req.top_logprobs_num, dim=-1)
+            req.input_top_logprobs += [
+                list(zip(lps, tids)) for lps, tids in zip(top_lp.tolist(), top_ids.tolist())
+            ]
+
+    def _record_output_logprobs(self, req: Req, out: SampleOutput, i: int):
+        if not req.return_logprob or out.logprobs is None:
+            return [], []
+        entry = (float(out.logprobs[i]), req.output_ids[-1])
+        req.output_logprobs.append(entry)
+        top: list[list[LogprobEntry]] = []
+        if req.top_logprobs_num and out.top_logprobs is not None and out.top_ids is not None:
+            k = req.top_logprobs_num
+            top = [list(zip(out.top_logprobs[i, :k].tolist(), out.top_ids[i, :k].tolist()))]
+            req.output_top_logprobs += top
+        return [entry], top
+
+    # -- ending requests ------------------------------------------------------------------
+    def _cache_computed(self, req: Req) -> None:
+        """Insert the tokens computed so far into the tree and re-lock the request on them,
+        so requests admitted later share them (the request keeps running)."""
+        if self.tree is None:
+            return
+        n = req.kv_len
+        tokens = req.all_ids[:n]
+        slots = self.runner.req_to_token.slots(req.row, 0, n)
+        already = self.tree.insert(tokens, slots, req.extra_key)
+        if already > req.tree_len:  # another request cached some of these first: use its
+            self.runner.allocator.free(slots[req.tree_len : already].clone())
+        match = self.tree.match_prefix(tokens, req.extra_key)
+        self.runner.req_to_token.write(req.row, 0, match.slots.to(slots.device))
+        self.tree.lock(match.last_node)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.last_node, req.tree_len = match.last_node, match.length
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the tree (or free it) and give back its row."""
+        if req.row is not None:
+            self._cache_computed(req)
+            if self.tree is not None and req.last_node is not None:
+                self.tree.unlock(req.last_node)
+                req.last_node = None
+            self.builder.release(req)
+
+    def _finish(self, req: Req, new_ids=None, new_lp=None, new_top=None) -> ReqOutput:
+        self._release(req)
+        return self._output(req, new_ids or [], new_lp or [], new_top or [])
+
+    def _finish_aborted(self) -> list[ReqOutput]:
+        outputs = []
+        for req in [r for r in self._live() if r.rid in self._aborted]:
+            message = self._aborted.pop(req.rid)
+            req.finish_reason = {"type": "abort", "message": message}
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            if req is self.chunked:
+                self.chunked = None
+            outputs.append(self._finish(req))
+        self._aborted.clear()
+        return outputs
+
+    def _output(self, req: Req, new_ids, new_lp, new_top) -> ReqOutput:
+        first = len(req.output_ids) <= len(new_ids) or req.finished
+        return ReqOutput(
+            rid=req.rid,
+            new_ids=list(new_ids),
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            completion_tokens=len(req.output_ids),
+            new_logprobs=list(new_lp),
+            new_top_logprobs=list(new_top),
+            input_logprobs=list(req.input_logprobs) if first and req.return_logprob else None,
+            input_top_logprobs=(
+                list(req.input_top_logprobs) if first and req.return_logprob else None
+            ),
+        )
+
+    def _live(self) -> list[Req]:
+        live = self.waiting + self.running
+        return live + [self.chunked] if self.chunked is not None else live

@@ -1,0 +1,23 @@
+"""transformers as the reference implementation: logits and greedy continuations."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def reference_logits(reference, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V) logits of every position, one full forward pass."""
+    return reference(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
+    """Plain argmax decoding with transformers' own KV cache; eos is just another token
+    (generate's min_new_tokens would suppress it, which our ignore_eos does not)."""
+    out = reference(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = reference(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    return tokens
