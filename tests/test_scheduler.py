@@ -1,0 +1,138 @@
+"""Scheduler behaviour step by step: admission order, in-batch prefix sharing, chunked
+prefill interleaved with decode, abort of a chunked request, accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.cache import SlotAllocator
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.config import Config
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.model.runner import ModelRunner
+from radixserve.scheduler.policy import order_waiting
+from radixserve.scheduler.scheduler import Scheduler
+
+SHARED = [(11 * i) % 300 + 40 for i in range(120)]
+
+
+def make_scheduler(tiny_model_dirs, **config) -> Scheduler:
+    cfg = Config.from_flat(model_path=str(tiny_model_dirs["llama"]), **config)
+    return Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+
+
+def req(rid: str, ids: list[int], max_new_tokens: int = 4, **kw) -> Req:
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return Req(rid, ids, params, **kw)
+
+
+def run_to_end(sched: Scheduler, max_steps: int = 500) -> list:
+    trace = []
+    for _ in range(max_steps):
+        if not sched.has_work:
+            return trace
+        trace.append(sched.step())
+        sched.check_kv_accounting()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(tiny_model_dirs):
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
+    for i in range(4):
+        sched.add_request(req(f"r{i}", SHARED + [i + 1, i + 2]))
+    first = sched.step()  # only one of the four is admitted: the others wait for its prefix
+    assert len(first) == 1
+    run_to_end(sched)
+    assert sched.stats["cached_tokens"] >= 3 * len(SHARED)
+
+
+def test_chunked_prefill_interleaves_with_decode(tiny_model_dirs):
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16)
+    sched.add_request(req("short", [5, 6, 7], max_new_tokens=40))
+    sched.step()
+    assert [r.rid for r in sched.running] == ["short"]
+    sched.add_request(req("long", SHARED, max_new_tokens=2))
+    kinds = []
+    for _ in range(12):
+        outs = sched.step()
+        kinds.append("decode" if any(o.rid == "short" for o in outs) else "prefill")
+        sched.check_kv_accounting()
+    # 120 prompt tokens in chunks of 16 (8 chunks): chunks alternate with decode steps
+    assert kinds == ["decode", "prefill"] * 6
+    assert sched.chunked is not None and sched.chunked.rid == "long"
+    run_to_end(sched)
+
+
+def test_abort_of_a_chunked_request_leaks_nothing(tiny_model_dirs):
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16)
+    sched.add_request(req("long", SHARED))
+    sched.step()
+    assert sched.chunked is not None
+    sched.abort("long")
+    [out] = sched.step()
+    assert out.finish_reason == {"type": "abort", "message": "aborted"}
+    assert not sched.has_work
+    sched.check_kv_accounting()
+    assert sched.flush_cache()
+    assert sched.runner.allocator.num_free == sched.runner.max_total_tokens
+
+
+def test_flush_is_refused_while_requests_run(tiny_model_dirs):
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=512)
+    sched.add_request(req("a", [5, 6, 7]))
+    assert not sched.flush_cache()
+    run_to_end(sched)
+    assert sched.flush_cache()
+
+
+def _tree_with(prefixes: list[list[int]]) -> RadixCache:
+    alloc = SlotAllocator(1000)
+    tree = RadixCache(alloc)
+    for p in prefixes:
+        tree.insert(p, alloc.alloc(len(p)))
+    return tree
+
+
+def test_policies_order_the_waiting_queue():
+    tree = _tree_with([[1, 2, 3, 4, 5, 6]])
+    a = req("a", [9, 9, 9], max_new_tokens=2, priority=1)
+    b = req("b", [1, 2, 3, 4, 8], max_new_tokens=9, priority=5)
+    c = req("c", [1, 2, 9], max_new_tokens=5, priority=3)
+    waiting = [a, b, c]
+    rng = random.Random(0)
+    assert order_waiting("fcfs", waiting, tree, rng) == [a, b, c]
+    assert order_waiting("lof", waiting, tree, rng) == [b, c, a]
+    assert order_waiting("priority", waiting, tree, rng) == [b, c, a]
+    assert order_waiting("lpm", waiting, tree, rng) == [b, c, a]
+    assert sorted(order_waiting("random", waiting, tree, rng), key=lambda r: r.rid) == waiting
+
+
+def test_dfs_weight_runs_the_heavier_subtree_first():
+    tree = _tree_with([[1, 1, 1, 1], [2, 2, 2, 2]])
+    light = req("light", [1, 1, 1, 1, 5])
+    heavy = [req(f"h{i}", [2, 2, 2, 2, 6 + i]) for i in range(3)]
+    cold = req("cold", [7, 7])
+    order = order_waiting("dfs-weight", [light, cold, *heavy], tree, random.Random(0))
+    names = [r.rid for r in order]
+    assert names.index("light") > max(names.index(h.rid) for h in heavy)
+    # requests sharing a subtree are contiguous
+    positions = sorted(names.index(h.rid) for h in heavy)
+    assert positions == list(range(positions[0], positions[0] + 3))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retraction_accounting_under_pressure(tiny_model_dirs, page_size):
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=120, init_new_token_ratio=0.05,
+        min_new_token_ratio=0.01, page_size=page_size,
+    )
+    for i in range(5):
+        sched.add_request(req(f"r{i}", [(i * 7 + j) % 400 + 3 for j in range(15)], 20))
+    trace = run_to_end(sched)
+    finished = {o.rid for outs in trace for o in outs if o.finish_reason}
+    assert finished == {f"r{i}" for i in range(5)}
+    assert sched.stats["retractions"] > 0
+    assert sched.flush_cache() and sched.runner.allocator.num_free == 120
