@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import one_batch
+    from radixserve.bench import offline, one_batch
 
-    one_batch.add_args(bench_kinds.add_parser("one-batch", help=one_batch.__doc__))
+    benches = {"one-batch": one_batch, "offline": offline}
+    for name, module in benches.items():
+        module.add_args(bench_kinds.add_parser(name, help=module.__doc__))
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "generate":
         return _generate(args)
-    return one_batch.run(args)
+    return benches[args.bench].run(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

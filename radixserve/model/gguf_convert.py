@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 CONVERTER_VERSION = 1
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 MANIFEST = "manifest.json"
+REQUIRED_FILES = {"config.json", "model.safetensors", "tokenizer.json"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -76,12 +77,15 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, progress: bool = True) -> Pat
 def validate_converted(folder: Path) -> str | None:
     """None when `folder` is a complete conversion, else what is wrong with it."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        manifest = json.loads((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError):
         return "no readable manifest (an interrupted conversion?)"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not REQUIRED_FILES <= set(files):
+        return "the manifest does not list the converted files"
     if manifest.get("converter_version") != CONVERTER_VERSION:
         return "made by another converter version"
-    for name, size in manifest.get("files", {}).items():
+    for name, size in files.items():
         file = folder / name
         if not file.is_file() or file.stat().st_size != size:
             return f"{name} is missing or has the wrong size"
@@ -135,7 +139,9 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         raise ModelLoadError("GGUF with rope_freqs (Llama 3 RoPE scaling) is not supported yet")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError("GGUF has no token_embd.weight tensor (a vocab-only file?)")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -171,6 +177,9 @@ def _convert_into(gguf_path: Path, folder: Path, progress: bool) -> None:
     if progress:
         print("building the tokenizer from the GGUF metadata...", file=sys.stderr, flush=True)
     _save_tokenizer(gguf_path, folder)
+    folder.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+    for file in folder.iterdir():
+        file.chmod(0o644)
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     manifest = {"converter_version": CONVERTER_VERSION, "source": str(gguf_path), "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))

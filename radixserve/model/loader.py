@@ -68,10 +68,14 @@ def resolve_model_folder(model_path: str | None, cache_dir: Path, progress: bool
 def read_architecture(folder: Path) -> str:
     """The architecture named by config.json, checked against what radixserve runs."""
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads((folder / "config.json").read_bytes())
+    except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{folder / 'config.json'} is not a JSON object")
     archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
