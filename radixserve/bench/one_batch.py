@@ -35,7 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--decode-context-len", type=int, default=128, help="prompt length before decoding"
     )
     parser.add_argument("--output-len", type=int, default=32, help="decode steps timed")
-    parser.add_argument("--repeats", type=int, default=3, help="the median of this many runs")
+    parser.add_argument("--repeats", type=int, default=5, help="the median of this many runs")
     parser.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--output-json", default=None, help="also write the figures here")
     add_config_args(parser, PARTS)
@@ -88,11 +88,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _figure(name: str, measure: Callable, ours, theirs, repeats: int) -> Figure:
-    def median(workload) -> float:
-        measure(workload)  # warm-up
-        return statistics.median(measure(workload) for _ in range(repeats))
-
-    return Figure(name, median(ours), None if theirs is None else median(theirs))
+    """Medians of `repeats` runs, ours and the baseline alternating so that drifts in the
+    machine's speed hit both alike."""
+    workloads = [w for w in (ours, theirs) if w is not None]
+    samples: list[list[float]] = [[] for _ in workloads]
+    for w in workloads:
+        measure(w)  # warm-up
+    for _ in range(repeats):
+        for w, out in zip(workloads, samples):
+            out.append(measure(w))
+    medians = [statistics.median(s) for s in samples]
+    return Figure(name, medians[0], medians[1] if theirs is not None else None)
 
 
 def _print_table(figures: list[Figure], runner, args: argparse.Namespace) -> None:
