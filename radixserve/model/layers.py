@@ -13,6 +13,28 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). On CPU with 2..255 rows it is computed as (weight @ x.T).T:
+    MKL's kernel for that operand order measured 1.1-2x faster at 8-128 rows (decode
+    batches) and no different at 1 or 512 rows, where F.linear is kept."""
+    if x.device.type != "cpu" or x.dim() != 2 or not 1 < x.shape[0] < SMALL_BATCH_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`. Used for the MLP's gate and up projections only:
+    with it on every projection, batch-8 decode logits of SmolLM2 drifted 1.1e-4 from
+    transformers (over the 1e-4 fidelity bar; 6.6e-5 with plain F.linear everywhere, 5.9e-5
+    with it on gate/up), while gate/up alone keep most of the speed-up at batch 32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -102,8 +124,8 @@ class GatedMLP(nn.Module):
             raise ValueError(
                 f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh"
             )
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
 

@@ -9,11 +9,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, RotaryTables
+from radixserve.model.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryTables,
+)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -92,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rotary, attn, meta)
         x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(x, head).float()
+        return F.linear(x, head).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered."""
