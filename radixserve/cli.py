@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from radixserve.core.sampling_params import SamplingParams
+    from radixserve.engine import Engine
     from radixserve.model.loader import ModelLoadError
-    from radixserve.model.runner import ModelRunner
-    from radixserve.scheduler.static_generator import generate_text
 
     try:
         config = config_from_args(args, RUNNER_PARTS)
@@ -58,12 +59,26 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             sampling_seed=args.seed,
         )
-        runner = ModelRunner(config)
-        text = generate_text(runner, args.prompt, params, not args.no_chat_template)
+        flat = {
+            k: v
+            for part in (config.model, config.cache)
+            for k, v in dataclasses.asdict(part).items()
+        }
+        with Engine(**flat) as engine:
+            tok = engine.tokenizer
+            prompt = args.prompt
+            if not args.no_chat_template and tok.chat_template:
+                prompt = tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            ids = tok.encode(prompt, add_special_tokens=args.no_chat_template)
+            out = engine.generate(input_ids=ids, sampling_params=dataclasses.asdict(params))
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
-    print(text)
+    print(out["text"])
     return 0
 
 

@@ -126,8 +126,11 @@ def test_dfs_weight_runs_the_heavier_subtree_first():
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_accounting_under_pressure(tiny_model_dirs, page_size):
     sched = make_scheduler(
-        tiny_model_dirs, max_total_tokens=120, init_new_token_ratio=0.05,
-        min_new_token_ratio=0.01, page_size=page_size,
+        tiny_model_dirs,
+        max_total_tokens=120,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.01,
+        page_size=page_size,
     )
     for i in range(5):
         sched.add_request(req(f"r{i}", [(i * 7 + j) % 400 + 3 for j in range(15)], 20))

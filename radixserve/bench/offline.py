@@ -65,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
     from radixserve.engine import Engine
 
     config = config_from_args(args, PARTS)
-    flat = {k: v for part in (config.model, config.cache, config.scheduler)
-            for k, v in asdict(part).items()}
+    flat = {
+        k: v
+        for part in (config.model, config.cache, config.scheduler)
+        for k, v in asdict(part).items()
+    }
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     rows: list[Row] = []
     folder = None
@@ -80,19 +83,23 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results = engine.generate(input_ids=prompts, sampling_params=params)
             seconds = time.perf_counter() - start
-        rows.append(Row(
-            name, seconds,
-            sum(r["meta_info"]["completion_tokens"] for r in results),
-            sum(r["meta_info"]["prompt_tokens"] for r in results),
-            sum(r["meta_info"]["cached_tokens"] for r in results),
-        ))
+        rows.append(
+            Row(
+                name,
+                seconds,
+                sum(r["meta_info"]["completion_tokens"] for r in results),
+                sum(r["meta_info"]["prompt_tokens"] for r in results),
+                sum(r["meta_info"]["cached_tokens"] for r in results),
+            )
+        )
     if args.baseline == "transformers":
         rows.append(_transformers_row(folder, prompts, args))
     _print(rows, args)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump([asdict(r) | {"output_throughput": r.output_throughput} for r in rows],
-                      f, indent=2)
+            json.dump(
+                [asdict(r) | {"output_throughput": r.output_throughput} for r in rows], f, indent=2
+            )
     return 0
 
 
@@ -110,13 +117,22 @@ def _transformers_row(folder, prompts: list[list[int]], args: argparse.Namespace
         ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         out = model.generate(
-            ids, attention_mask=mask, do_sample=False, max_new_tokens=args.output_len,
-            min_new_tokens=args.output_len, pad_token_id=0,
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            pad_token_id=0,
         )
         produced += (out.shape[1] - width) * len(chunk)
     seconds = time.perf_counter() - start
-    return Row(f"transformers (static batch {args.baseline_batch_size})", seconds, produced,
-               sum(map(len, prompts)), 0)
+    return Row(
+        f"transformers (static batch {args.baseline_batch_size})",
+        seconds,
+        produced,
+        sum(map(len, prompts)),
+        0,
+    )
 
 
 def _print(rows: list[Row], args: argparse.Namespace) -> None:
@@ -126,9 +142,13 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
         f"system {args.system_prompt_len} + question {args.question_len} tokens, "
         f"{args.output_len} output tokens, threads {torch.get_num_threads()}"
     )
-    print(f"{'run':<36}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'hit rate':>10}"
-          f"{'vs last':>9}")
+    print(
+        f"{'run':<36}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'hit rate':>10}"
+        f"{'vs last':>9}"
+    )
     for r in rows:
         hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
-        print(f"{r.name:<36}{r.seconds:>9.1f}{r.output_throughput:>11.1f}"
-              f"{r.total_throughput:>13.1f}{hit:>10.1%}{r.output_throughput / base:>8.2f}x")
+        print(
+            f"{r.name:<36}{r.seconds:>9.1f}{r.output_throughput:>11.1f}"
+            f"{r.total_throughput:>13.1f}{hit:>10.1%}{r.output_throughput / base:>8.2f}x"
+        )

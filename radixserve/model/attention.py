@@ -103,7 +103,12 @@ class TorchNativeAttention:
             q = padded.index_copy_(0, meta.q_index, q)
         q = q.view(batch_size, meta.max_q, num_heads, head_dim).transpose(1, 2)  # (B, H, Q, D)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.mask, is_causal=meta.is_causal, scale=self.scale,
+            q,
+            keys,
+            values,
+            attn_mask=meta.mask,
+            is_causal=meta.is_causal,
+            scale=self.scale,
             enable_gqa=True,
         )  # (B, H, Q, D)
         out = out.transpose(1, 2).reshape(batch_size * meta.max_q, num_heads * head_dim)

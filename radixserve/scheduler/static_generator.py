@@ -1,7 +1,8 @@
 """Static-batch generation: one fixed batch prefilled together, then decoded step by step
-until every request has finished. No admission control, no prefix cache: the command line's
-`generate` and the runner benchmark use it; the continuous-batching scheduler builds on the
-same `BatchBuilder` and `Sampler`.
+until every request has finished (eos, stop token ids, max_new_tokens). No admission
+control, no prefix cache, no stop strings: the runner-level path that the runner fidelity
+tests drive. Serving goes through `Scheduler`, which builds on the same `BatchBuilder` and
+`Sampler`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
@@ -138,27 +137,3 @@ class StaticGenerator:
                 req.finish_reason = {"type": "stop", "matched": token}
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-
-
-@torch.inference_mode()
-def generate_text(
-    runner: ModelRunner,
-    prompt: str,
-    params: SamplingParams,
-    use_chat_template: bool = True,
-) -> str:
-    """One prompt in, the completion's text out (the chat template applied if asked and
-    the model has one)."""
-    tok = runner.tokenizer
-    if use_chat_template and tok.chat_template:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = tok.encode(text, add_special_tokens=False)
-    else:
-        ids = tok.encode(prompt)
-    [result] = StaticGenerator(runner).generate([ids], [params])
-    out = result.output_ids
-    if result.finish_reason.get("type") == "stop" and not params.no_stop_trim:
-        out = out[:-1]
-    return tok.decode(out, skip_special_tokens=params.skip_special_tokens)
