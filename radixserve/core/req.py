@@ -61,6 +61,11 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def stop_ids(self, eos_ids: set[int]) -> set[int]:
+        """Token ids that end this request: its stop_token_ids, plus eos unless ignored."""
+        ids = set(self.params.stop_token_ids)
+        return ids if self.params.ignore_eos else ids | eos_ids
+
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -83,6 +84,25 @@ class SamplingBatch:
                 for g, k, p in zip(greedy, top_ks, params, strict=True)
             ),
             need_min_p=any(not g and p.min_p > 0 for g, p in zip(greedy, params, strict=True)),
+        )
+
+    @classmethod
+    def for_requests(
+        cls, reqs: Sequence[Req], eos_ids: set[int], vocab_size: int, device: torch.device
+    ) -> SamplingBatch:
+        """The batch for these requests; their stop ids are banned until min_new_tokens."""
+        banned = [
+            sorted(r.stop_ids(eos_ids)) if len(r.output_ids) < r.params.min_new_tokens else []
+            for r in reqs
+        ]
+        return cls.build(
+            [r.params for r in reqs],
+            [r.seed for r in reqs],
+            [r.input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            vocab_size,
+            device,
+            banned,
         )
 
 

@@ -308,28 +308,26 @@ class Scheduler:
         return outputs
 
     def _run_decode(self) -> list[ReqOutput]:
-        outputs = self._make_room_for_decode()
+        self._make_room_for_decode()
         if not self.running:
-            return outputs
+            return []
         batch = self.builder.decode(self.running)
         logits = self.runner.forward(batch).logits
         reqs = self.running
-        outputs += self._sample_and_update(reqs, logits)
+        outputs = self._sample_and_update(reqs, logits)
         self.running = [r for r in reqs if not r.finished]
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - RATIO_DECAY
         )
         return outputs
 
-    def _make_room_for_decode(self) -> list[ReqOutput]:
+    def _make_room_for_decode(self) -> None:
         """One slot per running request: evict from the tree, then retract requests."""
-        outputs: list[ReqOutput] = []
         while self.running and not self._ensure_free(len(self.running)):
             # retract the request that loses least: fewest outputs, then longest prompt
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self.running.remove(victim)
             self._retract(victim)
-        return outputs
 
     def _retract(self, req: Req) -> None:
         """Back to the waiting queue with its generated tokens; its KV goes to the tree
@@ -359,23 +357,9 @@ class Scheduler:
         return outputs
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        banned = [
-            sorted(self._stop_ids(r)) if len(r.output_ids) < r.params.min_new_tokens else []
-            for r in reqs
-        ]
-        return SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            self.runner.vocab_size,
-            self.runner.device,
-            banned,
+        return SamplingBatch.for_requests(
+            reqs, self.eos_ids, self.runner.vocab_size, self.runner.device
         )
-
-    def _stop_ids(self, req: Req) -> set[int]:
-        ids = set(req.params.stop_token_ids)
-        return ids if req.params.ignore_eos else ids | self.eos_ids
 
     def _check_finished(self, req: Req) -> None:
         p = req.params
@@ -383,7 +367,7 @@ class Scheduler:
         if n < p.min_new_tokens:
             return
         token = req.output_ids[-1]
-        if token in self._stop_ids(req):
+        if token in req.stop_ids(self.eos_ids):
             req.finish_reason = {"type": "stop", "matched": token}
             return
         if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it

@@ -97,26 +97,9 @@ class StaticGenerator:
                 batch = self.builder.decode(active)
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        stop = [self._stop_ids(r) for r in reqs]
-        banned = [
-            sorted(ids) if len(r.output_ids) < r.params.min_new_tokens else []
-            for r, ids in zip(reqs, stop, strict=True)
-        ]
-        return SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.seed for r in reqs],
-            [r.input_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            self.runner.vocab_size,
-            self.runner.device,
-            banned,
+        return SamplingBatch.for_requests(
+            reqs, self.eos_ids, self.runner.vocab_size, self.runner.device
         )
-
-    def _stop_ids(self, req: Req) -> set[int]:
-        ids = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            ids |= self.eos_ids
-        return ids
 
     def _append(self, reqs: list[Req], out: SampleOutput) -> None:
         next_ids = out.next_ids.tolist()
@@ -133,7 +116,7 @@ class StaticGenerator:
                 req.output_logprobs.append(logprobs[i])
             if tops is not None:
                 req.output_top_logprobs.append(tops[i])
-            if token in self._stop_ids(req):  # banned until min_new_tokens is reached
+            if token in req.stop_ids(self.eos_ids):  # banned until min_new_tokens is reached
                 req.finish_reason = {"type": "stop", "matched": token}
             elif len(req.output_ids) >= req.params.max_new_tokens:
                 req.finish_reason = {"type": "length", "length": len(req.output_ids)}
