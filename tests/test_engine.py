@@ -236,3 +236,16 @@ def test_engine_with_the_default_model_answers():
         assert "Paris" in out["text"]
         info = engine.get_server_info()
         assert info["max_total_num_tokens"] == 2048 and info["internal_states"]
+
+
+def test_shutdown_fails_waiters_instead_of_hanging(tiny_model_dirs):
+    from radixserve.engine import EngineDeadError
+
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    stream = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(1000), stream=True)
+    next(stream)
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        list(stream)
+    with pytest.raises(EngineDeadError):
+        engine.generate(input_ids=[1, 2], sampling_params=greedy(2))
