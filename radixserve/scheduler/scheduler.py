@@ -227,8 +227,6 @@ class Scheduler:
 
     def _match(self, req: Req) -> None:
         """Take the request's cached prefix from the tree (locked) into its table row."""
-        if req.row is not None:  # a chunked request keeps its KV between chunks
-            return
         if self.tree is None:
             self.builder.attach_prefix(req, torch.empty(0, dtype=torch.int64))
             return
