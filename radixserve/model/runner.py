@@ -82,6 +82,15 @@ class ModelRunner:
             self.max_total_tokens,
         )
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """End-of-sequence ids from the model config and the tokenizer."""
+        ids: set[int] = set()
+        for source in (self.hf_config.eos_token_id, self.tokenizer.eos_token_id):
+            if source is not None:
+                ids.update(source if isinstance(source, list) else [source])
+        return ids
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         meta = self.attention.prepare(batch)

@@ -30,7 +30,6 @@ from radixserve.model.runner import ModelRunner
 from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
 from radixserve.scheduler.batch_builder import BatchBuilder
 from radixserve.scheduler.policy import order_waiting
-from radixserve.scheduler.static_generator import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class Scheduler:
         self.tree = None if config.disable_radix_cache else RadixCache(runner.allocator, page_size)
         self.page_size = page_size
         self.sampler = Sampler()
-        self.eos_ids = eos_token_ids(runner)
+        self.eos_ids = runner.eos_token_ids
         self.max_running = runner.max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []

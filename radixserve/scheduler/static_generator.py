@@ -27,15 +27,6 @@ class GenerateResult:
     top_logprobs: list[list[tuple[float, int]]]
 
 
-def eos_token_ids(runner: ModelRunner) -> set[int]:
-    """End-of-sequence ids from the model config and the tokenizer."""
-    ids: set[int] = set()
-    for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, list) else [source])
-    return ids
-
-
 class StaticGenerator:
     _rids = itertools.count()
 
@@ -43,7 +34,7 @@ class StaticGenerator:
         self.runner = runner
         self.builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
         self.sampler = Sampler()
-        self.eos_ids = eos_token_ids(runner)
+        self.eos_ids = runner.eos_token_ids
 
     def generate(
         self,
@@ -51,9 +42,8 @@ class StaticGenerator:
         params: Sequence[SamplingParams],
         top_logprobs_num: int = 0,
         return_logprob: bool = False,
-        on_step: Any = None,
     ) -> list[GenerateResult]:
-        """Generate for every prompt; `on_step(reqs)` is called after each sampled step."""
+        """Generate for every prompt, all in one static batch."""
         reqs = []
         for prompt, p in zip(prompts, params, strict=True):
             p.verify_vocab(self.runner.vocab_size)
@@ -64,7 +54,7 @@ class StaticGenerator:
                 )
             reqs.append(Req(f"static-{next(self._rids)}", list(prompt), p))
         try:
-            self._run(reqs, return_logprob, top_logprobs_num, on_step)
+            self._run(reqs, return_logprob, top_logprobs_num)
         finally:
             for req in reqs:
                 self.builder.release(req)
@@ -75,7 +65,7 @@ class StaticGenerator:
             for r in reqs
         ]
 
-    def _run(self, reqs: list[Req], return_logprob: bool, top_n: int, on_step: Any) -> None:
+    def _run(self, reqs: list[Req], return_logprob: bool, top_n: int) -> None:
         for req in reqs:
             if req.params.max_new_tokens == 0:
                 req.finish_reason = {"type": "length", "length": 0}
@@ -87,8 +77,6 @@ class StaticGenerator:
             logits = self.runner.forward(batch).logits
             out = self.sampler(logits, self._sampling_batch(active), return_logprob, top_n)
             self._append(active, out)
-            if on_step is not None:
-                on_step(active)
             for req in active:
                 if req.finished:
                     self.builder.release(req)
