@@ -76,12 +76,12 @@ class Engine:
             rid,
             priority,
         )
+        if stream and len(reqs) != 1:
+            raise ValueError("stream=True takes a single prompt with n=1")
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
             self._submit(req, q.put)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
             return self._stream(states[0], queues[0])
         results = [self._collect(state, q) for state, q in zip(states, queues)]
         return results[0] if single else results
@@ -111,13 +111,13 @@ class Engine:
             rid,
             priority,
         )
+        if stream and len(reqs) != 1:
+            raise ValueError("stream=True takes a single prompt with n=1")
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
         for req, q in zip(reqs, queues):
             self._submit(req, lambda item, q=q: loop.call_soon_threadsafe(q.put_nowait, item))
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
             return self._astream(states[0], queues[0])
         results = [await self._acollect(state, q) for state, q in zip(states, queues)]
         return results[0] if single else results
