@@ -35,7 +35,6 @@ class RequestState:
         self.input_logprobs: list[LogprobEntry] = []
         self.input_top_logprobs: list[list[LogprobEntry]] = []
         self.last: ReqOutput | None = None
-        self.first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,8 +47,6 @@ class RequestState:
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs or []
-        if out.new_ids and self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
         self.last = out
 
     def text(self) -> str:
