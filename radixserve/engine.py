@@ -75,9 +75,8 @@ class Engine:
             return_text_in_logprobs,
             rid,
             priority,
+            stream,
         )
-        if stream and len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
             self._submit(req, q.put)
@@ -110,9 +109,8 @@ class Engine:
             return_text_in_logprobs,
             rid,
             priority,
+            stream,
         )
-        if stream and len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
         for req, q in zip(reqs, queues):
@@ -173,7 +171,10 @@ class Engine:
         return_text_in_logprobs=False,
         rid=None,
         priority=None,
+        stream=False,
     ) -> tuple[list[Req], list[RequestState], bool]:
+        """Validated requests (one per prompt and per `n`), their result states, and whether
+        the caller gets a single result rather than a list."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if not prompt and not input_ids:
@@ -224,6 +225,8 @@ class Engine:
                     )
                 )
         single = single and len(reqs) == 1
+        if stream and len(reqs) != 1:
+            raise ValueError("stream=True takes a single prompt with n=1")
         return reqs, states, single
 
     def _submit(self, req: Req, sink: Sink) -> None:
