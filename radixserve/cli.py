@@ -6,15 +6,30 @@ import argparse
 import logging
 import sys
 
-from radixserve.config import CacheConfig, ModelConfig, add_config_args, config_from_args
+from radixserve.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    add_config_args,
+    config_from_args,
+)
 
 RUNNER_PARTS = (ModelConfig, CacheConfig)
+SERVER_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="debug, info, warning, error (default: info for serve, warning otherwise)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve a model over HTTP (native + OpenAI API)")
+    add_config_args(serve, SERVER_PARTS)
 
     gen = commands.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
@@ -35,12 +50,27 @@ def main(argv: list[str] | None = None) -> int:
         module.add_args(bench_kinds.add_parser(name, help=module.__doc__))
 
     args = parser.parse_args(argv)
+    level = args.log_level or ("info" if args.command == "serve" else "warning")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "serve":
+        return _serve(args, level)
     if args.command == "generate":
         return _generate(args)
     return benches[args.bench].run(args)
+
+
+def _serve(args: argparse.Namespace, log_level: str) -> int:
+    from radixserve.model.loader import ModelLoadError
+    from radixserve.server.launch import launch_server
+
+    try:
+        config = config_from_args(args, SERVER_PARTS)
+        return launch_server(config, log_level)
+    except (ModelLoadError, ValueError, OSError) as e:
+        print(f"radixserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _generate(args: argparse.Namespace) -> int:

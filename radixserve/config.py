@@ -134,11 +134,57 @@ class SchedulerConfig:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
 
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    port: int = _opt(30000, "HTTP port.")
+    api_key: str | None = _opt(
+        None,
+        f"Key clients must send as `Authorization: Bearer <key>` on every route but /health "
+        f"(env {API_KEY_ENV}).",
+    )
+    served_model_name: str | None = _opt(
+        None, "The model id reported by /v1/models. Default: the model's file or folder name."
+    )
+    max_queued_requests: int = _opt(
+        2048, "Most requests waiting for admission; past it new requests get 503 at once."
+    )
+    shutdown_timeout: float = _opt(
+        30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        """The flag, else the environment variable; an empty key means no key."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every field by name, as /get_server_info reports them (the API key redacted)."""
+        flat: dict[str, Any] = {}
+        for part in dataclasses.fields(self):
+            flat.update(dataclasses.asdict(getattr(self, part.name)))
+        if flat.get("api_key"):
+            flat["api_key"] = "<redacted>"
+        return flat
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> Config:

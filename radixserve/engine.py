@@ -11,10 +11,8 @@ request goes to one scheduler thread, which runs continuous batching over all of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -22,8 +20,8 @@ from typing import Any
 from radixserve import __version__
 from radixserve.config import Config
 from radixserve.core.req import Req
-from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
+from radixserve.native import expand_request
 from radixserve.output import RequestState
 from radixserve.scheduler.scheduler import ReqOutput, Scheduler
 
@@ -132,20 +130,13 @@ class Engine:
         self._call(self.scheduler.check_kv_accounting)
 
     def get_server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {}
-        for part in dataclasses.fields(self.config):
-            info.update(dataclasses.asdict(getattr(self.config, part.name)))
-        stats = self._call(lambda: dict(self.scheduler.stats))
-        info.update(
-            version=__version__,
-            model_path=str(self.runner.model_folder),
-            max_total_num_tokens=self.runner.max_total_tokens,
-            max_running_requests=self.runner.max_running_requests,
-            max_req_input_len=min(self.runner.context_len, self.runner.max_total_tokens) - 1,
-            context_length=self.runner.context_len,
-            internal_states=[stats],
-        )
-        return info
+        state = self._call(lambda: {**self.scheduler.stats, **self.scheduler.kv_state()})
+        return {
+            **self.config.to_flat(),
+            **self.runner.info(),
+            "version": __version__,
+            "internal_states": [state],
+        }
 
     def shutdown(self) -> None:
         if not self._stopped:
@@ -175,59 +166,31 @@ class Engine:
     ) -> tuple[list[Req], list[RequestState], bool]:
         """Validated requests (one per prompt and per `n`), their result states, and whether
         the caller gets a single result rather than a list."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
-        if not prompt and not input_ids:
-            raise ValueError("the prompt is empty: give a non-empty prompt or input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else list(prompt)
-            id_lists = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = bool(input_ids) and isinstance(input_ids[0], int)
-            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(id_lists):
-                raise ValueError("sampling_params list must have one entry per prompt")
-            params_list = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params_list = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
-        rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
-        if len(rids) != len(id_lists):
-            raise ValueError("rid list must have one entry per prompt")
-        reqs, states = [], []
-        for i, (ids, params) in enumerate(zip(id_lists, params_list)):
-            base = rids[i] or uuid.uuid4().hex
-            if isinstance(rid, str) and len(id_lists) > 1:
-                base = f"{rid}_{i}"  # a str rid for a batch names each entry
-            for j in range(params.n):
-                req_id = base if params.n == 1 else f"{base}_{j}"
-                seed = params.sampling_seed
-                req = Req(
-                    req_id,
-                    ids,
-                    params,
-                    seed=-1 if seed is None else seed + j,
-                    priority=priority or 0,
-                    return_logprob=return_logprob,
-                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    top_logprobs_num=top_logprobs_num or 0,
-                )
-                reqs.append(req)
-                states.append(
-                    RequestState(
-                        req_id,
-                        params,
-                        self.tokenizer,
-                        return_logprob,
-                        top_logprobs_num or 0,
-                        return_text_in_logprobs,
-                    )
-                )
-        single = single and len(reqs) == 1
-        if stream and len(reqs) != 1:
+        expanded = expand_request(
+            self.tokenizer.encode,
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
+            priority,
+        )
+        if stream and len(expanded.reqs) != 1:
             raise ValueError("stream=True takes a single prompt with n=1")
-        return reqs, states, single
+        states = [
+            RequestState(
+                req.rid,
+                req.params,
+                self.tokenizer,
+                return_logprob,
+                top_logprobs_num or 0,
+                return_text_in_logprobs,
+            )
+            for req in expanded.reqs
+        ]
+        return expanded.reqs, states, expanded.single
 
     def _submit(self, req: Req, sink: Sink) -> None:
         if self._error is not None or self._stopped:

@@ -10,7 +10,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
+# in the native API, refused with a clear message until constrained decoding lands
+NOT_SUPPORTED_YET = frozenset({"json_schema", "regex", "ebnf", "stop_regex"})
+
+
+def _token_key(key: Any) -> Any:
+    return int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
 
 
 @dataclass
@@ -42,13 +50,29 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
-        """Build from a request's dict; null values mean "use the default", unknown keys fail."""
-        params = {k: v for k, v in (params or {}).items() if v is not None}
+        """Build from a request's dict, checking types; null values mean "use the default",
+        unknown keys fail. Every failure is a ValueError naming the field."""
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
+        params = {k: v for k, v in params.items() if v is not None}
+        not_yet = sorted(set(params) & NOT_SUPPORTED_YET)
+        if not_yet:
+            raise ValueError(f"sampling parameter(s) not supported yet: {', '.join(not_yet)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        return cls(**params)
+        if isinstance(params.get("stop"), str):
+            params["stop"] = [params["stop"]]
+        if isinstance(params.get("logit_bias"), dict):  # JSON object keys are strings
+            params["logit_bias"] = {_token_key(k): v for k, v in params["logit_bias"].items()}
+        try:
+            return msgspec.convert(params, cls)
+        except msgspec.ValidationError as e:
+            message = str(e).replace("`$.", "`sampling_params.")
+            raise ValueError(f"invalid sampling parameter: {message}") from None
 
     @property
     def is_greedy(self) -> bool:

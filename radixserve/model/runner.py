@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -81,6 +82,17 @@ class ModelRunner:
             time.perf_counter() - start,
             self.max_total_tokens,
         )
+
+    def info(self) -> dict[str, Any]:
+        """What the server reports about the loaded model and its memory."""
+        return {
+            "model_path": str(self.model_folder),
+            "max_total_num_tokens": self.max_total_tokens,
+            "max_running_requests": self.max_running_requests,
+            "max_req_input_len": min(self.context_len, self.max_total_tokens) - 1,
+            "context_length": self.context_len,
+            "vocab_size": self.vocab_size,
+        }
 
     @property
     def eos_token_ids(self) -> set[int]:

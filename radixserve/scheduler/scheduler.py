@@ -132,14 +132,28 @@ class Scheduler:
         self.runner.allocator.clear()
         return True
 
+    def kv_state(self) -> dict[str, int]:
+        """Where every KV slot is, and how many requests run and wait."""
+        tree = self.tree
+        return {
+            "kv_total": self.runner.allocator.size,
+            "kv_free": self.runner.allocator.num_free,
+            "kv_tree_evictable": tree.evictable_size if tree is not None else 0,
+            "kv_tree_protected": tree.protected_size if tree is not None else 0,
+            "kv_held_by_requests": sum(
+                r.kv_len - r.tree_len for r in self._live() if r.row is not None
+            ),
+            "num_running": len(self.running) + (self.chunked is not None),
+            "num_waiting": len(self.waiting),
+        }
+
     def check_kv_accounting(self) -> None:
         """free + tree + held only by live requests == pool size (a leak is a bug)."""
-        held = sum(r.kv_len - r.tree_len for r in self._live() if r.row is not None)
-        in_tree = self.tree.total_size if self.tree is not None else 0
-        free = self.runner.allocator.num_free
-        total = self.runner.allocator.size
-        assert free + in_tree + held == total, (
-            f"KV accounting broken: free {free} + tree {in_tree} + requests {held} != {total}"
+        s = self.kv_state()
+        in_tree = s["kv_tree_evictable"] + s["kv_tree_protected"]
+        assert s["kv_free"] + in_tree + s["kv_held_by_requests"] == s["kv_total"], (
+            f"KV accounting broken: free {s['kv_free']} + tree {in_tree} + "
+            f"requests {s['kv_held_by_requests']} != {s['kv_total']}"
         )
 
     # -- admission ------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The HTTP server: three processes (tokenizer manager + HTTP, scheduler, detokenizer)."""

@@ -1,0 +1,229 @@
+"""The one module that knows every process: it starts the scheduler and the detokenizer,
+serves HTTP in this (main) process, watches the children, and stops everything together.
+
+- The port is bound before anything loads, so a busy port fails at once.
+- /health answers 503 until both children report Ready, then 200.
+- A child that dies (or fails to start) ends every in-flight request with a 503 error,
+  turns /health to 503, and makes this process exit non-zero.
+- SIGTERM / SIGINT drain: new requests get 503, running ones may finish for up to
+  --shutdown-timeout seconds, then the rest are aborted; a second signal stops at once.
+- Children die with this process (PR_SET_PDEATHSIG, plus a parent check in their loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from radixserve.config import Config
+from radixserve.model.loader import resolve_model_folder
+from radixserve.model.runner import load_config_and_tokenizer
+from radixserve.server.detokenizer import run_detokenizer
+from radixserve.server.http import build_app
+from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
+from radixserve.server.metrics import Metrics
+from radixserve.server.scheduler_process import run_scheduler
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("radixserve.server")
+
+WATCH_INTERVAL_S = 0.2
+CHILD_STOP_TIMEOUT_S = 5.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the launcher decides how to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def served_model_name(config: Config) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    if config.model.model_path is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(config.model.model_path).name.removesuffix(".gguf")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def launch_server(config: Config, log_level: str = "info") -> int:
+    """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
+    process died or failed to start."""
+    sock = bind_socket(config.server.host, config.server.port)
+    folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
+    child_config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, model_path=str(folder))
+    )
+    endpoints = Endpoints.fresh()
+    launcher = Launcher(config, child_config, folder, endpoints, sock, log_level)
+    try:
+        return asyncio.run(launcher.run())
+    finally:
+        launcher.stop_children()
+        endpoints.cleanup()
+        sock.close()
+
+
+class Launcher:
+    def __init__(
+        self,
+        config: Config,
+        child_config: Config,
+        folder: Path,
+        endpoints: Endpoints,
+        sock: socket.socket,
+        log_level: str,
+    ) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.sock = sock
+        self.exit_code = 0
+        self.stopping = False
+        spawn = multiprocessing.get_context("spawn")
+        parent = os.getpid()
+        self.children = {
+            "scheduler": spawn.Process(
+                target=run_scheduler,
+                args=(child_config, endpoints, log_level, parent),
+                name="radixserve-scheduler",
+                daemon=True,
+            ),
+            "detokenizer": spawn.Process(
+                target=run_detokenizer,
+                args=(folder, endpoints, log_level, parent),
+                name="radixserve-detokenizer",
+                daemon=True,
+            ),
+        }
+        self.folder = folder
+
+    async def run(self) -> int:
+        ctx = zmq.asyncio.Context()
+        receiver = AsyncReceiver(ctx, self.endpoints.main)  # bound before children connect
+        for child in self.children.values():
+            child.start()
+        _, tokenizer = load_config_and_tokenizer(self.folder)
+        sync_ctx = zmq.Context()
+        self.manager = TokenizerManager(
+            tokenizer, Sender(sync_ctx, self.endpoints.scheduler), Metrics()
+        )
+        app = build_app(self.manager, self.config, served_model_name(self.config))
+        self.server = _Server(
+            uvicorn.Config(
+                app,
+                log_level=logging.getLevelName(logger.getEffectiveLevel()).lower(),
+                access_log=logger.isEnabledFor(logging.DEBUG),
+                timeout_graceful_shutdown=CHILD_STOP_TIMEOUT_S,
+            )
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+        tasks = [
+            asyncio.create_task(self.manager.receive_loop(receiver)),
+            asyncio.create_task(self.watch()),
+        ]
+        try:
+            await self.server.serve(sockets=[self.sock])
+        finally:
+            for task in tasks:
+                task.cancel()
+            ctx.destroy(linger=0)
+            sync_ctx.destroy(linger=0)
+        return self.exit_code
+
+    async def watch(self) -> None:
+        """Announce readiness once; end everything if a child dies."""
+        announced = False
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.manager.dead is not None and not self.stopping:
+                self.fail(self.manager.dead)  # a child reported it could not start
+            for name, child in self.children.items():
+                if not child.is_alive() and not self.stopping:
+                    self.fail(f"the {name} process exited with code {child.exitcode}")
+            if self.manager.ready and not announced and self.manager.dead is None:
+                announced = True
+                info = self.manager.model_info
+                host, port = self.config.server.host, self.config.server.port
+                logger.info(
+                    "radixserve is ready on http://%s:%d (model %s; KV pool %d tokens; "
+                    "context %d; up to %d running requests)",
+                    host,
+                    port,
+                    info["model_path"],
+                    info["max_total_num_tokens"],
+                    info["context_length"],
+                    info["max_running_requests"],
+                )
+
+    def fail(self, reason: str) -> None:
+        logger.error("stopping: %s", reason)
+        self.stopping = True
+        self.exit_code = 1
+        self.manager.fail_all(reason)
+        self.server.should_exit = True
+
+    def on_signal(self, sig: int) -> None:
+        if self.stopping:  # a second signal: stop now
+            logger.warning("second %s: stopping at once", signal.Signals(sig).name)
+            self.manager.send_abort(None, "the server stopped")
+            self.server.should_exit = True
+            self.server.force_exit = True
+            return
+        logger.info("%s: draining (up to %.0fs)", signal.Signals(sig).name,
+                    self.config.server.shutdown_timeout)  # fmt: skip
+        self.stopping = True
+        self.manager.draining = True
+        asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        deadline = time.monotonic() + self.config.server.shutdown_timeout
+        while self.manager.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.manager.pending:
+            logger.warning("aborting %d unfinished requests", len(self.manager.pending))
+            self.manager.send_abort(None, "the server is shutting down")
+            abort_deadline = time.monotonic() + 2.0
+            while self.manager.pending and time.monotonic() < abort_deadline:
+                await asyncio.sleep(0.05)
+        self.server.should_exit = True
+
+    def stop_children(self) -> None:
+        for child in self.children.values():
+            if child.is_alive():
+                child.terminate()
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+        for child in self.children.values():
+            if child.pid is not None:
+                child.join(max(deadline - time.monotonic(), 0.1))
+            if child.is_alive():
+                child.kill()
+                child.join(1.0)

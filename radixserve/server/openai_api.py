@@ -1,0 +1,300 @@
+"""The OpenAI-compatible API: request models (validated by pydantic, unknown fields refused
+as OpenAI does), their translation into native sequences, and the response and stream-chunk
+shapes of /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from radixserve.core.req import Req
+from radixserve.native import expand_request
+from radixserve.server.errors import bad_request
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share: OpenAI's, then the extras SGLang accepts."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | dict | None = None
+    ebnf: str | None = None
+    rid: str | None = None
+    priority: int | None = None
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        if self.regex or self.json_schema or self.ebnf:
+            raise bad_request(
+                "constrained decoding (regex, json_schema, ebnf) is not supported yet"
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(
+                f"response_format {self.response_format.type!r} is not supported yet",
+                param="response_format",
+            )
+        return {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "logit_bias": self.logit_bias,
+            "sampling_seed": self.seed,
+            "n": self.n,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tool calling is not supported")
+        return self
+
+
+# -- requests → native sequences ------------------------------------------------------------
+def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]]) -> list[Req]:
+    prompt = body.prompt
+    if prompt == [] or prompt == "":
+        raise bad_request("prompt is empty", param="prompt")
+    texts = prompt if isinstance(prompt, str) or isinstance(prompt[0], str) else None
+    ids = None if texts is not None else prompt
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    lp = body.logprobs
+    try:
+        return expand_request(
+            encode,
+            texts,
+            body.sampling_params(max_tokens),
+            ids,
+            return_logprob=lp is not None,
+            logprob_start_len=0 if (body.echo and lp is not None) else -1,
+            top_logprobs_num=lp or 0,
+            rid=body.rid,
+            priority=body.priority,
+        ).reqs
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from None
+    if tokenizer.chat_template is None:
+        raise bad_request("this model has no chat template; use /v1/completions")
+    last_is_assistant = messages[-1]["role"] == "assistant" and body.continue_final_message
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=not last_is_assistant,
+        continue_final_message=last_is_assistant,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_reqs(body: ChatCompletionRequest, tokenizer: Any, max_context: int) -> list[Req]:
+    ids = chat_prompt_ids(body, tokenizer)
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    if max_tokens is None:  # OpenAI's default: whatever the context leaves
+        max_tokens = max(max_context - len(ids), 0)
+    try:
+        return expand_request(
+            tokenizer.encode,
+            None,
+            body.sampling_params(max_tokens),
+            ids,
+            return_logprob=body.logprobs,
+            top_logprobs_num=body.top_logprobs or 0,
+            rid=body.rid,
+            priority=body.priority,
+        ).reqs
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+# -- responses ------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    reason = meta["finish_reason"]
+    if reason is None:
+        return {"finish_reason": None, "matched_stop": None}
+    return {"finish_reason": FINISH_REASONS[reason["type"]], "matched_stop": reason.get("matched")}
+
+
+def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Prompt and cached tokens counted once per prompt (not n times)."""
+    metas = [r["meta_info"] for r in results]
+    prompt = sum(m["prompt_tokens"] for m in metas[::n])
+    completion = sum(m["completion_tokens"] for m in metas)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in metas[::n])},
+    }
+
+
+class CompletionLogprobs:
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+
+    def build(
+        self, entries: list[list[Any]], tops: list[list[list[Any]]], offset: int
+    ) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for _, tid, _ in entries:
+            text = self.decode([tid])
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        top = [  # the first prompt token has no logprob and no alternatives
+            None if e[0] is None else {self.decode([x[1]]): x[0] for x in t}
+            for e, t in zip(entries, tops)
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[0] for e in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+def completion_logprobs(
+    meta: dict[str, Any], decode: Callable[[list[int]], str], echo: bool, start: int = 0
+) -> dict[str, Any]:
+    """Logprobs of the output from token `start` on, led by the prompt's when echoing."""
+    entries = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [[]] * (start + len(entries)))[start:]
+    if echo and start == 0:
+        entries = meta.get("input_token_logprobs", []) + entries
+        prompt_tops = meta.get("input_top_logprobs", [])
+        tops = (prompt_tops or [[]] * (len(entries) - len(tops))) + tops
+    return CompletionLogprobs(decode).build(entries, tops, 0)
+
+
+def chat_logprobs(
+    meta: dict[str, Any], decode: Callable[[list[int]], str], start: int = 0
+) -> dict[str, Any]:
+    entries = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:] or [[] for _ in entries]
+
+    def token(tid: int, lp: float | None) -> dict[str, Any]:
+        text = decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**token(tid, lp), "top_logprobs": [token(t[1], t[0]) for t in top]}
+            for (lp, tid, _), top in zip(entries, tops)
+        ]
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,227 @@
+"""The main process's side of the engine: tokenizes requests, sends them to the scheduler,
+and routes the detokenizer's results back to the HTTP handler waiting for each request.
+
+Every request is registered in `pending` until its final result; if the HTTP side goes
+away first (client disconnect, error), `Call.close` aborts what is still running so its KV
+is freed. When the scheduler or detokenizer dies, `fail_all` ends every waiter with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.core.req import Req
+from radixserve.server.errors import APIError, EngineUnavailable, bad_request
+from radixserve.server.ipc import AsyncReceiver, Sender
+from radixserve.server.messages import (
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    Failed,
+    GenerateReq,
+    Ready,
+    Rejected,
+    SchedulerState,
+    StrOut,
+    StrOutBatch,
+)
+from radixserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Track:
+    """One running sequence as the main process sees it."""
+
+    call: Call
+    index: int
+    start: float = field(default_factory=time.perf_counter)
+    last: float | None = None  # when its latest tokens arrived
+    tokens: int = 0
+
+
+class Call:
+    """The sequences of one HTTP request; results arrive on one queue as (index, StrOut)."""
+
+    def __init__(self, manager: TokenizerManager, reqs: list[Req]) -> None:
+        self.manager = manager
+        self.reqs = reqs
+        self.queue: asyncio.Queue[tuple[int, StrOut] | APIError] = asyncio.Queue()
+        self.unfinished = {req.rid for req in reqs}
+
+    async def stream(self) -> AsyncIterator[tuple[int, StrOut]]:
+        """(index, output) as they come, until every sequence has finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, APIError):
+                raise item
+            index, out = item
+            if out.finished:
+                self.unfinished.discard(out.rid)
+            yield index, out
+
+    async def results(self) -> list[dict[str, Any]]:
+        """The final native result of every sequence, in request order."""
+        final: list[dict[str, Any] | None] = [None] * len(self.reqs)
+        async for index, out in self.stream():
+            if out.finished:
+                final[index] = out.result
+        return final  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Abort whatever has not finished (the client left or an error ended the call)."""
+        for rid in self.unfinished:
+            if self.manager.pending.pop(rid, None) is not None:
+                self.manager.send_abort(rid, "the client disconnected")
+        self.unfinished.clear()
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, to_scheduler: Sender, metrics: Metrics) -> None:
+        self.tokenizer = tokenizer
+        self.model_info: dict[str, Any] = {}  # from the scheduler's Ready
+        self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
+        self.to_scheduler = to_scheduler
+        self.metrics = metrics
+        self.pending: dict[str, _Track] = {}
+        self.controls: dict[int, asyncio.Future] = {}
+        self.call_ids = itertools.count()
+        self.scheduler_state: dict[str, int] = {}
+        self.dead: str | None = None  # why the engine is gone
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.starting
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence (prompt + output) a request may have."""
+        info = self.model_info
+        return min(info["context_length"], info["max_total_num_tokens"])
+
+    def on_ready(self, msg: Ready) -> None:
+        if msg.role == "scheduler":
+            self.model_info = msg.info
+        self.starting.discard(msg.role)
+
+    # -- requests -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def check_context(self, req: Req) -> None:
+        prompt, new = len(req.input_ids), req.params.max_new_tokens
+        if prompt + new > self.context_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.context_len} tokens. However, "
+                f"you requested {prompt + new} tokens ({prompt} in the prompt, {new} for the "
+                "completion). Please reduce the prompt or the completion length.",
+                code="context_length_exceeded",
+            )
+
+    def submit(
+        self, reqs: list[Req], return_text_in_logprobs: bool = False, stream: bool = False
+    ) -> Call:
+        """Send the sequences to the scheduler; the caller must `close()` the call."""
+        self.check_available()
+        for req in reqs:
+            self.check_context(req)
+            if req.rid in self.pending:
+                raise bad_request(f"a request with rid {req.rid!r} is already running", "rid")
+        call = Call(self, reqs)
+        for index, req in enumerate(reqs):
+            self.pending[req.rid] = _Track(call, index)
+            self.to_scheduler.send(GenerateReq.from_req(req, return_text_in_logprobs, stream))
+        return call
+
+    def check_available(self) -> None:
+        if not self.ready:
+            raise EngineUnavailable("the server is starting: the model is still loading")
+        if self.dead is not None:
+            raise EngineUnavailable(f"the engine is not running: {self.dead}")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down and takes no new requests")
+
+    def send_abort(self, rid: str | None, message: str = "aborted by the client") -> None:
+        if self.dead is None:
+            self.to_scheduler.send(AbortReq(rid, message))
+
+    async def control(self, op: str, timeout: float = 30.0) -> Any:
+        self.check_available()
+        call_id = next(self.call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self.controls[call_id] = future
+        self.to_scheduler.send(ControlReq(call_id, op))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.controls.pop(call_id, None)
+
+    # -- results --------------------------------------------------------------------------
+    async def receive_loop(self, receiver: AsyncReceiver) -> None:
+        while True:
+            msg = await receiver.recv()
+            if isinstance(msg, StrOutBatch):
+                for out in msg.outputs:
+                    self._on_output(out)
+            elif isinstance(msg, Rejected):
+                self._on_rejected(msg)
+            elif isinstance(msg, ControlReply):
+                future = self.controls.get(msg.call_id)
+                if future is not None and not future.done():
+                    future.set_result(msg.result)
+            elif isinstance(msg, Ready):
+                self.on_ready(msg)
+            elif isinstance(msg, Failed):
+                self.fail_all(f"the {msg.role} failed to start: {msg.message}")
+            elif isinstance(msg, SchedulerState):
+                self.scheduler_state = msg.state
+                self.metrics.set_scheduler_state(msg.state)
+            else:
+                logger.warning("ignoring an unexpected %s", type(msg).__name__)
+
+    def _on_output(self, out: StrOut) -> None:
+        track = self.pending.get(out.rid)
+        if track is None:  # aborted by its client; the scheduler's last word on it
+            return
+        now = time.perf_counter()
+        new = out.completion_tokens - track.tokens
+        if new > 0:
+            if track.last is None:
+                self.metrics.ttft.observe(now - track.start)
+            else:
+                for _ in range(new):
+                    self.metrics.itl.observe((now - track.last) / new)
+            self.metrics.generated_tokens.inc(new)
+            track.tokens, track.last = out.completion_tokens, now
+        if out.finished:
+            del self.pending[out.rid]
+            meta = out.result["meta_info"]
+            meta["e2e_latency"] = now - track.start
+            self.metrics.e2e.observe(now - track.start)
+            self.metrics.prompt_tokens.inc(meta["prompt_tokens"])
+            self.metrics.cached_tokens.inc(meta["cached_tokens"])
+            self.metrics.requests.labels(meta["finish_reason"]["type"]).inc()
+        track.call.queue.put_nowait((track.index, out))
+
+    def _on_rejected(self, msg: Rejected) -> None:
+        track = self.pending.pop(msg.rid, None)
+        if track is not None:
+            track.call.queue.put_nowait(APIError(msg.status, msg.message))
+
+    def fail_all(self, reason: str) -> None:
+        """The engine is gone: every waiter ends with a 503 naming why."""
+        self.dead = reason
+        for track in self.pending.values():
+            track.call.queue.put_nowait(EngineUnavailable(f"the engine stopped: {reason}"))
+        self.pending.clear()
+        for future in self.controls.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(f"the engine stopped: {reason}"))
