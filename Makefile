@@ -3,7 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= What is the capital of France?
+HOST ?= 127.0.0.1
+PORT ?= 30000
 
 .PHONY: serve test lint bench setup
 
@@ -19,7 +20,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/radixserve generate --prompt "$(PROMPT)"
+	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check radixserve tests scripts

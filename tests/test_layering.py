@@ -9,10 +9,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "radixserve"
 FORBIDDEN = {
-    "core": ("cache", "model", "scheduler", "server", "engine", "output", "bench"),
-    "cache": ("model", "scheduler", "server", "engine", "output", "bench"),
-    "model": ("scheduler", "server", "engine", "output", "bench"),
-    "scheduler": ("server", "engine", "bench"),
+    "core": ("cache", "model", "scheduler", "server", "engine", "output", "native", "bench"),
+    "cache": ("model", "scheduler", "server", "engine", "output", "native", "bench"),
+    "model": ("scheduler", "server", "engine", "output", "native", "bench"),
+    "scheduler": ("server", "engine", "native", "bench"),
+    "server": ("engine", "bench", "cli"),
 }
 
 
@@ -38,3 +39,11 @@ def test_layer_imports_only_lower_layers(layer):
                     f"{file.relative_to(PACKAGE.parent)} imports {name}: "
                     f"radixserve/{layer} must not depend on radixserve/{parts[1]}"
                 )
+
+
+def test_only_the_launch_module_knows_every_process():
+    roles = {"radixserve.server.scheduler_process", "radixserve.server.detokenizer"}
+    knowers = [
+        file.name for file in sorted(PACKAGE.rglob("*.py")) if roles & imported_modules(file)
+    ]
+    assert knowers == ["launch.py"], knowers

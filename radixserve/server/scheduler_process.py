@@ -4,6 +4,7 @@ the main process, and sends each step's new tokens to the detokenizer."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import zmq
@@ -114,7 +115,7 @@ class SchedulerLoop:
         raise ValueError(f"unknown control op {op!r}")
 
     def state(self) -> dict[str, int]:
-        return {**self.scheduler.stats, **self.scheduler.kv_state()}
+        return {**self.scheduler.stats, **self.scheduler.kv_state(), "pid": os.getpid()}
 
     def publish_state(self) -> None:
         now = time.monotonic()

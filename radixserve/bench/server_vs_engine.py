@@ -1,0 +1,156 @@
+"""The same shared-prefix workload through the HTTP server (`radixserve serve`, a subprocess,
+native /generate from concurrent clients) and through the offline Engine, alternating in one
+run; prints each side's output throughput and the server's share of the Engine's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from radixserve.bench.offline import PARTS, Row, shared_prefix_prompts
+from radixserve.config import add_config_args, config_from_args
+
+STARTUP_TIMEOUT_S = 300
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-groups", type=int, default=8)
+    parser.add_argument("--prompts-per-group", type=int, default=8)
+    parser.add_argument("--system-prompt-len", type=int, default=512)
+    parser.add_argument("--question-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64, help="clients at once")
+    parser.add_argument("--stream", action="store_true", help="clients stream their results")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    add_config_args(parser, PARTS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from radixserve.engine import Engine
+
+    config = config_from_args(args, PARTS)
+    flat = config.to_flat()
+    engine_kwargs = {k: flat[k] for part in PARTS for k in part.__dataclass_fields__}
+    params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+    body = {"sampling_params": params, "stream": args.stream}
+    server_flags = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in engine_kwargs.items()
+        if v is not None and not isinstance(v, bool)
+    ] + [f"--{k.replace('_', '-')}" for k, v in engine_kwargs.items() if v is True]
+    engine_rows: list[Row] = []
+    server_rows: list[Row] = []
+    prompts: list[list[int]] = []
+    for round_ in range(args.rounds):
+        with Engine(progress=round_ == 0, **engine_kwargs) as engine:
+            prompts = prompts or shared_prefix_prompts(args, engine.runner.vocab_size)
+            engine.generate(input_ids=prompts[0][:16], sampling_params=params)  # warm-up
+            engine.flush_cache()
+            start = time.perf_counter()
+            results = engine.generate(input_ids=prompts, sampling_params=params)
+            engine_rows.append(_row("offline Engine", time.perf_counter() - start, results))
+        with _Server(server_flags) as url:
+            _post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
+            _post(url + "/flush_cache", None)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                results = list(pool.map(lambda p: _post(url, {**body, "input_ids": p}), prompts))
+            server_rows.append(_row("HTTP server", time.perf_counter() - start, results))
+        print(
+            f"round {round_ + 1}: engine {engine_rows[-1].output_throughput:.1f} out tok/s, "
+            f"server {server_rows[-1].output_throughput:.1f} out tok/s",
+            flush=True,
+        )
+    _print(args, engine_rows, server_rows)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"engine": [asdict(r) for r in engine_rows],
+                       "server": [asdict(r) for r in server_rows]}, f, indent=2)  # fmt: skip
+    return 0
+
+
+def _row(name: str, seconds: float, results: list[dict]) -> Row:
+    metas = [r["meta_info"] for r in results]
+    return Row(
+        name,
+        seconds,
+        sum(m["completion_tokens"] for m in metas),
+        sum(m["prompt_tokens"] for m in metas),
+        sum(m["cached_tokens"] for m in metas),
+    )
+
+
+def _post(url: str, body: dict | None) -> dict:
+    """POST to /generate (or `url` itself when body is None); for a stream, the last chunk."""
+    if body is None:
+        urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60).read()
+        return {}
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(
+        url + "/generate", data, {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        if not body.get("stream"):
+            return json.loads(response.read())
+        last = None
+        for line in response:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                last = json.loads(line[6:])
+        return last
+
+
+class _Server:
+    """`radixserve serve` on a free loopback port, stopped on exit."""
+
+    def __init__(self, flags: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "radixserve", "--log-level", "warning", "serve"]
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *flags], env=os.environ)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=10)
+                return self.url
+            except (urllib.error.URLError, OSError):  # refused, 503 while loading, timeout
+                time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError("the server did not become healthy")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _print(args: argparse.Namespace, engine: list[Row], server: list[Row]) -> None:
+    e = statistics.median(r.output_throughput for r in engine)
+    s = statistics.median(r.output_throughput for r in server)
+    hit = [r.cached_tokens / r.prompt_tokens for r in server]
+    print(
+        f"\nshared-prefix workload: {args.num_groups} groups x {args.prompts_per_group} prompts, "
+        f"system {args.system_prompt_len} + question {args.question_len} tokens, "
+        f"{args.output_len} output tokens; server clients: {args.concurrency} concurrent, "
+        f"{'streaming' if args.stream else 'non-streaming'}; medians of {args.rounds} rounds"
+    )
+    print(f"{'run':<18}{'out tok/s':>11}{'rounds':>30}")
+    print(f"{'offline Engine':<18}{e:>11.1f}   {[round(r.output_throughput, 1) for r in engine]}")
+    print(f"{'HTTP server':<18}{s:>11.1f}   {[round(r.output_throughput, 1) for r in server]}")
+    print(f"server / engine: {s / e:.2f}  (server cache hit rate {statistics.median(hit):.1%})")

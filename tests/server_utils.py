@@ -1,0 +1,83 @@
+"""Starting the real server (`radixserve serve`) as a subprocess on a free loopback port,
+for end-to-end tests. The process and its children are always stopped at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`radixserve serve` with the given flags; `url` once `/health` answers 200."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *flags]
+        self.log_path = log
+        self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.children: list[psutil.Process] = []
+
+    def wait_ready(self, headers: dict[str, str] | None = None) -> ServerProcess:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.logs()}")
+            try:
+                if requests.get(self.url + "/health", timeout=10).status_code == 200:
+                    self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                    return self
+            except requests.RequestException:  # refused, or slow while the machine is busy
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the server did not become healthy: {self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text()[-4000:] if self.log_path else "(no log kept)"
+
+    def scheduler_pid(self, headers: dict[str, str] | None = None) -> int:
+        info = requests.get(self.url + "/get_server_info", headers=headers, timeout=10).json()
+        return info["internal_states"][0]["pid"]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for child in self.children:  # never leave an orphan behind, even when a test fails
+            if child.is_running():
+                child.kill()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
