@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,7 +72,6 @@ class AbortRequest(BaseModel):
 def build_app(manager: TokenizerManager, config: Config, model_name: str) -> FastAPI:
     app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None)
     api_key = config.server.resolved_api_key
-    tokenizer = manager.tokenizer
 
     # -- errors and auth ------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -112,8 +112,8 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        ids = tokenizer.encode("ping") or [0]
-        reqs = expand_request(tokenizer.encode, None, {"max_new_tokens": 1}, ids).reqs
+        ids = manager.tokenizer.encode("ping") or [0]
+        reqs = expand_request(manager.tokenizer.encode, None, {"max_new_tokens": 1}, ids).reqs
         call = manager.submit(reqs)
         try:
             await asyncio.wait_for(call.results(), HEALTH_GENERATE_TIMEOUT_S)
@@ -171,7 +171,9 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse(request, TokenizeRequest)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        tokens = [tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+        tokens = [
+            manager.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts
+        ]
         out = tokens[0] if isinstance(body.prompt, str) else tokens
         return {"tokens": out, "count": sum(map(len, tokens)), "max_model_len": manager.context_len}
 
@@ -181,17 +183,17 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
         bad = [t for t in body.tokens if not 0 <= t < manager.model_info["vocab_size"]]
         if bad:
             raise bad_request(f"tokens outside the vocabulary: {bad[:8]}", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": manager.tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
         return {
-            "eos_token": tokenizer.eos_token,
-            "bos_token": tokenizer.bos_token,
-            "pad_token": tokenizer.pad_token,
-            "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "chat_template": tokenizer.chat_template,
+            "eos_token": manager.tokenizer.eos_token,
+            "bos_token": manager.tokenizer.bos_token,
+            "pad_token": manager.tokenizer.pad_token,
+            "eos_token_id": manager.tokenizer.eos_token_id,
+            "bos_token_id": manager.tokenizer.bos_token_id,
+            "chat_template": manager.tokenizer.chat_template,
             "vocab_size": manager.model_info["vocab_size"],
         }
 
@@ -260,7 +262,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
         for index, (req, result) in enumerate(zip(reqs, results)):
             text = result["text"]
             if body.echo:
-                text = tokenizer.decode(req.input_ids) + text
+                text = manager.tokenizer.decode(req.input_ids) + text
             logprobs = None
             if body.logprobs is not None:
                 logprobs = oai.completion_logprobs(result["meta_info"], decode, body.echo)
@@ -286,7 +288,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, oai.ChatCompletionRequest)
-        reqs = oai.chat_reqs(body, tokenizer, manager.context_len)
+        reqs = oai.chat_reqs(body, manager.tokenizer, manager.context_len)
         call = manager.submit(reqs, return_text_in_logprobs=False, stream=body.stream)
         if body.stream:
             return await sse(request, chat_stream(call, body), call)
@@ -315,7 +317,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
 
     # -- streams --------------------------------------------------------------------------
     def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids)
+        return manager.tokenizer.decode(ids)
 
     async def native_stream(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:
         async for index, out in call.stream():
@@ -327,96 +329,93 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     async def completion_stream(
         call: Call, body: oai.CompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        cid, created = oai.new_id("cmpl"), oai.now()
-        model = body.model or model_name
-        sent_text = [0] * len(call.reqs)
-        sent_lp = [0] * len(call.reqs)
+        head = {"id": oai.new_id("cmpl"), "object": "text_completion", "created": oai.now()}
+        head["model"] = body.model or model_name
+        sent = _Sent(len(call.reqs))
         finals: list[dict[str, Any]] = [{}] * len(call.reqs)
         async for index, out in call.stream():
-            result = out.result
-            text = result["text"][sent_text[index] :]
-            if body.echo and sent_text[index] == 0 and sent_lp[index] == 0:
-                text = tokenizer.decode(call.reqs[index].input_ids) + text
+            delta = sent.advance(index, out.result, body.logprobs is not None, body.echo)
+            if delta is None:
+                continue
+            text, meta = delta.text, out.result["meta_info"]
+            echo = body.echo and delta.first
+            if echo:
+                text = decode(call.reqs[index].input_ids) + text
             logprobs = None
             if body.logprobs is not None:
-                meta = result["meta_info"]
-                logprobs = oai.completion_logprobs(
-                    meta, decode, body.echo and sent_lp[index] == 0, sent_lp[index]
-                )
-                sent_lp[index] = len(meta["output_token_logprobs"])
-            sent_text[index] = len(result["text"])
-            fields = oai.finish_fields(result["meta_info"])
-            if not text and fields["finish_reason"] is None:
-                continue
+                logprobs = oai.completion_logprobs(meta, decode, echo, delta.logprob_start)
             if out.finished:
-                finals[index] = result
-            choice = {"index": index, "text": text, "logprobs": logprobs, **fields}
-            yield {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
+                finals[index] = out.result
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+            yield {**head, "choices": [{**choice, **oai.finish_fields(meta)}]}
         if body.include_usage:
-            yield {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": oai.usage(finals, body.n),
-            }
+            yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
 
     async def chat_stream(
         call: Call, body: oai.ChatCompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        cid, created = oai.new_id("chatcmpl"), oai.now()
-        model = body.model or model_name
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                **extra,
-            }
-
-        sent_role = False
-        sent_text = [0] * len(call.reqs)
-        sent_lp = [0] * len(call.reqs)
+        head = {"id": oai.new_id("chatcmpl"), "object": "chat.completion.chunk"}
+        head |= {"created": oai.now(), "model": body.model or model_name}
+        sent = _Sent(len(call.reqs))
         finals: list[dict[str, Any]] = [{}] * len(call.reqs)
+        roles_sent = False
         async for index, out in call.stream():
-            if not sent_role:  # after the first output, so a refused request gets its status
-                sent_role = True
+            if not roles_sent:  # after the first output, so a refused call gets its status
+                roles_sent = True
                 for i in range(len(call.reqs)):
                     role = {"role": "assistant", "content": ""}
-                    yield chunk(
-                        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
-                    )
-            result = out.result
-            text = result["text"][sent_text[index] :]
-            sent_text[index] = len(result["text"])
+                    choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                    yield {**head, "choices": [choice]}
+            delta = sent.advance(index, out.result, body.logprobs, echo=False)
+            if delta is None:
+                continue
+            meta = out.result["meta_info"]
             logprobs = None
             if body.logprobs:
-                logprobs = oai.chat_logprobs(result["meta_info"], decode, sent_lp[index])
-                sent_lp[index] = len(result["meta_info"]["output_token_logprobs"])
-            fields = oai.finish_fields(result["meta_info"])
-            if not text and fields["finish_reason"] is None:
-                continue
+                logprobs = oai.chat_logprobs(meta, decode, delta.logprob_start)
             if out.finished:
-                finals[index] = result
-            delta = {"content": text} if text else {}
-            yield chunk([{"index": index, "delta": delta, "logprobs": logprobs, **fields}])
+                finals[index] = out.result
+            content = {"content": delta.text} if delta.text else {}
+            choice = {"index": index, "delta": content, "logprobs": logprobs}
+            yield {**head, "choices": [{**choice, **oai.finish_fields(meta)}]}
         if body.include_usage:
-            yield chunk([], usage=oai.usage(finals, body.n))
+            yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
 
     return app
 
 
 STARTED = oai.now()
+
+
+@dataclass
+class _Delta:
+    text: str  # new text since the last chunk of this sequence
+    logprob_start: int  # its first output-logprob entry not sent yet
+    first: bool  # the sequence's first chunk
+
+
+class _Sent:
+    """What an OpenAI stream has sent of each sequence, so each chunk carries only news: new
+    text (the growth of the cumulative text, so held-back stop prefixes never leak) and new
+    logprob entries (sent even when their text is still held back)."""
+
+    def __init__(self, n: int) -> None:
+        self.text = [0] * n
+        self.logprobs = [0] * n
+        self.started = [False] * n
+
+    def advance(self, index: int, result: dict[str, Any], logprobs: bool, echo: bool):
+        meta = result["meta_info"]
+        text = result["text"][self.text[index] :]
+        start = self.logprobs[index]
+        end = len(meta.get("output_token_logprobs", ())) if logprobs else start
+        first = not self.started[index]
+        if not (text or end > start or meta["finish_reason"] is not None or (echo and first)):
+            return None
+        self.text[index] = len(result["text"])
+        self.logprobs[index] = end
+        self.started[index] = True
+        return _Delta(text, start, first)
 
 
 def check_token_ids(ids: list[int], manager: TokenizerManager) -> None:

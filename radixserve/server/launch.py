@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import Config
-from radixserve.model.loader import resolve_model_folder
+from radixserve.model.loader import ModelLoadError, resolve_model_folder
 from radixserve.model.runner import load_config_and_tokenizer
 from radixserve.server.detokenizer import run_detokenizer
 from radixserve.server.http import build_app
@@ -77,12 +77,8 @@ def launch_server(config: Config, log_level: str = "info") -> int:
     """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
     process died or failed to start."""
     sock = bind_socket(config.server.host, config.server.port)
-    folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
-    child_config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, model_path=str(folder))
-    )
     endpoints = Endpoints.fresh()
-    launcher = Launcher(config, child_config, folder, endpoints, sock, log_level)
+    launcher = Launcher(config, endpoints, sock, log_level)
     try:
         return asyncio.run(launcher.run())
     finally:
@@ -93,47 +89,21 @@ def launch_server(config: Config, log_level: str = "info") -> int:
 
 class Launcher:
     def __init__(
-        self,
-        config: Config,
-        child_config: Config,
-        folder: Path,
-        endpoints: Endpoints,
-        sock: socket.socket,
-        log_level: str,
+        self, config: Config, endpoints: Endpoints, sock: socket.socket, log_level: str
     ) -> None:
         self.config = config
         self.endpoints = endpoints
         self.sock = sock
+        self.log_level = log_level
         self.exit_code = 0
         self.stopping = False
-        spawn = multiprocessing.get_context("spawn")
-        parent = os.getpid()
-        self.children = {
-            "scheduler": spawn.Process(
-                target=run_scheduler,
-                args=(child_config, endpoints, log_level, parent),
-                name="radixserve-scheduler",
-                daemon=True,
-            ),
-            "detokenizer": spawn.Process(
-                target=run_detokenizer,
-                args=(folder, endpoints, log_level, parent),
-                name="radixserve-detokenizer",
-                daemon=True,
-            ),
-        }
-        self.folder = folder
+        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
 
     async def run(self) -> int:
         ctx = zmq.asyncio.Context()
         receiver = AsyncReceiver(ctx, self.endpoints.main)  # bound before children connect
-        for child in self.children.values():
-            child.start()
-        _, tokenizer = load_config_and_tokenizer(self.folder)
         sync_ctx = zmq.Context()
-        self.manager = TokenizerManager(
-            tokenizer, Sender(sync_ctx, self.endpoints.scheduler), Metrics()
-        )
+        self.manager = TokenizerManager(Sender(sync_ctx, self.endpoints.scheduler), Metrics())
         app = build_app(self.manager, self.config, served_model_name(self.config))
         self.server = _Server(
             uvicorn.Config(
@@ -148,16 +118,49 @@ class Launcher:
             loop.add_signal_handler(sig, self.on_signal, sig)
         tasks = [
             asyncio.create_task(self.manager.receive_loop(receiver)),
+            asyncio.create_task(self.start()),
             asyncio.create_task(self.watch()),
         ]
         try:
-            await self.server.serve(sockets=[self.sock])
+            await self.server.serve(sockets=[self.sock])  # /health is 503 until ready
         finally:
             for task in tasks:
                 task.cancel()
             ctx.destroy(linger=0)
             sync_ctx.destroy(linger=0)
         return self.exit_code
+
+    async def start(self) -> None:
+        """Convert the model if needed, start the children, load the tokenizer; all while
+        HTTP already answers (503 "starting")."""
+        config = self.config
+        try:
+            folder = await asyncio.to_thread(
+                resolve_model_folder, config.model.model_path, config.model.cache_dir
+            )
+            child_config = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, model_path=str(folder))
+            )
+            spawn = multiprocessing.get_context("spawn")
+            parent = os.getpid()
+            roles = {
+                "scheduler": (run_scheduler, child_config),
+                "detokenizer": (run_detokenizer, folder),
+            }
+            for role, (target, first_arg) in roles.items():
+                child = spawn.Process(
+                    target=target,
+                    args=(first_arg, self.endpoints, self.log_level, parent),
+                    name=f"radixserve-{role}",
+                    daemon=True,
+                )
+                child.start()
+                self.children[role] = child
+            _, tokenizer = await asyncio.to_thread(load_config_and_tokenizer, folder)
+        except (ModelLoadError, ValueError, OSError) as e:
+            self.fail(f"cannot start: {e}")
+            return
+        self.manager.tokenizer = tokenizer
 
     async def watch(self) -> None:
         """Announce readiness once; end everything if a child dies."""
@@ -222,8 +225,7 @@ class Launcher:
                 child.terminate()
         deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
         for child in self.children.values():
-            if child.pid is not None:
-                child.join(max(deadline - time.monotonic(), 0.1))
+            child.join(max(deadline - time.monotonic(), 0.1))
             if child.is_alive():
                 child.kill()
                 child.join(1.0)

@@ -84,8 +84,8 @@ class Call:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, to_scheduler: Sender, metrics: Metrics) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, to_scheduler: Sender, metrics: Metrics) -> None:
+        self.tokenizer: Any = None  # loaded by the launcher while the children start
         self.model_info: dict[str, Any] = {}  # from the scheduler's Ready
         self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
         self.to_scheduler = to_scheduler
@@ -99,7 +99,7 @@ class TokenizerManager:
 
     @property
     def ready(self) -> bool:
-        return not self.starting
+        return not self.starting and self.tokenizer is not None
 
     @property
     def context_len(self) -> int:
