@@ -57,6 +57,9 @@ class SamplingParams:
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
         params = {k: v for k, v in params.items() if v is not None}
+        for key in NOT_SUPPORTED_YET & set(params):  # the frontend sends "stop_regex": []
+            if not params[key]:
+                del params[key]
         not_yet = sorted(set(params) & NOT_SUPPORTED_YET)
         if not_yet:
             raise ValueError(f"sampling parameter(s) not supported yet: {', '.join(not_yet)}")
