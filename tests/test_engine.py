@@ -5,6 +5,7 @@ tokens reported; KV accounting exact after every scenario."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -139,6 +140,11 @@ def test_stop_conditions_and_finish_reasons(tiny_model_dirs, expected):
             input_ids=PROMPTS[2], sampling_params=greedy(stop=[stop], no_stop_trim=True)
         )
         assert stop in kept["text"]
+        # the same stop as a regex, with a character class: trimmed at its first match
+        pattern = re.escape(stop[:-1]) + "[" + re.escape(stop[-1]) + "]"
+        by_re = engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(stop_regex=pattern))
+        assert by_re["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert by_re["text"] == by_str["text"]
 
     held = engine.generate(
         input_ids=PROMPTS[2],

@@ -7,6 +7,7 @@ range raises `ValueError` naming the field; the server turns that into a 400.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ import msgspec
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
 # in the native API, refused with a clear message until constrained decoding lands
-NOT_SUPPORTED_YET = frozenset({"json_schema", "regex", "ebnf", "stop_regex"})
+NOT_SUPPORTED_YET = frozenset({"json_schema", "regex", "ebnf"})
 
 
 def _token_key(key: Any) -> Any:
@@ -34,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # stop when the output matches one
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -45,6 +47,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         self.verify()
 
@@ -57,7 +61,7 @@ class SamplingParams:
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
         params = {k: v for k, v in params.items() if v is not None}
-        for key in NOT_SUPPORTED_YET & set(params):  # the frontend sends "stop_regex": []
+        for key in NOT_SUPPORTED_YET & set(params):  # empty means "no constraint"
             if not params[key]:
                 del params[key]
         not_yet = sorted(set(params) & NOT_SUPPORTED_YET)
@@ -67,8 +71,9 @@ class SamplingParams:
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        if isinstance(params.get("stop"), str):
-            params["stop"] = [params["stop"]]
+        for key in ("stop", "stop_regex"):
+            if isinstance(params.get(key), str):
+                params[key] = [params[key]]
         if isinstance(params.get("logit_bias"), dict):  # JSON object keys are strings
             params["logit_bias"] = {_token_key(k): v for k, v in params["logit_bias"].items()}
         try:
@@ -102,6 +107,11 @@ class SamplingParams:
         check(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
         check(self.n >= 1, "n", "must be >= 1")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}") from None
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

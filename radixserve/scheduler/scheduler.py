@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -389,6 +390,13 @@ class Scheduler:
             for stop in p.stop:
                 if stop in tail:
                     req.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if p.stop_regex:  # a match may span any length: search the whole output
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for pattern in p.stop_regex:
+                match = re.search(pattern, text)
+                if match and match.group(0):
+                    req.finish_reason = {"type": "stop", "matched": match.group(0)}
                     return
         if n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len:
             req.finish_reason = {"type": "length", "length": n}
