@@ -440,7 +440,7 @@ def test_fork_shares_prefix(url):
     prefix = long_prefix("astronomy")
     prefix_len = len(tokenize(url, prefix))
     assert prefix_len >= 200, prefix_len
-    params = {"max_new_tokens": 4, "temperature": 0}
+    params = {"max_new_tokens": 2, "temperature": 0}
     first = generate(
         url, {"text": prefix + "\n\nQuestion: what is a star?", "sampling_params": params}
     )
@@ -498,10 +498,18 @@ def bench_body(prompt_key: str, prompt: Any) -> dict[str, Any]:
     }
 
 
+STREAM_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@pytest.fixture(scope="module")
+def plain_result(url) -> dict[str, Any]:
+    """The non-streaming answer to bench_serving's request (shared by both prompt kinds)."""
+    return generate(url, {**bench_body("text", STREAM_PROMPT), "stream": False})
+
+
 @pytest.mark.parametrize("prompt_key", ["text", "input_ids"])
-def test_stream_cumulative(url, prompt_key):
-    text = "Write a short story about a robot who learns to paint."
-    prompt = text if prompt_key == "text" else tokenize(url, text)
+def test_stream_cumulative(url, plain_result, prompt_key):
+    prompt = STREAM_PROMPT if prompt_key == "text" else tokenize(url, STREAM_PROMPT)
     sse = stream(url, bench_body(prompt_key, prompt))
     chunks = sse.read_all()
     assert sse.done, "the stream did not end with data: [DONE]"
@@ -518,9 +526,8 @@ def test_stream_cumulative(url, prompt_key):
     assert meta["completion_tokens"] == 16
     assert meta["finish_reason"] == {"type": "length", "length": 16}
     assert len(chunks) >= 2, "a 16-token stream came in one chunk"
-    plain = generate(url, {**bench_body(prompt_key, prompt), "stream": False})
-    assert last["text"] == plain["text"]
-    assert last["output_ids"] == plain["output_ids"]
+    assert last["text"] == plain_result["text"]
+    assert last["output_ids"] == plain_result["output_ids"]
 
 
 def test_stream_never_shows_stop_string(url):
@@ -581,13 +588,13 @@ def test_n_samples(url):
         url,
         {
             "text": "My three favourite animals are",
-            "sampling_params": {"n": 2, "temperature": 0.7, "max_new_tokens": 4},
+            "sampling_params": {"n": 2, "temperature": 0.7, "max_new_tokens": 3},
         },
     )
     assert isinstance(results, list) and len(results) == 2, results
     for result in results:
         meta = check_result(result)
-        assert 1 <= meta["completion_tokens"] <= 4
+        assert 1 <= meta["completion_tokens"] <= 3
     assert results[0]["meta_info"]["id"] != results[1]["meta_info"]["id"]
 
 
@@ -618,7 +625,9 @@ def test_lm_eval_loglikelihood(url):
     r = requests.get(url + "/tokenizer_info", headers=LM_EVAL_HEADERS, timeout=TIMEOUT)
     assert r.status_code == 200
     context = tokenize(url, "Question: What is the capital of France?\nAnswer:")
-    continuation = tokenize(url, " Paris")
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    continuation = generate(url, {"input_ids": context, "sampling_params": greedy})["output_ids"]
+    assert len(continuation) == 3
     other = tokenize(url, "The quick brown fox jumps over the lazy dog")
     prompts = [context + continuation, other]
     ctxlens = [len(context), 4]
@@ -664,7 +673,7 @@ def test_lm_eval_loglikelihood(url):
         assert native[0][0] is None
         for a, b in zip(lp["token_logprobs"][1 : len(prompt)], native[1:]):
             assert abs(a - b[0]) < 1e-4, (a, b)
-    # " Paris" after that context is greedy for SmolLM2: lm-eval's is_greedy is True
+    # the continuation is the model's own greedy one: lm-eval's is_greedy holds
     lp0 = choices[0]["logprobs"]
     for tok, top in zip(
         lp0["token_logprobs"][ctxlens[0] : -1], lp0["top_logprobs"][ctxlens[0] : -1]
