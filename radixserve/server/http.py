@@ -83,24 +83,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
         message = f"{request.method} {request.url.path}: {e.detail}"
         return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def check_ready(request: Request, call_next):
-        if not manager.ready and request.url.path not in ("/health", "/metrics"):
-            e = EngineUnavailable("the server is starting: the model is still loading")
-            return JSONResponse(e.body(), status_code=503)
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path not in UNAUTHENTICATED:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            ):
-                e = APIError(401, "invalid or missing API key", code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(Gate, manager=manager, api_key=api_key)
 
     # -- health and information -----------------------------------------------------------
     @app.get("/health")
@@ -416,6 +399,37 @@ class _Sent:
         self.logprobs[index] = end
         self.started[index] = True
         return _Delta(text, start, first)
+
+
+class Gate:
+    """Readiness and API-key checks as plain ASGI middleware (Starlette's BaseHTTPMiddleware
+    would hide client disconnects from the routes, so aborts on disconnect would not work)."""
+
+    def __init__(self, app: Any, manager: TokenizerManager, api_key: str | None) -> None:
+        self.app = app
+        self.manager = manager
+        self.api_key = api_key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self.check(scope)
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, scope: dict) -> APIError | None:
+        path = scope["path"]
+        if self.api_key is not None and path not in UNAUTHENTICATED:
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        if not self.manager.ready and path not in ("/health", "/metrics"):
+            return EngineUnavailable("the server is starting: the model is still loading")
+        return None
 
 
 def check_token_ids(ids: list[int], manager: TokenizerManager) -> None:

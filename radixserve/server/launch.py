@@ -96,7 +96,8 @@ class Launcher:
         self.sock = sock
         self.log_level = log_level
         self.exit_code = 0
-        self.stopping = False
+        self.stopping = False  # a signal asked to stop (draining)
+        self.failed = False  # a process died or could not start
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
 
     async def run(self) -> int:
@@ -167,10 +168,12 @@ class Launcher:
         announced = False
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if self.manager.dead is not None and not self.stopping:
+            if self.failed:
+                continue
+            if self.manager.dead is not None:
                 self.fail(self.manager.dead)  # a child reported it could not start
             for name, child in self.children.items():
-                if not child.is_alive() and not self.stopping:
+                if not child.is_alive() and not self.failed:  # also while draining
                     self.fail(f"the {name} process exited with code {child.exitcode}")
             if self.manager.ready and not announced and self.manager.dead is None:
                 announced = True
@@ -189,6 +192,7 @@ class Launcher:
 
     def fail(self, reason: str) -> None:
         logger.error("stopping: %s", reason)
+        self.failed = True
         self.stopping = True
         self.exit_code = 1
         self.manager.fail_all(reason)
