@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results = engine.generate(input_ids=prompts, sampling_params=params)
             engine_rows.append(_row("offline Engine", time.perf_counter() - start, results))
+            engine_steps = _steps(engine.get_server_info())
         with _Server(server_flags) as url:
             _post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
             _post(url + "/flush_cache", None)
@@ -68,9 +69,13 @@ def run(args: argparse.Namespace) -> int:
             with ThreadPoolExecutor(args.concurrency) as pool:
                 results = list(pool.map(lambda p: _post(url, {**body, "input_ids": p}), prompts))
             server_rows.append(_row("HTTP server", time.perf_counter() - start, results))
+            server_steps = _steps(
+                json.loads(urllib.request.urlopen(url + "/get_server_info").read())
+            )
         print(
             f"round {round_ + 1}: engine {engine_rows[-1].output_throughput:.1f} out tok/s, "
-            f"server {server_rows[-1].output_throughput:.1f} out tok/s",
+            f"server {server_rows[-1].output_throughput:.1f} out tok/s; "
+            f"prefill batches / decode steps: engine {engine_steps}, server {server_steps}",
             flush=True,
         )
     _print(args, engine_rows, server_rows)
@@ -79,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"engine": [asdict(r) for r in engine_rows],
                        "server": [asdict(r) for r in server_rows]}, f, indent=2)  # fmt: skip
     return 0
+
+
+def _steps(info: dict) -> str:
+    state = info["internal_states"][0]
+    return f"{state['prefill_batches']}/{state['decode_steps']}"
 
 
 def _row(name: str, seconds: float, results: list[dict]) -> Row:

@@ -78,6 +78,8 @@ class Scheduler:
             "cached_tokens": 0,
             "generated_tokens": 0,
             "retractions": 0,
+            "prefill_batches": 0,
+            "decode_steps": 0,
         }
 
     # -- the transport's interface --------------------------------------------------------
@@ -285,6 +287,7 @@ class Scheduler:
 
     # -- running batches ------------------------------------------------------------------
     def _run_prefill(self, reqs: list[Req], extends: list[list[int]]) -> list[ReqOutput]:
+        self.stats["prefill_batches"] += 1
         want_all = [self._wants_prompt_logits(r) for r in reqs]
         starts = [r.kv_len for r in reqs]
         batch = self.builder.extend(reqs, extends, all_logits=want_all)
@@ -323,6 +326,7 @@ class Scheduler:
         self._make_room_for_decode()
         if not self.running:
             return []
+        self.stats["decode_steps"] += 1
         batch = self.builder.decode(self.running)
         logits = self.runner.forward(batch).logits
         reqs = self.running
