@@ -34,16 +34,21 @@ class Row:
         return (self.output_tokens + self.prompt_tokens) / self.seconds
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The shared-prefix workload: groups of prompts sharing a random system prompt."""
     parser.add_argument("--num-groups", type=int, default=8)
     parser.add_argument("--prompts-per-group", type=int, default=8)
     parser.add_argument("--system-prompt-len", type=int, default=512)
     parser.add_argument("--question-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--baseline-batch-size", type=int, default=16)
-    parser.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
+    parser.add_argument("--baseline-batch-size", type=int, default=16)
+    parser.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     add_flags(parser, PARTS)
 
 

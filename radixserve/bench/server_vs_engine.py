@@ -17,23 +17,17 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from radixserve.bench.offline import PARTS, Row, shared_prefix_prompts
+from radixserve.bench.offline import PARTS, Row, add_workload_args, shared_prefix_prompts
 from radixserve.config import add_config_args, config_from_args
 
 STARTUP_TIMEOUT_S = 300
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-groups", type=int, default=8)
-    parser.add_argument("--prompts-per-group", type=int, default=8)
-    parser.add_argument("--system-prompt-len", type=int, default=512)
-    parser.add_argument("--question-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
+    add_workload_args(parser)
     parser.add_argument("--concurrency", type=int, default=64, help="clients at once")
     parser.add_argument("--stream", action="store_true", help="clients stream their results")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per side")
     add_config_args(parser, PARTS)
 
 

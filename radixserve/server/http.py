@@ -257,16 +257,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
                     **oai.finish_fields(result["meta_info"]),
                 }
             )
-        return JSONResponse(
-            {
-                "id": oai.new_id("cmpl"),
-                "object": "text_completion",
-                "created": oai.now(),
-                "model": body.model or model_name,
-                "choices": choices,
-                "usage": oai.usage(results, body.n),
-            }
-        )
+        return response("cmpl", "text_completion", body, choices, results)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -287,10 +278,13 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
             }
             for index, result in enumerate(results)
         ]
+        return response("chatcmpl", "chat.completion", body, choices, results)
+
+    def response(prefix: str, kind: str, body: Any, choices: list, results: list) -> Response:
         return JSONResponse(
             {
-                "id": oai.new_id("chatcmpl"),
-                "object": "chat.completion",
+                "id": oai.new_id(prefix),
+                "object": kind,
                 "created": oai.now(),
                 "model": body.model or model_name,
                 "choices": choices,
