@@ -9,6 +9,10 @@ import os
 import signal
 
 PR_SET_PDEATHSIG = 1
+M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
+M_MMAP_THRESHOLD = -3
+KEEP_HEAP_BYTES = 1 << 30  # below this, allocations come from the heap, not mmap
+TRIM_ABOVE_BYTES = (1 << 31) - 1  # free heap kept up to this (mallopt takes a C int)
 
 
 def prepare_child(role: str, log_level: str, parent_pid: int) -> None:
@@ -28,3 +32,18 @@ def prepare_child(role: str, log_level: str, parent_pid: int) -> None:
 
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed memory for reuse instead of handing it back to the OS.
+
+    Each forward allocates and frees tens of MB of activations; with glibc's defaults the
+    main thread's heap is trimmed and regrown every step, and the page faults cost as much
+    system time as the model's own compute (measured: 48 s of sys time in an 81 s run).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, KEEP_HEAP_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE_BYTES)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass

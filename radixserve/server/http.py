@@ -30,7 +30,6 @@ from radixserve.server.tokenizer_manager import Call, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 UNAUTHENTICATED = ("/health",)
 
@@ -456,21 +455,28 @@ async def parse(request: Request, model: type[BaseModel]) -> Any:
 
 async def until_disconnect(request: Request, call: Call | None, work: Awaitable[Any]) -> Any:
     """Await `work`; if the client goes away first, abort the call (its KV is freed). The
-    call is closed when done, unless None is given (the caller keeps it open)."""
+    call is closed when done, unless None is given (the caller keeps it open).
+
+    The body has been read, so the next ASGI message can only be `http.disconnect`: waiting
+    for it costs nothing, where polling `is_disconnected()` woke the loop per request."""
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "the client disconnected")
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "the client disconnected")
     finally:
-        if not task.done():
-            task.cancel()
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
         if call is not None:
             call.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Call) -> Response:

@@ -13,7 +13,7 @@ from radixserve.config import Config
 from radixserve.model.loader import ModelLoadError
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.server.child import parent_alive, prepare_child
+from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
 from radixserve.server.ipc import Endpoints, Receiver, Sender
 from radixserve.server.messages import (
     AbortReq,
@@ -35,6 +35,7 @@ STATE_INTERVAL_S = 0.2  # most frequent SchedulerState publication
 
 def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_pid: int) -> None:
     prepare_child("scheduler", log_level, parent_pid)
+    keep_freed_memory()
     ctx = zmq.Context()
     to_main = Sender(ctx, endpoints.main)
     try:
