@@ -93,7 +93,6 @@ class TokenizerManager:
         self.pending: dict[str, _Track] = {}
         self.controls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count()
-        self.scheduler_state: dict[str, int] = {}
         self.dead: str | None = None  # why the engine is gone
         self.draining = False
 
@@ -182,7 +181,6 @@ class TokenizerManager:
             elif isinstance(msg, Failed):
                 self.fail_all(f"the {msg.role} failed to start: {msg.message}")
             elif isinstance(msg, SchedulerState):
-                self.scheduler_state = msg.state
                 self.metrics.set_scheduler_state(msg.state)
             else:
                 logger.warning("ignoring an unexpected %s", type(msg).__name__)
