@@ -162,9 +162,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse(request, DetokenizeRequest)
-        bad = [t for t in body.tokens if not 0 <= t < manager.model_info["vocab_size"]]
-        if bad:
-            raise bad_request(f"tokens outside the vocabulary: {bad[:8]}", param="tokens")
+        check_token_ids(body.tokens, manager, "tokens")
         return {"prompt": manager.tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
@@ -425,11 +423,12 @@ class Gate:
         return None
 
 
-def check_token_ids(ids: list[int], manager: TokenizerManager) -> None:
+def check_token_ids(ids: list[int], manager: TokenizerManager, param: str | None = None) -> None:
     vocab = manager.model_info["vocab_size"]
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise bad_request(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        name = param or "prompt token ids"
+        raise bad_request(f"{name} outside the vocabulary [0, {vocab}): {bad[:8]}", param=param)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -14,8 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from radixserve.core.req import Req
 from radixserve.native import expand_request
 from radixserve.server.errors import bad_request
-
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class StreamOptions(BaseModel):
@@ -222,7 +221,7 @@ def finish_fields(meta: dict[str, Any]) -> dict[str, Any]:
     reason = meta["finish_reason"]
     if reason is None:
         return {"finish_reason": None, "matched_stop": None}
-    return {"finish_reason": FINISH_REASONS[reason["type"]], "matched_stop": reason.get("matched")}
+    return {"finish_reason": reason["type"], "matched_stop": reason.get("matched")}
 
 
 def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
@@ -238,44 +237,28 @@ def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
     }
 
 
-class CompletionLogprobs:
-    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
-
-    def build(
-        self, entries: list[list[Any]], tops: list[list[list[Any]]], offset: int
-    ) -> dict[str, Any]:
-        tokens, offsets = [], []
-        for _, tid, _ in entries:
-            text = self.decode([tid])
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-        top = [  # the first prompt token has no logprob and no alternatives
-            None if e[0] is None else {self.decode([x[1]]): x[0] for x in t}
-            for e, t in zip(entries, tops)
-        ]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e[0] for e in entries],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-
 def completion_logprobs(
     meta: dict[str, Any], decode: Callable[[list[int]], str], echo: bool, start: int = 0
 ) -> dict[str, Any]:
-    """Logprobs of the output from token `start` on, led by the prompt's when echoing."""
+    """OpenAI's legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset)
+    for the output from token `start` on, led by the prompt's when echoing."""
     entries = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [[]] * (start + len(entries)))[start:]
+    tops = meta.get("output_top_logprobs", [])[start:] or [[]] * len(entries)
     if echo and start == 0:
-        entries = meta.get("input_token_logprobs", []) + entries
-        prompt_tops = meta.get("input_top_logprobs", [])
-        tops = (prompt_tops or [[]] * (len(entries) - len(tops))) + tops
-    return CompletionLogprobs(decode).build(entries, tops, 0)
+        prompt = meta.get("input_token_logprobs", [])
+        entries = prompt + entries
+        tops = (meta.get("input_top_logprobs") or [[]] * len(prompt)) + tops
+    tokens = [decode([tid]) for _, tid, _ in entries]
+    offsets = list(accumulate(map(len, tokens), initial=0))[:-1]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [  # the first prompt token has no logprob and no alternatives
+            None if e[0] is None else {decode([x[1]]): x[0] for x in t}
+            for e, t in zip(entries, tops)
+        ],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(
