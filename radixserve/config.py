@@ -85,6 +85,7 @@ class CacheConfig:
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
+GRAMMAR_BACKENDS = ("llguidance", "none")
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,22 @@ class SchedulerConfig:
         "it decays to min-new-token-ratio while decoding runs smoothly.",
     )
     min_new_token_ratio: float = _opt(0.1, "Floor of the output reserve ratio.")
+    grammar_backend: str = _opt(
+        "llguidance",
+        "Backend for constrained decoding (json_schema, regex, ebnf); none refuses them.",
+        choices=GRAMMAR_BACKENDS,
+    )
+    disable_jump_forward: bool = _opt(
+        False,
+        "Decode text a grammar forces token by token instead of appending it at once.",
+    )
 
     def __post_init__(self) -> None:
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, "
+                f"got {self.grammar_backend!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "

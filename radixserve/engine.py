@@ -130,7 +130,7 @@ class Engine:
         self._call(self.scheduler.check_kv_accounting)
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._call(lambda: {**self.scheduler.stats, **self.scheduler.kv_state()})
+        state = self._call(self.scheduler.state)
         return {
             **self.config.to_flat(),
             **self.runner.info(),

@@ -25,6 +25,7 @@ class Req:
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
+    grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
 
     # KV state, owned by the scheduler
     row: int | None = None  # request→token table row while it holds KV

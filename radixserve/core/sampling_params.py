@@ -7,6 +7,7 @@ range raises `ValueError` naming the field; the server turns that into a 400.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,7 @@ from typing import Any
 import msgspec
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
-# in the native API, refused with a clear message until constrained decoding lands
-NOT_SUPPORTED_YET = frozenset({"json_schema", "regex", "ebnf"})
+CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
 
 
 def _token_key(key: Any) -> Any:
@@ -43,6 +43,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     sampling_seed: int | None = None
     n: int = 1
+    # constrained decoding: the output must follow one of these
+    json_schema: str | None = None  # a JSON schema, as a JSON string
+    regex: str | None = None
+    ebnf: str | None = None  # a GBNF/EBNF or Lark grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,12 +65,11 @@ class SamplingParams:
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
         params = {k: v for k, v in params.items() if v is not None}
-        for key in NOT_SUPPORTED_YET & set(params):  # empty means "no constraint"
+        for key in set(CONSTRAINTS) & set(params):  # empty means "no constraint"
             if not params[key]:
                 del params[key]
-        not_yet = sorted(set(params) & NOT_SUPPORTED_YET)
-        if not_yet:
-            raise ValueError(f"sampling parameter(s) not supported yet: {', '.join(not_yet)}")
+        if isinstance(params.get("json_schema"), dict):  # a schema object: accept it as is
+            params["json_schema"] = json.dumps(params["json_schema"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -112,6 +115,11 @@ class SamplingParams:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}") from None
+        given = [name for name in CONSTRAINTS if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(
+                f"at most one of json_schema, regex, ebnf may be given, got {', '.join(given)}"
+            )
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -4,7 +4,8 @@ Processing order for each row of logits (B, V):
   1. penalties on the raw logits: repetition (tokens in prompt or output; positive logits
      divided by r, negative multiplied), frequency (minus f × count in output), presence
      (minus p if in output);
-  2. logit bias (added; `banned` tokens get -inf, e.g. eos before min_new_tokens);
+  2. logit bias (added; `banned` tokens get -inf, e.g. eos before min_new_tokens), then the
+     grammar mask (tokens a request's grammar does not allow get -inf);
   3. greedy rows: argmax. Others: temperature, then top-k, top-p and min-p filtering of
      the probabilities, then one draw.
 Draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)) where the noise E is
@@ -42,6 +43,7 @@ class SamplingBatch:
     all_greedy: bool
     need_top_k_p: bool
     need_min_p: bool
+    allowed: torch.Tensor | None = None  # (B, V) bool grammar mask, or None (all allowed)
 
     @classmethod
     def build(
@@ -163,6 +165,8 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = batch.penalties.apply(logits)
     if batch.bias is not None:
         logits = logits + batch.bias
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed.to(logits.device), float("-inf"))
     return logits
 
 

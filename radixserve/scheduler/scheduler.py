@@ -26,6 +26,8 @@ import torch
 
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import SchedulerConfig
+from radixserve.constrained import Grammars
+from radixserve.constrained.grammars import MaskJob
 from radixserve.core.req import LogprobEntry, Req
 from radixserve.model.runner import ModelRunner
 from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
@@ -64,6 +66,12 @@ class Scheduler:
         self.tree = None if config.disable_radix_cache else RadixCache(runner.allocator, page_size)
         self.page_size = page_size
         self.sampler = Sampler()
+        self.grammars = Grammars(
+            runner.tokenizer,
+            runner.vocab_size,
+            config.grammar_backend,
+            jump_forward=not config.disable_jump_forward,
+        )
         self.eos_ids = runner.eos_token_ids
         self.max_running = runner.max_running_requests
         self.waiting: list[Req] = []
@@ -98,6 +106,7 @@ class Scheduler:
                 f"the request needs {need} KV tokens but the KV pool holds only "
                 f"{self.runner.max_total_tokens}"
             )
+        self.grammars.attach(req)  # an invalid constraint raises GrammarError (a ValueError)
         self.waiting.append(req)
 
     def abort(self, rid: str | None = None, message: str = "aborted") -> None:
@@ -134,6 +143,11 @@ class Scheduler:
             self.tree.reset()
         self.runner.allocator.clear()
         return True
+
+    def state(self) -> dict[str, Any]:
+        """Counters, constrained-decoding figures and KV accounting, for reports."""
+        grammar = {f"grammar_{k}": v for k, v in self.grammars.stats.as_dict().items()}
+        return {**self.stats, **grammar, **self.kv_state()}
 
     def kv_state(self) -> dict[str, int]:
         """Where every KV slot is, and how many requests run and wait."""
@@ -290,6 +304,8 @@ class Scheduler:
         self.stats["prefill_batches"] += 1
         want_all = [self._wants_prompt_logits(r) for r in reqs]
         starts = [r.kv_len for r in reqs]
+        to_sample = [r for r in reqs if r is not self.chunked and r.params.max_new_tokens > 0]
+        masks = self.grammars.start_masks(to_sample)  # computed while the forward runs
         batch = self.builder.extend(reqs, extends, all_logits=want_all)
         logits = self.runner.forward(batch).logits
         done: list[Req] = []
@@ -317,29 +333,41 @@ class Scheduler:
         sample = [(r, i) for r, i in zip(done, done_rows) if r.params.max_new_tokens > 0]
         if sample:
             sample_reqs = [r for r, _ in sample]
+            assert sample_reqs == to_sample
             rows = torch.tensor([i for _, i in sample], device=logits.device)
-            outputs += self._sample_and_update(sample_reqs, logits[rows])
+            outputs += self._sample_and_update(sample_reqs, logits[rows], masks)
             self.running += [r for r in sample_reqs if not r.finished]
         return outputs
 
     def _run_decode(self) -> list[ReqOutput]:
+        """One token per running request; a request that jump-forward extended runs all its
+        forced tokens in the same pass (the batch is then an extend batch)."""
         self._make_room_for_decode()
         if not self.running:
             return []
         self.stats["decode_steps"] += 1
-        batch = self.builder.decode(self.running)
-        logits = self.runner.forward(batch).logits
         reqs = self.running
-        outputs = self._sample_and_update(reqs, logits)
+        masks = self.grammars.start_masks(reqs)  # computed while the forward runs
+        if all(self._pending(r) == 1 for r in reqs):
+            batch = self.builder.decode(reqs)
+        else:
+            batch = self.builder.extend(reqs, [r.all_ids[r.kv_len :] for r in reqs])
+        logits = self.runner.forward(batch).logits
+        outputs = self._sample_and_update(reqs, logits, masks)
         self.running = [r for r in reqs if not r.finished]
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - RATIO_DECAY
         )
         return outputs
 
+    @staticmethod
+    def _pending(req: Req) -> int:
+        """Tokens of the request not yet in the KV pool (1, or more after a jump-forward)."""
+        return len(req.input_ids) + len(req.output_ids) - req.kv_len
+
     def _make_room_for_decode(self) -> None:
-        """One slot per running request: evict from the tree, then retract requests."""
-        while self.running and not self._ensure_free(len(self.running)):
+        """A slot per pending token: evict from the tree, then retract requests."""
+        while self.running and not self._ensure_free(sum(map(self._pending, self.running))):
             # retract the request that loses least: fewest outputs, then longest prompt
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self.running.remove(victim)
@@ -356,54 +384,90 @@ class Scheduler:
         logger.info("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
     # -- after a forward ------------------------------------------------------------------
-    def _sample_and_update(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+    def _sample_and_update(
+        self, reqs: list[Req], logits: torch.Tensor, masks: MaskJob
+    ) -> list[ReqOutput]:
         want_lp = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        out = self.sampler(logits, self._sampling_batch(reqs), want_lp, top_n)
+        batch = self._sampling_batch(reqs)
+        batch.allowed = masks.result()
+        out = self.sampler(logits, batch, want_lp, top_n)
         outputs = []
         for i, (req, token) in enumerate(zip(reqs, out.next_ids.tolist())):
-            req.output_ids.append(token)
-            self.stats["generated_tokens"] += 1
+            new = self._accept(req, token)
+            req.output_ids += new
+            self.stats["generated_tokens"] += len(new)
             new_lp, new_top = self._record_output_logprobs(req, out, i)
-            self._check_finished(req)
+            if new:
+                self._check_finished(req, len(new))
             if req.finished:
-                outputs.append(self._finish(req, [token], new_lp, new_top))
+                outputs.append(self._finish(req, new, new_lp, new_top))
             else:
-                outputs.append(self._output(req, [token], new_lp, new_top))
+                outputs.append(self._output(req, new, new_lp, new_top))
         return outputs
+
+    def _accept(self, req: Req, token: int) -> list[int]:
+        """The tokens a sampled token becomes: itself, or with jump-forward the forced text
+        after it; [] (and the request aborted) if its grammar refuses the token."""
+        if req.grammar is None:
+            return [token]
+        room = min(
+            req.params.max_new_tokens - len(req.output_ids),
+            self.runner.context_len - len(req.input_ids) - len(req.output_ids),
+        )
+        new = self.grammars.accept(req, token, room)
+        if new is None:  # only when every allowed token was banned (e.g. by logit_bias)
+            req.finish_reason = {"type": "abort", "message": "no token the grammar allows"}
+            return []
+        return new
 
     def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         return SamplingBatch.for_requests(
             reqs, self.eos_ids, self.runner.vocab_size, self.runner.device
         )
 
-    def _check_finished(self, req: Req) -> None:
+    def _check_finished(self, req: Req, num_new: int = 1) -> None:
+        """Grammar complete, else eos / stop token / stop string / stop regex (once past
+        min_new_tokens, and for a grammar only where its document is complete), else length."""
         p = req.params
         n = len(req.output_ids)
-        if n < p.min_new_tokens:
+        grammar = req.grammar
+        if grammar is not None and grammar.is_finished:
+            token = req.output_ids[-1]
+            matched = token if token in req.stop_ids(self.eos_ids) else None
+            req.finish_reason = {"type": "stop", "matched": matched}
             return
+        stoppable = n >= p.min_new_tokens and (grammar is None or grammar.is_accepting)
+        if not (stoppable and self._hit_stop(req, num_new)) and (
+            n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len
+        ):
+            req.finish_reason = {"type": "length", "length": n}
+
+    def _hit_stop(self, req: Req, num_new: int) -> bool:
+        """Sets the finish reason if the num_new latest tokens end in a stop token, or bring
+        a stop string or a stop regex match."""
+        p = req.params
         token = req.output_ids[-1]
         if token in req.stop_ids(self.eos_ids):
             req.finish_reason = {"type": "stop", "matched": token}
-            return
+            return True
         if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it
             longest = max(len(s.encode()) for s in p.stop)
             tail = self.tokenizer.decode(
-                req.output_ids[-(longest + 1) :], skip_special_tokens=p.skip_special_tokens
+                req.output_ids[-(longest + num_new) :], skip_special_tokens=p.skip_special_tokens
             )
             for stop in p.stop:
                 if stop in tail:
                     req.finish_reason = {"type": "stop", "matched": stop}
-                    return
+                    return True
         if p.stop_regex:  # a match may span any length: search the whole output
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
             for pattern in p.stop_regex:
                 match = re.search(pattern, text)
                 if match and match.group(0):
                     req.finish_reason = {"type": "stop", "matched": match.group(0)}
-                    return
-        if n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len:
-            req.finish_reason = {"type": "length", "length": n}
+                    return True
+        return False
 
     def _wants_prompt_logits(self, req: Req) -> bool:
         return req.wants_input_logprobs and not req.input_logprobs

@@ -120,7 +120,7 @@ class ControlReply(Message):
 class SchedulerState(Message):
     """Published after steps (at most a few times a second) for gauges and health."""
 
-    state: dict[str, int]
+    state: dict[str, int | float]
 
 
 AnyMessage = (

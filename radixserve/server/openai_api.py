@@ -4,6 +4,7 @@ shapes of /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -23,9 +24,33 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is json_schema")
+        return self
+
+    def constraint(self) -> str | None:
+        """The JSON schema the output must follow (any JSON object for json_object)."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return json.dumps(self.json_schema.schema_ or {})
+        return None
 
 
 class _SamplingFields(BaseModel):
@@ -61,13 +86,10 @@ class _SamplingFields(BaseModel):
     priority: int | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        if self.regex or self.json_schema or self.ebnf:
+        schema = self.response_format.constraint() if self.response_format else None
+        if schema is not None and (self.json_schema or self.regex or self.ebnf):
             raise bad_request(
-                "constrained decoding (regex, json_schema, ebnf) is not supported yet"
-            )
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r} is not supported yet",
+                "response_format cannot be combined with json_schema, regex or ebnf",
                 param="response_format",
             )
         return {
@@ -88,6 +110,9 @@ class _SamplingFields(BaseModel):
             "logit_bias": self.logit_bias,
             "sampling_seed": self.seed,
             "n": self.n,
+            "json_schema": schema or self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
 
     @property

@@ -116,7 +116,7 @@ class SchedulerLoop:
         raise ValueError(f"unknown control op {op!r}")
 
     def state(self) -> dict[str, int]:
-        return {**self.scheduler.stats, **self.scheduler.kv_state(), "pid": os.getpid()}
+        return {**self.scheduler.state(), "pid": os.getpid()}
 
     def publish_state(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,103 @@
+"""The grammar backend interface.
+
+A backend compiles a `Constraint` (JSON schema, regex or EBNF) once per distinct spec and
+makes one `GrammarMatcher` per request. A matcher is the request's position in its grammar:
+it fills the request's row of a token bitmask (bit t of word t // 32 set = token t allowed),
+consumes the tokens appended to the output, can be rolled back, and reports the bytes the
+grammar forces next (what jump-forward appends without decoding).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
+
+
+class GrammarError(ValueError):
+    """A constraint the backend cannot honour (invalid or unsupported); a 400 at the edge."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str  # one of CONSTRAINT_KINDS
+    spec: str  # the JSON schema as a JSON string, the regex, or the grammar text
+
+    @classmethod
+    def of(cls, params: Any) -> Constraint | None:
+        """The constraint a request's sampling parameters carry, if any (at most one)."""
+        given = [(k, getattr(params, k)) for k in CONSTRAINT_KINDS if getattr(params, k, None)]
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(k for k, _ in given)
+            raise GrammarError(f"at most one of json_schema, regex, ebnf may be given, got {names}")
+        kind, spec = given[0]
+        if kind == "json_schema" and not isinstance(spec, str):
+            spec = json.dumps(spec)
+        return cls(kind, spec)
+
+
+class GrammarMatcher(ABC):
+    """One request's state in its grammar."""
+
+    @abstractmethod
+    def accept(self, tokens: Sequence[int]) -> bool:
+        """Consume tokens; False (and nothing consumed) if the grammar refuses any of them."""
+
+    @abstractmethod
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the grammar would accept now (nothing is consumed)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens consumed."""
+
+    @abstractmethod
+    def forced_bytes(self) -> bytes:
+        """The bytes every continuation must start with (empty if there is a choice)."""
+
+    @property
+    @abstractmethod
+    def is_finished(self) -> bool:
+        """The document is complete and nothing but end-of-sequence may follow."""
+
+    @property
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """The output so far is a complete document (it may still be extended)."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints and computes masks for a batch of matchers."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def matcher(self, constraint: Constraint) -> GrammarMatcher:
+        """A fresh matcher; raises GrammarError naming the problem if the spec is invalid."""
+
+    @abstractmethod
+    def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of bitmask (B, ceil(V / 32)) int32 := the tokens matchers[i] allows now."""
+
+    @abstractmethod
+    def token_bytes(self, tokens: Sequence[int]) -> bytes:
+        """The bytes these tokens stand for."""
+
+    @abstractmethod
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """The model tokenizer's tokens for these bytes."""
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, W) int32 words → (B, vocab_size) bool, True where the token is allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # (B, W, 32)
+    return allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
