@@ -1,0 +1,233 @@
+"""Constrained decoding below the server: the llguidance backend (compile errors, masks,
+jump-forward) on the committed tiny tokenizer, and the scheduler through the offline Engine
+with the tiny random-weight model — whose outputs are close to random, so every document
+that validates was made valid by the masks, not by the model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from radixserve import Engine
+from radixserve.constrained import Constraint, GrammarError
+from radixserve.constrained.base import unpack_bitmask
+from radixserve.constrained.grammars import jump_forward
+from radixserve.constrained.llguidance_backend import LLGuidanceBackend
+from radixserve.core.sampling_params import SamplingParams
+from tests.conftest import TINY_SHAPE, TINY_TOKENIZER
+
+VOCAB = TINY_SHAPE["vocab_size"]
+
+# bounded documents: a random model could otherwise write an unbounded string forever
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3},
+        "nick": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+    },
+    "required": ["name", "age", "city", "tags"],
+    "additionalProperties": False,
+}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 9},
+        "owner": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "score": {"enum": [1, 2, 3]}},
+            "required": ["ok", "score"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["id", "owner"],
+    "additionalProperties": False,
+}
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+ARITHMETIC = """root ::= expr
+expr ::= term (("+" | "-") term){0,3}
+term ::= [1-9] [0-9]{0,2}
+"""
+ARITHMETIC_RE = r"[1-9][0-9]{0,2}([+-][1-9][0-9]{0,2}){0,3}"
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13], [40, 41, 42], [100] * 30]
+
+
+@pytest.fixture(scope="module")
+def backend() -> LLGuidanceBackend:
+    return LLGuidanceBackend(AutoTokenizer.from_pretrained(TINY_TOKENIZER), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs):
+    with Engine(str(tiny_model_dirs["llama"]), progress=False, max_total_tokens=8192) as e:
+        yield e
+
+
+def sampled(i: int, **constraint) -> dict:
+    return {"temperature": 1.0, "sampling_seed": i, "max_new_tokens": 96, **constraint}
+
+
+def greedy(max_new_tokens: int = 96, **extra) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **extra}
+
+
+# -- the backend ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        ("json_schema", "{not json", "invalid json_schema"),
+        ("json_schema", '{"type": "foo"}', "foo"),
+        ("json_schema", '{"type": "string", "format": "no-such-format"}', "no-such-format"),
+        ("regex", "((", "unclosed group"),
+        ("ebnf", "root ::= missing", "missing"),
+    ],
+)
+def test_invalid_constraints_name_the_problem(backend, kind, spec, message):
+    with pytest.raises(GrammarError, match=re.escape(message)) as e:
+        backend.matcher(Constraint(kind, spec))
+    assert "\n" not in str(e.value)
+
+
+def test_at_most_one_constraint_and_schema_objects_become_json():
+    with pytest.raises(ValueError, match="at most one of json_schema, regex, ebnf"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": "root ::= 'a'"})
+    params = SamplingParams.from_dict({"json_schema": {"type": "object"}, "regex": ""})
+    assert json.loads(params.json_schema) == {"type": "object"} and params.regex is None
+    assert Constraint.of(params) == Constraint("json_schema", '{"type": "object"}')
+    assert Constraint.of(SamplingParams()) is None
+
+
+def test_mask_allows_exactly_the_tokens_the_grammar_accepts(backend):
+    import torch
+
+    matcher = backend.matcher(Constraint("json_schema", json.dumps(PERSON)))
+    prefix = backend.tokenize_bytes(b'{"name": "ab')
+    assert matcher.accept(prefix)
+    bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    backend.fill_masks([matcher], bitmask)
+    allowed = unpack_bitmask(bitmask, VOCAB)[0]
+    accepted = [matcher.valid_prefix([t]) == 1 for t in range(VOCAB)]
+    assert allowed.tolist() == accepted
+    assert 0 < sum(accepted) < VOCAB
+
+
+def test_jump_forward_appends_forced_text_as_the_tokenizer_writes_it(backend):
+    matcher = backend.matcher(Constraint("json_schema", json.dumps(PERSON)))
+    first = backend.tokenize_bytes(b"{")[0]
+    assert matcher.accept([first])
+    tokens = jump_forward(matcher, backend, first, room=100)
+    text = backend.token_bytes(tokens)
+    # the grammar forces '{"name": "' at the start; the last token is left to the model
+    assert len(tokens) > 1 and b'{"name": "'.startswith(text) and len(text) > 1
+    assert tokens == backend.tokenize_bytes(text)  # the tokenizer's own split
+    # the matcher is where the tokens put it: the rest of the forced text is still forced
+    assert text + matcher.forced_bytes() == b'{"name": "'
+
+
+def test_jump_forward_respects_room_and_keeps_the_last_token_that_ends_a_document(backend):
+    matcher = backend.matcher(Constraint("regex", "abc-forced-tail"))
+    a = backend.tokenize_bytes(b"a")[0]
+    assert matcher.accept([a])
+    assert jump_forward(matcher, backend, a, room=1) == [a]  # no room: nothing forced
+    tokens = jump_forward(matcher, backend, a, room=100)
+    assert backend.token_bytes(tokens) == b"abc-forced-tail"  # ends the document: kept whole
+    assert matcher.is_finished
+
+
+# -- through the Engine -------------------------------------------------------------------------
+def test_json_schema_outputs_validate_when_sampling_from_a_random_model(engine):
+    params = [sampled(i, json_schema=json.dumps(s)) for i, s in enumerate([PERSON, NESTED] * 4)]
+    outs = engine.generate(input_ids=PROMPTS[:2] * 4, sampling_params=params)
+    for out, schema in zip(outs, [PERSON, NESTED] * 4):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)
+    engine.check_kv_accounting()
+
+
+def test_regex_and_ebnf_outputs_match(engine):
+    outs = engine.generate(
+        input_ids=PROMPTS[:3],
+        sampling_params=[sampled(1, regex=DATE), sampled(2, ebnf=ARITHMETIC), greedy(regex=DATE)],
+    )
+    assert re.fullmatch(DATE, outs[0]["text"]), outs[0]["text"]
+    assert re.fullmatch(ARITHMETIC_RE, outs[1]["text"]), outs[1]["text"]
+    assert re.fullmatch(DATE, outs[2]["text"]), outs[2]["text"]
+
+
+def test_constrained_and_free_requests_in_one_batch(engine):
+    free = [greedy(24, ignore_eos=True) for _ in PROMPTS]
+    alone = [engine.generate(input_ids=p, sampling_params=f) for p, f in zip(PROMPTS, free)]
+    constrained = [greedy(json_schema=json.dumps(PERSON)), sampled(7, regex=DATE)] * 2
+    outs = engine.generate(input_ids=PROMPTS + PROMPTS, sampling_params=free + constrained)
+    assert [o["output_ids"] for o in outs[:4]] == [a["output_ids"] for a in alone]
+    for out, params in zip(outs[4:], constrained):
+        if "json_schema" in params:
+            jsonschema.validate(json.loads(out["text"]), PERSON)
+        else:
+            assert re.fullmatch(DATE, out["text"])
+    engine.check_kv_accounting()
+
+
+def test_max_new_tokens_cuts_a_prefix_of_the_complete_document(engine):
+    schema = json.dumps(NESTED)
+    full = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(json_schema=schema))
+    cut = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(5, json_schema=schema))
+    assert cut["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert cut["meta_info"]["completion_tokens"] == 5
+    assert full["text"].startswith(cut["text"]) and len(cut["text"]) < len(full["text"])
+
+
+def test_stop_strings_and_eos_do_not_cut_an_unfinished_document(engine):
+    schema = json.dumps(PERSON)
+    out = engine.generate(
+        input_ids=PROMPTS[1], sampling_params=sampled(3, json_schema=schema, stop=[",", '"'])
+    )
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    banned_eos = engine.generate(
+        input_ids=PROMPTS[1], sampling_params=greedy(json_schema=schema, logit_bias={"2": 50.0})
+    )  # eos pushed hard: the mask still keeps it out until the document is complete
+    jsonschema.validate(json.loads(banned_eos["text"]), PERSON)
+
+
+def test_invalid_constraint_is_refused_before_it_is_queued(engine):
+    with pytest.raises(ValueError, match="unclosed group"):
+        engine.generate(input_ids=[1, 2], sampling_params=greedy(regex="(("))
+    with pytest.raises(ValueError, match="at most one"):
+        engine.generate(input_ids=[1, 2], sampling_params=greedy(regex="a", ebnf="root ::= 'a'"))
+    assert engine.get_server_info()["internal_states"][0]["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "no-jump-forward"])
+def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(
+    tiny_model_dirs, jump
+):
+    """With a pool too small for the batch, requests are retracted and re-admitted (their
+    grammar state kept); outputs equal an uninterrupted run and validate."""
+    schemas = [PERSON, NESTED] * 3
+    params = [greedy(json_schema=json.dumps(s)) for s in schemas]
+    prompts = [[i + 3] * 40 for i in range(len(schemas))]
+    results = {}
+    for pool in (8192, 300):
+        with Engine(
+            str(tiny_model_dirs["llama"]),
+            progress=False,
+            max_total_tokens=pool,
+            disable_jump_forward=not jump,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.01,
+        ) as e:
+            results[pool] = e.generate(input_ids=prompts, sampling_params=params)
+            state = e.get_server_info()["internal_states"][0]
+            assert (state["grammar_jump_tokens"] > 0) == jump
+            if pool == 300:
+                assert state["retractions"] > 0
+            e.check_kv_accounting()
+    for out, schema in zip(results[8192], schemas):
+        jsonschema.validate(json.loads(out["text"]), schema)
+    assert [o["text"] for o in results[300]] == [o["text"] for o in results[8192]]
