@@ -93,7 +93,11 @@ class Scheduler:
     # -- the transport's interface --------------------------------------------------------
     def add_request(self, req: Req) -> None:
         """Queue a request; raises ValueError if it can never run on this engine."""
-        req.params.verify_vocab(self.runner.vocab_size)
+        vocab = self.runner.vocab_size
+        bad = [t for t in req.input_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}), got {bad[:5]}")
+        req.params.verify_vocab(vocab)
         need = len(req.input_ids) + req.params.max_new_tokens
         if need > self.runner.context_len:
             raise ValueError(
