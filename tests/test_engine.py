@@ -216,6 +216,10 @@ def test_invalid_requests_are_clear_errors(tiny_model_dirs):
         engine.generate(input_ids=[1] * 400, sampling_params={"max_new_tokens": 200})
     with pytest.raises(ValueError, match="empty"):
         engine.generate(input_ids=[], sampling_params={})
+    with pytest.raises(ValueError, match="input_ids must be token ids"):
+        engine.generate(input_ids=[1, 99999], sampling_params={})
+    with pytest.raises(ValueError, match="input_ids must be token ids"):
+        engine.generate(input_ids=["a", "b"], sampling_params={})
     with pytest.raises(ValueError, match="vocabulary"):
         engine.generate(input_ids=[1], sampling_params={"logit_bias": {"99999": 1.0}})
     finish(engine)

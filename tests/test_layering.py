@@ -9,9 +9,21 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "radixserve"
 FORBIDDEN = {
-    "core": ("cache", "model", "scheduler", "server", "engine", "output", "native", "bench"),
-    "cache": ("model", "scheduler", "server", "engine", "output", "native", "bench"),
-    "model": ("scheduler", "server", "engine", "output", "native", "bench"),
+    "core": (
+        "cache",
+        "model",
+        "constrained",
+        "scheduler",
+        "server",
+        "engine",
+        "output",
+        "native",
+        "bench",
+    ),
+    "cache": ("model", "constrained", "scheduler", "server", "engine", "output", "native", "bench"),
+    "model": ("constrained", "scheduler", "server", "engine", "output", "native", "bench"),
+    # grammar backends see requests and configs, never the model or the scheduler
+    "constrained": ("cache", "model", "scheduler", "server", "engine", "output", "native", "bench"),
     "scheduler": ("server", "engine", "native", "bench"),
     "server": ("engine", "bench", "cli"),
 }
