@@ -97,7 +97,13 @@ class GrammarBackend(ABC):
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, W) int32 words → (B, vocab_size) bool, True where the token is allowed."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # (B, W, 32)
-    return allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """(B, W) int32 words → (B, vocab_size) bool, True where the token is allowed.
+
+    Little-endian bytes of word w hold tokens 32w..32w+31 in order, so one lookup of each
+    byte in a 256 × 8 table unpacks the whole mask."""
+    rows = bitmask.shape[0]
+    table = _BYTE_BITS.to(bitmask.device)
+    return table[bitmask.contiguous().view(torch.uint8).long()].view(rows, -1)[:, :vocab_size]
+
+
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # (256, 8)

@@ -126,11 +126,6 @@ class Grammars:
             self.stats.retokenized += tokens[0] != token
         return tokens
 
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-
 
 def jump_forward(
     matcher: GrammarMatcher, backend: GrammarBackend, token: int, room: int

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,7 @@ class Scheduler:
         self.rng = random.Random(0)
         self._aborted: dict[str, str] = {}
         self._last_was_prefill = False
+        self.last_step: str | None = None  # "prefill", "decode" or None (nothing ran)
         self.stats = {
             "prompt_tokens": 0,
             "cached_tokens": 0,
@@ -88,6 +90,10 @@ class Scheduler:
             "retractions": 0,
             "prefill_batches": 0,
             "decode_steps": 0,
+            # where decode time goes: the forward pass vs the whole step (batch building,
+            # sampling, stop checks, grammar, outputs)
+            "decode_step_seconds": 0.0,
+            "decode_forward_seconds": 0.0,
         }
 
     # -- the transport's interface --------------------------------------------------------
@@ -124,18 +130,20 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def step(self) -> list[ReqOutput]:
+        start = time.perf_counter()
         outputs = self._finish_aborted()
         prefill = None
         if not (self._last_was_prefill and self.running):
             prefill = self._schedule_prefill()
+        self.last_step = None
         if prefill:
             outputs += self._run_prefill(*prefill)
-            self._last_was_prefill = True
+            self.last_step = "prefill"
         elif self.running:
             outputs += self._run_decode()
-            self._last_was_prefill = False
-        else:
-            self._last_was_prefill = False
+            self.last_step = "decode"
+            self.stats["decode_step_seconds"] += time.perf_counter() - start
+        self._last_was_prefill = self.last_step == "prefill"
         return outputs
 
     def flush_cache(self) -> bool:
@@ -356,7 +364,9 @@ class Scheduler:
             batch = self.builder.decode(reqs)
         else:
             batch = self.builder.extend(reqs, [r.all_ids[r.kv_len :] for r in reqs])
+        start = time.perf_counter()
         logits = self.runner.forward(batch).logits
+        self.stats["decode_forward_seconds"] += time.perf_counter() - start
         outputs = self._sample_and_update(reqs, logits, masks)
         self.running = [r for r in reqs if not r.finished]
         self.new_token_ratio = max(
@@ -401,7 +411,7 @@ class Scheduler:
             new = self._accept(req, token)
             req.output_ids += new
             self.stats["generated_tokens"] += len(new)
-            new_lp, new_top = self._record_output_logprobs(req, out, i)
+            new_lp, new_top = self._record_output_logprobs(req, out, i) if new else ([], [])
             if new:
                 self._check_finished(req, len(new))
             if req.finished:

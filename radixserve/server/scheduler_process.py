@@ -65,8 +65,9 @@ class SchedulerLoop:
         self.to_detokenizer = to_detokenizer
         self.to_main = to_main
         self.max_queued = config.server.max_queued_requests
-        self.last_state: dict[str, int] = {}
+        self.last_state: dict[str, int | float] = {}
         self.last_state_time = 0.0
+        self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
 
     def run(self, parent_pid: int) -> None:
         while parent_alive(parent_pid):
@@ -75,12 +76,15 @@ class SchedulerLoop:
                 messages = [first] if first is not None else []
             else:
                 messages = []
+            start = time.perf_counter()
             for msg in messages + self.inbox.drain():
                 self.handle(msg)
             if self.scheduler.has_work:
                 outputs = self.scheduler.step()
                 if outputs:
                     self.to_detokenizer.send(TokenOutBatch(outputs))
+                if self.scheduler.last_step == "decode":
+                    self.decode_loop_seconds += time.perf_counter() - start
             self.publish_state()
 
     def handle(self, msg: object) -> None:
@@ -115,8 +119,9 @@ class SchedulerLoop:
             return self.state()
         raise ValueError(f"unknown control op {op!r}")
 
-    def state(self) -> dict[str, int]:
-        return {**self.scheduler.state(), "pid": os.getpid()}
+    def state(self) -> dict[str, int | float]:
+        state = self.scheduler.state()
+        return {**state, "decode_loop_seconds": self.decode_loop_seconds, "pid": os.getpid()}
 
     def publish_state(self) -> None:
         now = time.monotonic()
