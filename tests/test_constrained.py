@@ -231,3 +231,12 @@ def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(
     for out, schema in zip(results[8192], schemas):
         jsonschema.validate(json.loads(out["text"]), schema)
     assert [o["text"] for o in results[300]] == [o["text"] for o in results[8192]]
+
+
+def test_a_stop_string_inside_a_document_does_not_cut_it(engine):
+    """"," belongs to the document here; a stop only counts where the text before it is a
+    complete document, so every output still matches in full."""
+    pattern = "[A-Z][a-z]{1,4}, [A-Z][a-z]{1,4}"
+    params = [sampled(i, regex=pattern, stop=[","]) for i in range(4)]
+    for out in engine.generate(input_ids=PROMPTS, sampling_params=params):
+        assert re.fullmatch(pattern, out["text"]), out

@@ -109,6 +109,13 @@ class Grammars:
         self.stats.mask_rows += len(rows)
         return allowed
 
+    def completes(self, req: Req, text: str) -> bool:
+        """Whether `text` alone is a complete document of the request's grammar."""
+        constraint = Constraint.of(req.params)
+        assert constraint is not None
+        matcher = self.backend.matcher(constraint)
+        return matcher.accept(self.backend.tokenize_bytes(text.encode())) and matcher.is_accepting
+
     # -- after sampling -----------------------------------------------------------------------
     def accept(self, req: Req, token: int, room: int) -> list[int] | None:
         """Consume `token` (None if the grammar refuses it); with jump-forward, the returned

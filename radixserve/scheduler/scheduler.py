@@ -451,10 +451,11 @@ class Scheduler:
             matched = token if token in req.stop_ids(self.eos_ids) else None
             req.finish_reason = {"type": "stop", "matched": matched}
             return
-        stoppable = n >= p.min_new_tokens and (grammar is None or grammar.is_accepting)
-        if not (stoppable and self._hit_stop(req, num_new)) and (
-            n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len
-        ):
+        if grammar is None:
+            stopped = n >= p.min_new_tokens and self._hit_stop(req, num_new)
+        else:
+            stopped = n >= p.min_new_tokens and grammar.is_accepting and self._grammar_stop(req)
+        if not stopped and (n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len):
             req.finish_reason = {"type": "length", "length": n}
 
     def _hit_stop(self, req: Req, num_new: int) -> bool:
@@ -482,6 +483,32 @@ class Scheduler:
                     req.finish_reason = {"type": "stop", "matched": match.group(0)}
                     return True
         return False
+
+    def _grammar_stop(self, req: Req) -> bool:
+        """`_hit_stop` for a constrained request: a stop token, string or regex ends it only
+        where the text before it is a complete document. (Stop strings are trimmed at their
+        first occurrence, so that occurrence is the one that must follow a document.)"""
+        p = req.params
+        skip = p.skip_special_tokens
+        if req.output_ids[-1] in req.stop_ids(self.eos_ids):
+            before = self.tokenizer.decode(req.output_ids[:-1], skip_special_tokens=skip)
+            matched: str | int = req.output_ids[-1]
+            at = len(before)
+            text = before
+        else:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=skip)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            for pattern in p.stop_regex:
+                match = re.search(pattern, text)
+                if match and match.group(0):
+                    hits.append((match.start(), match.group(0)))
+            if not hits:
+                return False
+            at, matched = min(hits)
+        if not self.grammars.completes(req, text[:at]):
+            return False
+        req.finish_reason = {"type": "stop", "matched": matched}
+        return True
 
     def _wants_prompt_logits(self, req: Req) -> bool:
         return req.wants_input_logprobs and not req.input_logprobs
