@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from radixserve.bench.datasets import shared_prefix_prompts
 from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig, config_from_args
 from radixserve.config import add_config_args as add_flags
 
@@ -52,18 +53,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, PARTS)
 
 
-def shared_prefix_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    """Random-token prompts: each group's system prompt followed by its own question."""
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(100, vocab_size, (n,), generator=gen).tolist()
-
-    prompts = []
-    for _ in range(args.num_groups):
-        system = tokens(args.system_prompt_len)
-        prompts += [system + tokens(args.question_len) for _ in range(args.prompts_per_group)]
-    return prompts
+def workload_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    """The shared-prefix prompts the workload flags describe, as token ids."""
+    return shared_prefix_prompts(
+        args.num_groups,
+        args.prompts_per_group,
+        args.system_prompt_len,
+        args.question_len,
+        vocab_size,
+        args.seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     for name, disable in (("radixserve", False), ("radixserve, radix cache off", True)):
         with Engine(progress=True, **(flat | {"disable_radix_cache": disable})) as engine:
             folder = engine.runner.model_folder
-            prompts = prompts or shared_prefix_prompts(args, engine.runner.vocab_size)
+            prompts = prompts or workload_prompts(args, engine.runner.vocab_size)
             engine.generate(input_ids=prompts[0][:16], sampling_params=params)  # warm-up
             engine.flush_cache()
             start = time.perf_counter()

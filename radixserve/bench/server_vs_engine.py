@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from radixserve.bench.offline import PARTS, Row, add_workload_args, shared_prefix_prompts
+from radixserve.bench.offline import PARTS, Row, add_workload_args, workload_prompts
 from radixserve.config import add_config_args, config_from_args
 
 STARTUP_TIMEOUT_S = 300
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     prompts: list[list[int]] = []
     for round_ in range(args.rounds):
         with Engine(progress=round_ == 0, **engine_kwargs) as engine:
-            prompts = prompts or shared_prefix_prompts(args, engine.runner.vocab_size)
+            prompts = prompts or workload_prompts(args, engine.runner.vocab_size)
             engine.generate(input_ids=prompts[0][:16], sampling_params=params)  # warm-up
             engine.flush_cache()
             start = time.perf_counter()

@@ -1,0 +1,303 @@
+"""`radixserve bench serving`: the workload generators, the figures, and whole runs against a
+real server (the tiny random-weight Llama) for every backend and dataset.
+
+Figures are checked for consistency (counts, lengths, ordering of percentiles), never for
+speed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from transformers import AutoTokenizer
+
+from radixserve.bench import datasets
+from radixserve.bench.serving import (
+    CompletionsBackend,
+    NativeBackend,
+    RequestRecord,
+    Session,
+    Slo,
+    compute_figures,
+)
+from radixserve.cli import main
+from tests.conftest import TINY_TOKENIZER
+from tests.server_utils import ServerProcess, free_port
+
+KV_TOKENS = "8192"
+CONTEXT = 2048  # the tiny model's context
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+
+
+# -- datasets -----------------------------------------------------------------------------------
+def test_random_ids_lengths_stay_in_range(tokenizer):
+    work = datasets.random_workload(tokenizer, 50, 40, 10, 0.5, seed=1, as_ids=True)
+    assert len(work) == 50
+    for conv in work:
+        (prompt,), (n_out,) = conv.questions, conv.output_lens
+        assert 20 <= len(prompt) <= 40 and 5 <= n_out <= 10
+        assert all(datasets.FIRST_RANDOM_ID <= i < len(tokenizer) for i in prompt)
+    assert len({len(c.questions[0]) for c in work}) > 1  # lengths do vary
+
+
+def test_random_text_is_about_the_asked_length_and_repeatable(tokenizer):
+    work = datasets.random_workload(tokenizer, 10, 64, 8, 1.0, seed=3, as_ids=False)
+    again = datasets.random_workload(tokenizer, 10, 64, 8, 1.0, seed=3, as_ids=False)
+    assert work == again
+    for conv in work:
+        assert isinstance(conv.questions[0], str) and conv.output_lens == [8]
+        assert 48 <= len(tokenizer.encode(conv.questions[0], add_special_tokens=False)) <= 64
+
+
+def test_shared_prefix_prompts_share_their_groups_system_prompt():
+    prompts = datasets.shared_prefix_prompts(3, 4, 20, 5, vocab_size=500, seed=0)
+    assert len(prompts) == 12 and all(len(p) == 25 for p in prompts)
+    systems = [tuple(p[:20]) for p in prompts]
+    assert systems[:4] == [systems[0]] * 4 and len(set(systems)) == 3
+    assert len({tuple(p[20:]) for p in prompts}) == 12
+
+
+def test_shared_prefix_workload_is_shuffled_groups(tokenizer):
+    work = datasets.shared_prefix_workload(tokenizer, 3, 4, 32, 8, 6, seed=0)
+    assert len(work) == 12 and all(c.output_lens == [6] for c in work)
+    systems = [c.questions[0].split("\n\n")[0] for c in work]
+    assert len(set(systems)) == 3 and all(systems.count(s) == 4 for s in systems)
+    grouped = sorted(systems, key=systems.index)
+    assert systems != grouped  # shuffled, not group after group
+
+
+def test_multi_turn_workload_structure(tokenizer):
+    work = datasets.multi_turn_workload(tokenizer, 5, 3, 16, 4, seed=0)
+    assert len(work) == 5
+    for conv in work:
+        assert conv.num_turns == 3 and conv.output_lens == [4, 4, 4]
+        assert all(isinstance(q, str) and q for q in conv.questions)
+    assert len({q for c in work for q in c.questions}) == 15
+
+
+def test_conversation_rejects_multi_turn_token_ids():
+    with pytest.raises(AssertionError):
+        datasets.Conversation([[1, 2], [3]], [1, 1])
+
+
+def sharegpt_entries() -> list[dict]:
+    def entry(*turns: tuple[str, str]) -> dict:
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    long_answer = "the answer goes on and on about many things " * 3
+    return [
+        entry(("human", "What is the capital of France, please?"), ("gpt", long_answer)),
+        entry(
+            ("system", "be brief"),
+            ("human", "Tell me about the radix tree cache."),
+            ("gpt", long_answer),
+            ("human", "more"),
+            ("gpt", "no"),
+        ),
+        entry(("human", "Explain prefix caching in a few words."), ("gpt", long_answer)),
+        entry(("human", "hi"), ("gpt", long_answer)),  # prompt too short: skipped
+        entry(("gpt", "an answer with no question")),  # no exchange: skipped
+        {"id": "no conversations at all"},
+    ]
+
+
+def test_sharegpt_takes_the_first_exchange_and_skips_the_rest(tokenizer, tmp_path):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(sharegpt_entries()))
+    work = datasets.sharegpt_workload(tokenizer, path, 10, None, seed=0)
+    assert len(work) == 3
+    prompts = {c.questions[0] for c in work}
+    assert "Tell me about the radix tree cache." in prompts and "hi" not in prompts
+    answer_len = len(tokenizer.encode(sharegpt_entries()[0]["conversations"][1]["value"]))
+    assert all(c.output_lens == [answer_len] for c in work)
+    fixed = datasets.sharegpt_workload(tokenizer, path, 2, 7, seed=0)
+    assert len(fixed) == 2 and all(c.output_lens == [7] for c in fixed)
+
+
+# -- figures ------------------------------------------------------------------------------------
+def record(ttft: float, e2e: float, n_out: int, cached: int | None = 10) -> RequestRecord:
+    """A completed request of 100 prompt tokens, its output arriving at an even pace."""
+    done = RequestRecord(0, 0, prompt_len=100, expected_output_len=n_out, success=True)
+    done.ttft, done.e2e, done.output_len = ttft, e2e, n_out
+    done.itl = [(e2e - ttft) / (n_out - 1)] * (n_out - 1)
+    done.prompt_tokens, done.cached_tokens = 100, cached
+    return done
+
+
+def test_figures_goodput_cache_hit_rate_and_failures():
+    records = [record(0.1, 1.0, 10), record(0.5, 2.0, 10, cached=None), record(0.2, 1.1, 4)]
+    records.append(RequestRecord(1, 0, 100, 10, error="HTTP 400: too long"))
+    figures = compute_figures(records, duration=2.0, slo=Slo(ttft_ms=300, tpot_ms=400))
+    assert (figures.completed, figures.failed) == (3, 1)
+    assert figures.total_output_tokens == 24 and figures.output_throughput == 12
+    assert figures.goodput == 1.0  # two of three in 2 s: the second misses its TTFT
+    assert figures.cache_hit_rate == 20 / 200  # only the requests that report cached tokens
+    assert figures.ttft_ms.p50 == pytest.approx(200)
+    assert figures.e2e_ms.mean == pytest.approx(1000 * 4.1 / 3)
+    assert figures.errors == ["HTTP 400: too long"]
+    assert compute_figures(records, 2.0, Slo()).goodput is None
+
+
+# -- reading streams (a fake server) -----------------------------------------------------------
+def sse(*events: dict | str) -> bytes:
+    return b"".join(
+        f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events
+    )
+
+
+def send_one(backend: Any, body: bytes, tokenizer: Any) -> RequestRecord:
+    """One request through a Session whose server always answers `body`."""
+
+    async def go() -> RequestRecord:
+        transport = httpx2.MockTransport(lambda request: httpx2.Response(200, content=body))
+        async with httpx2.AsyncClient(transport=transport) as client:
+            session = Session(client, backend, "http://fake", "m", tokenizer, None)
+            return (await session.turn(0, 0, [], "a question", 3))[0]
+
+    return asyncio.run(go())
+
+
+def test_stream_reading_counts_errors_and_cut_streams(tokenizer):
+    chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("one", " two", " three")]
+    unreported = send_one(CompletionsBackend(), sse(*chunks, "[DONE]"), tokenizer)
+    assert unreported.success and unreported.prompt_tokens is None
+    assert unreported.output_len == len(tokenizer.encode("one two three", add_special_tokens=False))
+    assert len(unreported.itl) == 2 and 0 < unreported.ttft <= unreported.e2e
+
+    meta = {"prompt_tokens": 9, "completion_tokens": 1, "cached_tokens": 4}
+    native = sse({"text": "x", "meta_info": meta}, "[DONE]")
+    assert send_one(NativeBackend(), native, tokenizer).cached_tokens == 4
+
+    cut = send_one(NativeBackend(), sse({"text": "x", "meta_info": meta}), tokenizer)
+    assert not cut.success and "[DONE]" in cut.error
+    failed = sse({"text": "x", "meta_info": meta}, {"error": {"message": "engine died"}})
+    assert send_one(NativeBackend(), failed, tokenizer).error == "engine died"
+
+
+# -- whole runs against the tiny model ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, tmp_path_factory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("bench-serving") / "server.log"
+    with ServerProcess(
+        "--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", KV_TOKENS, log=log
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def sharegpt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sharegpt") / "sharegpt.json"
+    path.write_text(json.dumps(sharegpt_entries()))
+    return path
+
+
+def bench(server: ServerProcess, tmp_path: Path, flags: str, rc: int = 0) -> dict[str, Any]:
+    """Run `bench serving` with `flags` (split on spaces) and read its JSON results."""
+    out = tmp_path / "results.json"
+    argv = ["bench", "serving", "--base-url", server.url, "--output-file", str(out)]
+    assert main([*argv, *flags.split()]) == rc
+    return json.loads(out.read_text())
+
+
+WORKLOADS = {  # dataset: (flags, requests it makes)
+    "random": ("--num-prompts 5 --random-input-len 48 --random-output-len 8 "
+               "--random-range-ratio 0.5", 5),
+    "random-ids": ("--num-prompts 5 --random-input-len 48 --random-output-len 8", 5),
+    "generated-shared-prefix": ("--gsp-num-groups 2 --gsp-prompts-per-group 3 "
+                                "--gsp-system-prompt-len 64 --gsp-question-len 8 "
+                                "--gsp-output-len 6 --max-concurrency 1", 6),
+    "multi-turn": ("--num-conversations 2 --num-turns 3 --multi-turn-question-len 12 "
+                   "--multi-turn-output-len 6", 6),
+    "sharegpt": ("--num-prompts 3 --sharegpt-output-len 5", 3),
+}  # fmt: skip
+CASES = [
+    (backend, dataset)
+    for backend in ("radixserve", "openai", "openai-chat")
+    for dataset in WORKLOADS
+    if not (backend == "openai-chat" and dataset == "random-ids")
+]
+
+
+@pytest.mark.parametrize(("backend", "dataset"), CASES)
+def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, backend, dataset):
+    flags, n_requests = WORKLOADS[dataset]
+    if dataset == "sharegpt":
+        flags += f" --dataset-path {sharegpt_file}"
+    result = bench(
+        server, tmp_path, f"--backend {backend} --dataset-name {dataset} --flush-cache " + flags
+    )
+    figures, requests = result["figures"], result["requests"]
+    assert (figures["completed"], figures["failed"]) == (n_requests, 0), figures["errors"]
+    assert result["config"]["cache_flushed"] is True
+    assert len(requests) == n_requests
+    assert all(r["output_len"] == r["expected_output_len"] for r in requests)  # ignore_eos
+    assert figures["total_output_tokens"] == sum(r["expected_output_len"] for r in requests)
+    assert all(r["ttft"] > 0 and r["e2e"] >= r["ttft"] for r in requests)
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        stats = figures[name]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], name
+    assert figures["output_throughput"] > 0 and figures["request_throughput"] > 0
+    if dataset == "random-ids":
+        assert all(r["prompt_tokens"] == r["prompt_len"] for r in requests)
+    if dataset in ("generated-shared-prefix", "multi-turn"):
+        assert figures["cache_hit_rate"] > 0
+    if dataset == "multi-turn":
+        turns = sorted((r["conversation"], r["turn"]) for r in requests)
+        assert turns == [(c, t) for c in range(2) for t in range(3)]
+        for c in range(2):  # each turn's prompt holds the turns before it
+            lens = [
+                r["prompt_tokens"]
+                for r in sorted(requests, key=lambda r: r["turn"])
+                if r["conversation"] == c
+            ]
+            assert lens == sorted(lens) and len(set(lens)) == 3
+
+
+def test_rate_slo_and_plots(server, tmp_path):
+    plots = tmp_path / "plots"
+    result = bench(
+        server,
+        tmp_path,
+        "--num-prompts 6 --random-input-len 32 --random-output-len 4 "
+        "--request-rate 50 --max-concurrency 2 --slo-ttft-ms 60000 --slo-e2e-ms 60000 "
+        f"--plot-dir {plots} --api-key not-needed",
+    )
+    figures = result["figures"]
+    assert figures["completed"] == 6
+    assert 0 < figures["goodput"] <= figures["request_throughput"]
+    assert result["config"]["api_key"] == "<set>"  # the key itself is never written
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["e2e.png", "itl.png", "throughput.png", "ttft.png"]
+
+
+def test_failed_requests_are_counted_with_their_errors(server, tmp_path):
+    result = bench(
+        server,
+        tmp_path,
+        "--dataset-name random-ids --num-prompts 2 "
+        f"--random-input-len {CONTEXT + 10} --random-range-ratio 1 "
+        "--random-output-len 4 --warmup-requests 0",
+        rc=1,
+    )
+    figures = result["figures"]
+    assert (figures["completed"], figures["failed"]) == (0, 2)
+    assert figures["errors"] and figures["errors"][0].startswith("HTTP 400")
+    assert figures["ttft_ms"] is None and figures["cache_hit_rate"] is None
+
+
+def test_a_failed_warm_up_or_no_server_stops_the_run(server, capsys):
+    too_long = f"--dataset-name random-ids --random-input-len {CONTEXT + 10} --random-range-ratio 1"
+    assert main(["bench", "serving", "--base-url", server.url, *too_long.split()]) == 2
+    assert "warm-up request failed" in capsys.readouterr().err
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "serving", "--base-url", nobody]) == 2
+    assert f"cannot reach {nobody}" in capsys.readouterr().err
