@@ -43,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import offline, one_batch, server_vs_engine, serving
+    from radixserve.bench import offline, one_batch, perplexity, server_vs_engine, serving
 
     benches = {
         "one-batch": one_batch,
         "offline": offline,
         "server-vs-engine": server_vs_engine,
         "serving": serving,
+        "perplexity": perplexity,
     }
     for name, module in benches.items():
         module.add_args(bench_kinds.add_parser(name, help=module.__doc__))

@@ -1,9 +1,11 @@
 """One static batch: prefill tokens/s and decode tokens/s of the model runner, next to
-transformers (the same weights, fp32 on CPU) measured in the same run."""
+transformers (the same weights, fp32 on CPU) measured in the same run. With --quantization
+the unquantized runner is measured in the same run too."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -22,6 +24,7 @@ class Figure:
     name: str
     radixserve: float
     baseline: float | None
+    unquantized: float | None = None  # the runner without --quantization, when it is set
 
     @property
     def ratio(self) -> float | None:
@@ -47,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, PARTS)
     runner = ModelRunner(config)
     ours = RunnerWorkload(runner)
+    unquantized = None
+    if config.model.quantization != "none":
+        plain = dataclasses.replace(config.model, quantization="none")
+        unquantized = RunnerWorkload(ModelRunner(dataclasses.replace(config, model=plain)))
     theirs = None
     if args.baseline == "transformers":
         theirs = TransformersWorkload(runner.model_folder, runner.dtype, runner.device)
@@ -62,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         _figure(
             f"prefill {args.input_len} tokens (tok/s)",
             lambda w: args.input_len / w.prefill_seconds(prefill[0]),
-            ours,
-            theirs,
+            [ours, unquantized, theirs],
             args.repeats,
         )
     )
@@ -75,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
                 lambda w, p=batch_prompts: (
                     len(p) * args.output_len / w.decode_seconds(p, args.output_len)
                 ),
-                ours,
-                theirs,
+                [ours, unquantized, theirs],
                 args.repeats,
             )
         )
@@ -87,30 +92,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _figure(name: str, measure: Callable, ours, theirs, repeats: int) -> Figure:
-    """Medians of `repeats` runs, ours and the baseline alternating so that drifts in the
-    machine's speed hit both alike."""
-    workloads = [w for w in (ours, theirs) if w is not None]
-    samples: list[list[float]] = [[] for _ in workloads]
-    for w in workloads:
+def _figure(name: str, measure: Callable, workloads: list, repeats: int) -> Figure:
+    """Medians of `repeats` runs of each workload (ours, ours unquantized, the baseline; None
+    where absent), alternating so that drifts in the machine's speed hit all alike."""
+    present = [w for w in workloads if w is not None]
+    samples: dict[int, list[float]] = {id(w): [] for w in present}
+    for w in present:
         measure(w)  # warm-up
     for _ in range(repeats):
-        for w, out in zip(workloads, samples):
-            out.append(measure(w))
-    medians = [statistics.median(s) for s in samples]
-    return Figure(name, medians[0], medians[1] if theirs is not None else None)
+        for w in present:
+            samples[id(w)].append(measure(w))
+    ours, unquantized, theirs = (
+        None if w is None else statistics.median(samples[id(w)]) for w in workloads
+    )
+    return Figure(name, ours, theirs, unquantized)
 
 
 def _print_table(figures: list[Figure], runner, args: argparse.Namespace) -> None:
+    quantization = runner.config.model.quantization
     print(
         f"\nmodel {runner.model_folder.name}  device {runner.device}  dtype {runner.dtype}  "
-        f"threads {torch.get_num_threads()}  median of {args.repeats}"
+        f"quantization {quantization}  threads {torch.get_num_threads()}  "
+        f"median of {args.repeats}"
     )
-    print(f"{'figure':<32}{'radixserve':>12}{'transformers':>14}{'ratio':>8}")
+    quantized = quantization != "none"
+    ours = f"radixserve {quantization}" if quantized else "radixserve"
+    plain = f"{'radixserve none':>16}" if quantized else ""
+    print(f"{'figure':<32}{ours:>16}{plain}{'transformers':>14}{'ratio':>8}")
     for fig in figures:
         base = "-" if fig.baseline is None else f"{fig.baseline:.1f}"
         ratio = "-" if fig.ratio is None else f"{fig.ratio:.2f}x"
-        print(f"{fig.name:<32}{fig.radixserve:>12.1f}{base:>14}{ratio:>8}")
+        plain = f"{fig.unquantized:>16.1f}" if quantized else ""
+        print(f"{fig.name:<32}{fig.radixserve:>16.1f}{plain}{base:>14}{ratio:>8}")
 
 
 class RunnerWorkload:

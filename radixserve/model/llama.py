@@ -81,6 +81,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # None when tied: the logits use the embedding matrix (int8 quantization sets a head)
+        self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -97,8 +99,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary, attn, meta)
         x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
-        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, head).float()
+        if self.lm_head is None:
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered."""

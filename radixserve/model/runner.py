@@ -27,6 +27,7 @@ from radixserve.model.loader import (
     read_architecture,
     resolve_model_folder,
 )
+from radixserve.model.quantization import check_int8_supported, quantize_model_int8
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,21 @@ class ModelRunner:
     def __init__(self, config: Config, progress: bool = True) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config.model)
+        if config.model.quantization == "int8":
+            check_int8_supported(self.device, self.dtype)
         start = time.perf_counter()
         self.model_folder = resolve_model_folder(
             config.model.model_path, config.model.cache_dir, progress=progress
         )
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
-        self.model = build_model(self.model_folder, self.hf_config, self.dtype, self.device)
+        self.model = build_model(
+            self.model_folder,
+            self.hf_config,
+            self.dtype,
+            self.device,
+            config.model.quantization,
+            config.model.cache_dir,
+        )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
 
@@ -130,7 +140,8 @@ class ModelRunner:
         else:
             fraction = cache.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            used = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            tensors = (*self.model.parameters(), *self.model.buffers())  # int8 weights are buffers
+            used = sum(t.numel() * t.element_size() for t in tensors)
         budget = int(total * fraction) - used
         tokens = budget // per_token
         if tokens < 1:
@@ -155,8 +166,15 @@ def load_config_and_tokenizer(folder: Path) -> tuple[PretrainedConfig, PreTraine
 
 
 def build_model(
-    folder: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    cache_dir: Path | None = None,
 ) -> LlamaForCausalLM:
+    """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
+    its linear layers are then replaced by int8 ones (kernel cached under `cache_dir`)."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     with torch.device("meta"):
         model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
@@ -166,4 +184,7 @@ def build_model(
         model.load_weights(iter_safetensors(folder))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if quantization == "int8":
+        quantize_model_int8(model, cache_dir / "kernels" if cache_dir else None)
+    return model
