@@ -52,6 +52,7 @@ def test_int8_linear_error_within_the_rounding_bound(rows):
 
     dequantized = F.linear(x, layer.weight.float() * layer.scale[:, None], bias)
     torch.testing.assert_close(out, dequantized, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(x.view(1, rows, K)), out.view(1, rows, N))  # any leading dims
 
 
 def test_quantize_weight_is_symmetric_per_output_channel():

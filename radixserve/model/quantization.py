@@ -93,15 +93,15 @@ class Int8Linear(nn.Module):
         return cls(q, scale, bias, matmul or int8_matmul())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)  # (M, K)
+        if x.dim() != 2:
+            out = self.forward(x.reshape(-1, self.in_features))
+            return out.view(*x.shape[:-1], self.out_features)
+        # (M, K): the model's flat batches; this path runs ~200 times per decode step, so it
+        # is kept to the few tensor calls it needs
         if x.shape[0] >= DEQUANT_MIN_ROWS:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scale
-            if self.bias is not None:
-                out += self.bias
-        else:
-            out = self.matmul(x.contiguous(), self.weight, self.scale, self.bias)
-        return out.view(*shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias
+        return self.matmul(x.contiguous(), self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
