@@ -43,13 +43,21 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    from radixserve.bench import offline, one_batch, perplexity, server_vs_engine, serving
+    from radixserve.bench import (
+        json_schema,
+        offline,
+        one_batch,
+        perplexity,
+        server_vs_engine,
+        serving,
+    )
 
     benches = {
         "one-batch": one_batch,
         "offline": offline,
         "server-vs-engine": server_vs_engine,
         "serving": serving,
+        "json": json_schema,
         "perplexity": perplexity,
     }
     for name, module in benches.items():
