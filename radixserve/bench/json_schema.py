@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig, config_from_args
+from radixserve.bench.offline import PARTS, engine_options
 from radixserve.config import add_config_args as add_flags
 
-PARTS = (ModelConfig, CacheConfig, SchedulerConfig)
 DEFAULT_POOL = 32768  # KV tokens per engine unless --max-total-tokens says otherwise
 
 RECORD_SCHEMA = {
@@ -94,12 +93,7 @@ class Run:
 def run(args: argparse.Namespace) -> int:
     from radixserve.engine import Engine
 
-    config = config_from_args(args, PARTS)
-    flat = {
-        k: v
-        for part in (config.model, config.cache, config.scheduler)
-        for k, v in asdict(part).items()
-    }
+    flat = engine_options(args)
     flat["max_total_tokens"] = flat["max_total_tokens"] or DEFAULT_POOL
     engines = {
         "jump-forward": Engine(progress=True, **(flat | {"disable_jump_forward": False})),

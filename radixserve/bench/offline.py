@@ -65,15 +65,17 @@ def workload_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int
     )
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The Engine keyword arguments the model, cache and scheduler flags give."""
+    config = config_from_args(args, PARTS)
+    parts = (config.model, config.cache, config.scheduler)
+    return {k: v for part in parts for k, v in asdict(part).items()}
+
+
 def run(args: argparse.Namespace) -> int:
     from radixserve.engine import Engine
 
-    config = config_from_args(args, PARTS)
-    flat = {
-        k: v
-        for part in (config.model, config.cache, config.scheduler)
-        for k, v in asdict(part).items()
-    }
+    flat = engine_options(args)
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     rows: list[Row] = []
     folder = None
