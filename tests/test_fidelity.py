@@ -130,3 +130,26 @@ def test_logprobs_match_reference_log_softmax(model_case):
         got_lp = [lp for lp, _ in result.top_logprobs[step]]
         assert torch.allclose(torch.tensor(got_lp), top_lp, atol=ATOL), name
         assert result.top_logprobs[step][0][1] == top_ids[0].item() == token
+
+
+def test_mixed_extend_batch_one_token_rows_beside_longer_rows(model_case):
+    """The batch a decode step becomes after a jump-forward: some requests extend by one
+    token, others by several, each after its own cached prefix. Every row's logits match
+    the reference (the two kinds are attended in separate groups)."""
+    name, runner, reference = model_case
+    prompts = [encode(runner, t) for t in TEXTS[:5]]
+    cut = [len(p) - n for p, n in zip(prompts, (1, 4, 1, 3, 1))]
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    reqs = [Req(f"mixed{i}", p, greedy()) for i, p in enumerate(prompts)]
+    try:
+        runner.forward(builder.extend(reqs, [p[:c] for p, c in zip(prompts, cut)]))
+        rests = [p[c:] for p, c in zip(prompts, cut)]
+        logits = runner.forward(builder.extend(reqs, rests, all_logits=[True] * 5)).logits
+        row = 0
+        for prompt, c, rest in zip(prompts, cut, rests):
+            ref = reference_logits(reference, prompt)[c:]
+            assert_close(logits[row : row + len(rest)], ref, f"{name} rows extending {len(rest)}")
+            row += len(rest)
+    finally:
+        for req in reqs:
+            builder.release(req)

@@ -19,13 +19,21 @@ from radixserve.core.batch import ForwardBatch, ForwardMode
 
 
 @dataclass
-class TorchNativeMetadata:
-    out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
+class AttentionGroup:
+    """Requests attended together in one SDPA call."""
+
+    tokens: torch.Tensor | None  # (T_g,) their flat token positions; None: every token
     kv_index: torch.Tensor  # (B, S) slot of each key position; padding → PADDING_SLOT
     mask: torch.Tensor | None  # (B, 1, Q, S) bool, True where a query may attend a key
     is_causal: bool  # no mask needed: one request, no cached prefix, plain causal
-    q_index: torch.Tensor | None  # (T,) flat token → row of the padded (B*Q) layout; None: identity
+    q_index: torch.Tensor | None  # (T_g,) token → row of the padded (B*Q) layout; None: identity
     max_q: int
+
+
+@dataclass
+class TorchNativeMetadata:
+    out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
+    groups: list[AttentionGroup]  # one, or the decode rows and extend rows of a mixed batch
 
 
 class AttentionBackend(Protocol):
@@ -50,16 +58,42 @@ class TorchNativeAttention:
         self.scale = scale
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        """One group, except for an extend batch mixing one-token rows (decode steps) with
+        longer ones (e.g. jump-forward): padding every row's queries to the longest would
+        multiply the decode rows' attention work, so the two kinds are attended apart."""
+        lens = batch.extend_lens
+        single = [i for i, n in enumerate(lens) if n == 1]
+        if batch.mode is ForwardMode.DECODE or not single or len(single) == len(lens):
+            rows = list(range(batch.batch_size))
+            return TorchNativeMetadata(batch.out_slots, [self._group(batch, rows, None)])
         device = batch.input_ids.device
-        seq_lens = torch.tensor(batch.seq_lens, device=device)
-        prefix_lens = torch.tensor(batch.prefix_lens, device=device)
-        extend_lens = torch.tensor(batch.extend_lens, device=device)
-        max_s = max(batch.seq_lens)
-        max_q = 1 if batch.mode is ForwardMode.DECODE else max(batch.extend_lens)
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        groups = []
+        for rows in (single, [i for i, n in enumerate(lens) if n > 1]):
+            tokens = [starts[i] + j for i in rows for j in range(lens[i])]
+            groups.append(self._group(batch, rows, torch.tensor(tokens, device=device)))
+        return TorchNativeMetadata(batch.out_slots, groups)
+
+    def _group(
+        self, batch: ForwardBatch, rows: list[int], tokens: torch.Tensor | None
+    ) -> AttentionGroup:
+        """Indices and mask for the batch's requests `rows` (all of them when tokens is None)."""
+        device = batch.input_ids.device
+        seq_list = [batch.seq_lens[i] for i in rows]
+        prefix_list = [batch.prefix_lens[i] for i in rows]
+        extend_list = [batch.extend_lens[i] for i in rows]
+        seq_lens = torch.tensor(seq_list, device=device)
+        prefix_lens = torch.tensor(prefix_list, device=device)
+        extend_lens = torch.tensor(extend_list, device=device)
+        max_s = max(seq_list)
+        max_q = max(extend_list)
 
         key_pos = torch.arange(max_s, device=device)  # (S,)
         key_valid = key_pos[None, :] < seq_lens[:, None]  # (B, S)
-        kv_index = self.req_to_token.table[batch.req_rows, :max_s]
+        req_rows = batch.req_rows if tokens is None else batch.req_rows[rows]
+        kv_index = self.req_to_token.table[req_rows, :max_s]
         kv_index = torch.where(key_valid, kv_index, PADDING_SLOT)
 
         q_off = torch.arange(max_q, device=device)  # (Q,)
@@ -70,14 +104,14 @@ class TorchNativeAttention:
         mask = torch.where(q_pad[:, :, None], key_pos[None, None, :] == 0, mask)
 
         q_index = None
-        if max_q > 1 and not all(n == max_q for n in batch.extend_lens):
-            starts = torch.arange(batch.batch_size, device=device) * max_q
+        if max_q > 1 and not all(n == max_q for n in extend_list):
+            starts = torch.arange(len(rows), device=device) * max_q
             q_index = torch.repeat_interleave(starts, extend_lens) + _ragged_arange(extend_lens)
         # Cheaper special cases (same result): SDPA's own causal path, or no mask at all.
-        is_causal = batch.batch_size == 1 and batch.prefix_lens[0] == 0 and max_q > 1
-        unmasked = max_q == 1 and len(set(batch.seq_lens)) == 1
+        is_causal = len(rows) == 1 and prefix_list[0] == 0 and max_q > 1
+        unmasked = max_q == 1 and len(set(seq_list)) == 1
         attn_mask = None if is_causal or unmasked else mask[:, None]
-        return TorchNativeMetadata(batch.out_slots, kv_index, attn_mask, is_causal, q_index, max_q)
+        return AttentionGroup(tokens, kv_index, attn_mask, is_causal, q_index, max_q)
 
     def forward(
         self,
@@ -88,6 +122,15 @@ class TorchNativeAttention:
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:  # (T, H * D)
         self.kv_pool.write(layer, meta.out_slots, k, v)
+        if len(meta.groups) == 1:
+            return self._attend(layer, q, meta.groups[0])
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for group in meta.groups:
+            out.index_copy_(0, group.tokens, self._attend(layer, q[group.tokens], group))
+        return out
+
+    def _attend(self, layer: int, q: torch.Tensor, meta: AttentionGroup) -> torch.Tensor:
+        """Attention of one group's queries q (T_g, H, D) → (T_g, H * D)."""
         _, num_heads, head_dim = q.shape
         batch_size, max_s = meta.kv_index.shape
         keys = self._gather(self.kv_pool.k[layer], meta.kv_index)  # (B, KH, S, D)
