@@ -184,7 +184,7 @@ def _median(runs: list[Run]) -> Run:
 def _print(runs: dict[str, Run], texts: dict[str, list[str]], args: argparse.Namespace) -> None:
     base = runs["no jump-forward"]
     print(
-        f"\nJSON-schema extraction: {args.num_requests} requests in one batch, greedy, "
+        f"\nJSON-schema extraction: {args.num_requests} requests submitted at once, greedy, "
         f"threads {torch.get_num_threads()}, median of {args.rounds} round(s)"
     )
     print(
