@@ -246,6 +246,10 @@ def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, backend, dat
         stats = figures[name]
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], name
     assert figures["output_throughput"] > 0 and figures["request_throughput"] > 0
+    decode = result["config"]["server_decode"]  # radixserve reports where decode time went
+    assert decode["decode_steps"] > 0 and decode["ms_per_step"] > 0
+    shares = decode["forward_share"] + decode["scheduler_share"] + decode["loop_share"]
+    assert 0 < decode["forward_share"] <= 1 and abs(shares - 1) < 1e-6
     if dataset == "random-ids":
         assert all(r["prompt_tokens"] == r["prompt_len"] for r in requests)
     if dataset in ("generated-shared-prefix", "multi-turn"):

@@ -552,9 +552,12 @@ async def _run(args: argparse.Namespace) -> int:
         session = Session(client, BACKENDS[args.backend](), args.base_url, model, tokenizer, limit)
         await _warm_up(session, workload, args.warmup_requests)
         flushed = await _flush_cache(client, args.base_url) if args.flush_cache else None
+        before = await _scheduler_state(client, args.base_url)
         records, duration = await _timed_run(session, workload, args)
+        after = await _scheduler_state(client, args.base_url)
     config = {k: _jsonable(v) for k, v in vars(args).items()}
     config |= {"model": model, "tokenizer": tokenizer_path, "cache_flushed": flushed}
+    config["server_decode"] = decode_breakdown(before, after)
     config["api_key"] = "<set>" if args.api_key else None  # never written out
     figures = _report(args, config, records, duration)
     return 0 if figures.failed == 0 else 1
@@ -681,6 +684,40 @@ async def _flush_cache(client: httpx2.AsyncClient, base_url: str) -> bool:
     return False
 
 
+async def _scheduler_state(client: httpx2.AsyncClient, base_url: str) -> dict | None:
+    """A radixserve scheduler's counters (`/get_server_info`), or None for other servers."""
+    try:
+        response = await client.get(base_url + "/get_server_info")
+        info = response.json() if response.status_code == 200 else {}
+    except (httpx2.HTTPError, ValueError):
+        return None
+    states = info.get("internal_states") if isinstance(info, dict) else None
+    state = states[0] if isinstance(states, list) and states else {}
+    return state if isinstance(state, dict) and "decode_forward_seconds" in state else None
+
+
+def decode_breakdown(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """Where the server's decode steps went during the run: the model's forward pass, the
+    rest of the scheduler's step (batch building, sampling, stop checks, outputs), and the
+    process loop around it (receiving requests, sending outputs)."""
+    if before is None or after is None:
+        return None
+    steps = after["decode_steps"] - before["decode_steps"]
+    forward = after["decode_forward_seconds"] - before["decode_forward_seconds"]
+    step = after["decode_step_seconds"] - before["decode_step_seconds"]
+    key = "decode_loop_seconds"
+    loop = after[key] - before[key] if key in after and key in before else step
+    if steps <= 0 or loop <= 0:
+        return None
+    return {
+        "decode_steps": steps,
+        "ms_per_step": 1000 * loop / steps,
+        "forward_share": forward / loop,
+        "scheduler_share": (step - forward) / loop,
+        "loop_share": (loop - step) / loop,
+    }
+
+
 async def _timed_run(
     session: Session, workload: list[Conversation], args: argparse.Namespace
 ) -> tuple[list[RequestRecord], float]:
@@ -715,6 +752,13 @@ def print_report(config: dict[str, Any], f: Figures) -> None:
     line("Mean concurrency", f.concurrency, ".2f")
     line("Goodput (req/s)", f.goodput, ".2f")
     line("Cache hit rate", f.cache_hit_rate, ".1%")
+    decode = config.get("server_decode")
+    if decode:
+        line("Server decode steps", decode["decode_steps"])
+        line("Server decode step (ms)", decode["ms_per_step"], ".1f")
+        line("  in the forward pass", decode["forward_share"], ".1%")
+        line("  scheduler outside the forward", decode["scheduler_share"], ".1%")
+        line("  process loop (IPC)", decode["loop_share"], ".1%")
     for title, stats in (
         ("TTFT", f.ttft_ms),
         ("ITL", f.itl_ms),
