@@ -204,9 +204,7 @@ def test_invalid_constraint_is_refused_before_it_is_queued(engine):
 
 
 @pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "no-jump-forward"])
-def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(
-    tiny_model_dirs, jump
-):
+def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(tiny_model_dirs, jump):
     """With a pool too small for the batch, requests are retracted and re-admitted (their
     grammar state kept); outputs equal an uninterrupted run and validate."""
     schemas = [PERSON, NESTED] * 3
@@ -234,7 +232,7 @@ def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(
 
 
 def test_a_stop_string_inside_a_document_does_not_cut_it(engine):
-    """"," belongs to the document here; a stop only counts where the text before it is a
+    """ "," belongs to the document here; a stop only counts where the text before it is a
     complete document, so every output still matches in full."""
     pattern = "[A-Z][a-z]{1,4}, [A-Z][a-z]{1,4}"
     params = [sampled(i, regex=pattern, stop=[","]) for i in range(4)]
