@@ -13,11 +13,10 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
+from radixserve.core.sampling_params import CONSTRAINTS, SamplingParams
 
 
 class GrammarError(ValueError):
@@ -26,18 +25,16 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Constraint:
-    kind: str  # one of CONSTRAINT_KINDS
+    kind: str  # one of core.sampling_params.CONSTRAINTS
     spec: str  # the JSON schema as a JSON string, the regex, or the grammar text
 
     @classmethod
-    def of(cls, params: Any) -> Constraint | None:
-        """The constraint a request's sampling parameters carry, if any (at most one)."""
-        given = [(k, getattr(params, k)) for k in CONSTRAINT_KINDS if getattr(params, k, None)]
+    def of(cls, params: SamplingParams) -> Constraint | None:
+        """The constraint a request's sampling parameters carry, if any (`SamplingParams`
+        already refuses more than one)."""
+        given = [(k, getattr(params, k)) for k in CONSTRAINTS if getattr(params, k)]
         if not given:
             return None
-        if len(given) > 1:
-            names = ", ".join(k for k, _ in given)
-            raise GrammarError(f"at most one of json_schema, regex, ebnf may be given, got {names}")
         kind, spec = given[0]
         if kind == "json_schema" and not isinstance(spec, str):
             spec = json.dumps(spec)
