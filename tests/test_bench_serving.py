@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from radixserve.bench import datasets
@@ -23,7 +26,10 @@ from radixserve.bench.serving import (
     RequestRecord,
     Session,
     Slo,
+    TokenTrie,
     compute_figures,
+    optimum_cache_hit_rate,
+    ttft_by_turn,
 )
 from radixserve.cli import main
 from tests.conftest import TINY_TOKENIZER
@@ -145,6 +151,100 @@ def test_figures_goodput_cache_hit_rate_and_failures():
     assert figures.e2e_ms.mean == pytest.approx(1000 * 4.1 / 3)
     assert figures.errors == ["HTTP 400: too long"]
     assert compute_figures(records, 2.0, Slo()).goodput is None
+    assert figures.optimum_cache_hit_rate is None  # no token ids, as for chat messages
+    assert figures.ttft_ms_by_turn is None  # single turns
+
+
+def test_ttft_by_turn_groups_the_turns_of_all_conversations():
+    records = []
+    for conv, ttfts in enumerate(([0.1, 0.2, 0.4], [0.3, 0.4, 0.8])):
+        for turn, ttft in enumerate(ttfts):
+            done = record(ttft, ttft + 1, 4)
+            done.conversation, done.turn = conv, turn
+            records.append(done)
+    records[-1].success = False  # the second conversation's third turn failed
+    records.append(RequestRecord(2, 3, 100, 4, error="an earlier turn failed"))
+    by_turn = ttft_by_turn(records)
+    assert [(t.requests, t.mean, t.p50) for t in by_turn] == [
+        (2, pytest.approx(200), pytest.approx(200)),
+        (2, pytest.approx(300), pytest.approx(300)),
+        (1, pytest.approx(400), pytest.approx(400)),
+        (0, None, None),
+    ]
+    assert compute_figures(records, 1.0, Slo()).ttft_ms_by_turn == by_turn
+
+
+# -- the optimum cache hit rate -----------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=8),
+    st.lists(st.integers(0, 3), max_size=12),
+)
+def test_token_trie_matches_the_longest_prefix_of_any_inserted_sequence(inserted, query):
+    trie = TokenTrie()
+    for ids in inserted:
+        trie.insert(ids)
+
+    def common(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    assert trie.match(query) == max((common(ids, query) for ids in inserted), default=0)
+    assert all(trie.match(ids) == len(ids) for ids in inserted)
+
+
+def sent(prompt: list[int], output: list[int], start: float, end: float) -> RequestRecord:
+    """A completed request with its token ids, sent at `start` and finished at `end`."""
+    done = RequestRecord(0, 0, len(prompt), len(output), start=start, success=True)
+    done.ttft, done.e2e, done.output_len = (end - start) / 2, end - start, len(output)
+    done.prompt_ids, done.output_ids = prompt, output
+    return done
+
+
+def test_optimum_serves_each_turn_the_turns_before_it_with_their_answers():
+    p1, a1 = list(range(10, 20)), [20, 21, 22]
+    p2, a2 = [*p1, *a1, 30, 31, 32, 33, 34], [40, 41]
+    p3 = [*p2, *a2, 50, 51]
+    other1, other_answer = list(range(100, 108)), [108]
+    other2 = [*other1, *other_answer, 110, 111]
+    records = [  # two conversations side by side, each turn sent after the one before ended
+        sent(p1, a1, 0, 1),
+        sent(other1, other_answer, 0.1, 2),
+        sent(p2, a2, 1.5, 2.5),  # served p1 + a1: 13
+        sent(other2, [112], 2.1, 3),  # served other1 + other_answer: 9
+        sent(p3, [60], 3, 4),  # served p2 + a2: 20
+    ]
+    total = len(p1) + len(p2) + len(p3) + len(other1) + len(other2)
+    assert optimum_cache_hit_rate(records) == pytest.approx((13 + 9 + 20) / total)
+
+
+def test_optimum_takes_the_prompts_of_running_requests_but_not_their_outputs():
+    prompt, answer = list(range(10, 20)), [20, 21, 22]
+    running = sent(prompt, answer, 0, 5)
+    follow_up = sent([*prompt, *answer, 30], [31], 1, 2)  # sent before `running` ended
+    assert optimum_cache_hit_rate([running, follow_up]) == pytest.approx(10 / (10 + 14))
+    again = sent(prompt, answer, 6, 7)  # all of it cached, but the last token is computed
+    assert optimum_cache_hit_rate([running, again]) == pytest.approx(9 / 20)
+    # the warm-up's request, left in the cache, serves the first request of the run as well
+    warm_up = sent(prompt, answer, 0, 1)
+    assert optimum_cache_hit_rate([running, again], [warm_up]) == pytest.approx(18 / 20)
+
+
+def test_optimum_of_shared_system_prompts_and_of_unrelated_prompts():
+    def prompt(group: int, question: int) -> list[int]:
+        system = [1000 * group + i for i in range(64)]
+        return system + [1000 * group + 500 + 10 * question + i for i in range(8)]
+
+    order = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    records = [sent(prompt(g, q), [7], 0.1 * i, 10) for i, (g, q) in enumerate(order)]
+    # all in flight at once: each group's first request computes the system prompt, the
+    # others find it cached
+    assert optimum_cache_hit_rate(records) == pytest.approx(4 * 64 / (6 * 72))
+    unrelated = [sent(prompt(g, 0), [7], g, g + 0.5) for g in range(4)]
+    assert optimum_cache_hit_rate(unrelated) == 0.0
+    chat = sent(prompt(0, 0), [7], 0, 1)
+    chat.prompt_ids = None  # messages through the server's chat template
+    assert optimum_cache_hit_rate([chat, *records]) is None
+    assert optimum_cache_hit_rate([]) is None
 
 
 # -- reading streams (a fake server) -----------------------------------------------------------
@@ -228,7 +328,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("backend", "dataset"), CASES)
-def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, backend, dataset):
+def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, capsys, backend, dataset):
     flags, n_requests = WORKLOADS[dataset]
     if dataset == "sharegpt":
         flags += f" --dataset-path {sharegpt_file}"
@@ -254,6 +354,32 @@ def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, backend, dat
         assert all(r["prompt_tokens"] == r["prompt_len"] for r in requests)
     if dataset in ("generated-shared-prefix", "multi-turn"):
         assert figures["cache_hit_rate"] > 0
+    assert not {"prompt_ids", "output_ids"} & requests[0].keys()
+    printed = capsys.readouterr().out
+    optimum = figures["optimum_cache_hit_rate"]
+    if backend == "openai-chat":
+        assert optimum is None  # the prompt is messages through the server's chat template
+        assert "optimum" not in printed
+    else:
+        # The optimum bounds what the server served, flushed before the run: its cache holds
+        # at most the prompts of requests sent earlier (once prefilled) and the prompt +
+        # output of those that ended earlier, which the optimum counts in full. The server's
+        # count may hold one token per request more, a BOS token the client's ids lack.
+        slack = n_requests / figures["total_input_tokens"]
+        assert 0 <= figures["cache_hit_rate"] <= optimum + slack and optimum <= 1
+        assert "optimum (unbounded cache)" in printed
+        if dataset in ("generated-shared-prefix", "multi-turn"):
+            assert optimum > 0
+    by_turn = figures["ttft_ms_by_turn"]
+    if dataset != "multi-turn":
+        assert by_turn is None and "TTFT by turn" not in printed
+    else:
+        assert "TTFT by turn" in printed
+        assert [t["requests"] for t in by_turn] == [2, 2, 2]
+        for turn, t in enumerate(by_turn):
+            ttfts = [1000 * r["ttft"] for r in requests if r["turn"] == turn]
+            assert t["mean"] == pytest.approx(np.mean(ttfts)) and t["mean"] > 0
+            assert t["p50"] == pytest.approx(np.median(ttfts))
     if dataset == "multi-turn":
         turns = sorted((r["conversation"], r["turn"]) for r in requests)
         assert turns == [(c, t) for c in range(2) for t in range(3)]

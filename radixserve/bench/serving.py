@@ -1,7 +1,8 @@
 """Load on any running server, native or OpenAI-compatible: a workload (random text or ids,
 generated shared prefixes, multi-turn chats, ShareGPT) streamed at a Poisson rate under a
-concurrency cap; prints throughput, TTFT / ITL / TPOT / end-to-end latency, goodput under
-SLOs and the server's prefix-cache hit rate."""
+concurrency cap; prints throughput, TTFT / ITL / TPOT / end-to-end latency (and TTFT by turn
+of multi-turn chats), goodput under SLOs, and the server's prefix-cache hit rate next to the
+workload's optimum: what an unbounded prefix cache could have served."""
 
 from __future__ import annotations
 
@@ -278,6 +279,10 @@ class RequestRecord:
     output_len: int = 0  # the server's count, else the client's count of the text
     prompt_tokens: int | None = None  # the server's count
     cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
+    # The prompt (None: chat messages) and the generated text as token ids by the client's
+    # tokenizer, for the optimum cache hit rate; not written out.
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+    output_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def input_tokens(self) -> int:
@@ -322,13 +327,16 @@ class Session:
         self, index: int, turn: int, history: History, question: Prompt, output_len: int
     ) -> tuple[RequestRecord, str]:
         prompt = self.backend.prompt(history, question)
-        record = RequestRecord(index, turn, count_tokens(self.tokenizer, prompt), output_len)
+        ids = prompt_ids(self.tokenizer, prompt)
+        n_in = count_tokens(self.tokenizer, prompt) if ids is None else len(ids)
+        record = RequestRecord(index, turn, n_in, output_len, prompt_ids=ids)
         body = self.backend.body(prompt, output_len, self.model)
         async with self.limit or contextlib.nullcontext():
             record.start = time.perf_counter() - self.t0
             text = await self._stream(body, record)
-        if record.success and not record.output_len:  # the server reported no count
-            record.output_len = count_tokens(self.tokenizer, text)
+        if record.success:
+            record.output_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            record.output_len = record.output_len or len(record.output_ids)  # none reported
         return record, text
 
     async def _stream(self, body: dict[str, Any], record: RequestRecord) -> str:
@@ -385,6 +393,16 @@ def _take_usage(record: RequestRecord, usage: Usage) -> None:
         record.output_len = usage.completion_tokens
     if usage.cached_tokens is not None:
         record.cached_tokens = usage.cached_tokens
+
+
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[int] | None:
+    """A prompt's token ids: ids as they are, text by the tokenizer; None for chat messages,
+    whose tokens depend on the server's chat template."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if prompt and isinstance(prompt[0], dict):
+        return None
+    return list(prompt)
 
 
 def count_tokens(tokenizer: Any, prompt: Any) -> int:
@@ -465,10 +483,28 @@ class Figures:
     e2e_ms: Latency | None
     goodput: float | None  # requests per second that met every SLO given; None: no SLO
     cache_hit_rate: float | None  # cached / prompt tokens; None: the server reports none
+    optimum_cache_hit_rate: float | None  # see `optimum_cache_hit_rate`; None: chat prompts
+    ttft_ms_by_turn: list[TurnTtft] | None  # first turns, second turns...; None: single turns
     errors: list[str]  # the first few distinct messages
 
 
-def compute_figures(records: list[RequestRecord], duration: float, slo: Slo) -> Figures:
+@dataclass(frozen=True)
+class TurnTtft:
+    """TTFT of the completed requests of one turn of every conversation, milliseconds."""
+
+    requests: int
+    mean: float | None  # None: no request of this turn completed
+    p50: float | None
+
+
+def compute_figures(
+    records: list[RequestRecord],
+    duration: float,
+    slo: Slo,
+    cached_before: Sequence[RequestRecord] = (),
+) -> Figures:
+    """The run's figures; `cached_before`: requests whose prompts and outputs the server's
+    cache held when the run started (the warm-up, unless the cache was flushed)."""
     done = [r for r in records if r.success]
     input_tokens = sum(r.input_tokens for r in done)
     output_tokens = sum(r.output_len for r in done)
@@ -488,6 +524,8 @@ def compute_figures(records: list[RequestRecord], duration: float, slo: Slo) -> 
         e2e_ms=Latency.of([r.e2e for r in done]),
         goodput=sum(map(slo.met_by, done)) / duration if slo.given() else None,
         cache_hit_rate=_cache_hit_rate(done),
+        optimum_cache_hit_rate=optimum_cache_hit_rate(done, cached_before),
+        ttft_ms_by_turn=ttft_by_turn(records),
         errors=list(dict.fromkeys(r.error for r in records if not r.success))[:ERRORS_SHOWN],
     )
 
@@ -496,6 +534,105 @@ def _cache_hit_rate(done: list[RequestRecord]) -> float | None:
     reported = [r for r in done if r.cached_tokens is not None]
     prompt = sum(r.input_tokens for r in reported)
     return sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else None
+
+
+def ttft_by_turn(records: list[RequestRecord]) -> list[TurnTtft] | None:
+    """TTFT of each turn index across conversations (entry k: turn k of the records, the
+    (k+1)-th turn); None unless some conversation has several turns."""
+    turns = max((r.turn for r in records), default=0) + 1
+    if turns < 2:
+        return None
+    by_turn = []
+    for turn in range(turns):
+        ttfts = [r.ttft for r in records if r.success and r.turn == turn]
+        stats = Latency.of(ttfts)
+        if stats is None:
+            by_turn.append(TurnTtft(0, None, None))
+        else:
+            by_turn.append(TurnTtft(len(ttfts), stats.mean, stats.p50))
+    return by_turn
+
+
+# -- the workload's optimum cache hit rate ------------------------------------------------------
+@dataclass
+class _Edge:
+    ids: list[int]  # a run of tokens, the first of which keys the edge in its parent
+    children: dict[int, _Edge]
+
+
+class TokenTrie:
+    """Token sequences in a radix tree: an edge holds a run of ids, so time and memory grow
+    with the tokens inserted (a node per token would not fit thousands of long prompts)."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, _Edge] = {}
+
+    def match(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` some inserted sequence starts with."""
+        children, n = self.root, 0
+        while n < len(ids) and (edge := children.get(ids[n])) is not None:
+            k = _common_prefix_len(edge.ids, ids, n)
+            n += k
+            if k < len(edge.ids):
+                break
+            children = edge.children
+        return n
+
+    def insert(self, ids: list[int]) -> None:
+        children, n = self.root, 0
+        while n < len(ids):
+            edge = children.get(ids[n])
+            if edge is None:
+                children[ids[n]] = _Edge(ids[n:], {})
+                return
+            k = _common_prefix_len(edge.ids, ids, n)
+            if k < len(edge.ids):  # `ids` leaves the edge midway: split it there
+                rest = _Edge(edge.ids[k:], edge.children)
+                edge.ids, edge.children = edge.ids[:k], {rest.ids[0]: rest}
+            n += k
+            children = edge.children
+
+
+def _common_prefix_len(run: list[int], ids: list[int], start: int) -> int:
+    """How many leading tokens of `run` equal those of `ids` from `start` on."""
+    n = min(len(run), len(ids) - start)
+    if run[:n] == ids[start : start + n]:  # the usual case, compared in C
+        return n
+    return next(i for i in range(n) if run[i] != ids[start + i])
+
+
+def optimum_cache_hit_rate(
+    done: list[RequestRecord], cached_before: Sequence[RequestRecord] = ()
+) -> float | None:
+    """The share of the prompt tokens of the completed requests `done` that an unbounded
+    prefix cache could have served, on the client's token ids.
+
+    The cache starts holding the prompts and outputs of `cached_before`. A request's prompt
+    enters it when the request is sent (a server caches a prompt once it is prefilled), its
+    prompt followed by its output when it finishes. Each request is served the longest prefix
+    its prompt shares with the cache when it is sent, but for the last token, which must be
+    computed. None where prompts are chat messages (their tokens are the server's)."""
+    if not done or any(r.prompt_ids is None or r.output_ids is None for r in done):
+        return None
+    trie = TokenTrie()
+    for r in cached_before:
+        if r.prompt_ids is not None and r.output_ids is not None:
+            trie.insert(r.prompt_ids + r.output_ids)
+    finish, send = 0, 1  # at the same instant, a request finishes before another is sent
+    events = sorted(
+        [(r.start, send, i) for i, r in enumerate(done)]
+        + [(r.start + r.e2e, finish, i) for i, r in enumerate(done)]
+    )
+    served = total = 0
+    for _, kind, i in events:
+        prompt, output = done[i].prompt_ids or [], done[i].output_ids or []
+        if kind == send:
+            served += min(trie.match(prompt), max(len(prompt) - 1, 0))
+            total += len(prompt)
+            trie.insert(prompt)
+        else:
+            trie.insert(prompt + output)
+    return served / total if total else None
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -550,7 +687,7 @@ async def _run(args: argparse.Namespace) -> int:
             raise SetupError("the workload is empty (no ShareGPT entry fits?)")
         limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         session = Session(client, BACKENDS[args.backend](), args.base_url, model, tokenizer, limit)
-        await _warm_up(session, workload, args.warmup_requests)
+        warm_up = await _warm_up(session, workload, args.warmup_requests)
         flushed = await _flush_cache(client, args.base_url) if args.flush_cache else None
         before = await _scheduler_state(client, args.base_url)
         records, duration = await _timed_run(session, workload, args)
@@ -559,16 +696,20 @@ async def _run(args: argparse.Namespace) -> int:
     config |= {"model": model, "tokenizer": tokenizer_path, "cache_flushed": flushed}
     config["server_decode"] = decode_breakdown(before, after)
     config["api_key"] = "<set>" if args.api_key else None  # never written out
-    figures = _report(args, config, records, duration)
+    figures = _report(args, config, records, duration, [] if flushed else warm_up)
     return 0 if figures.failed == 0 else 1
 
 
 def _report(
-    args: argparse.Namespace, config: dict[str, Any], records: list[RequestRecord], duration: float
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    records: list[RequestRecord],
+    duration: float,
+    cached_before: list[RequestRecord],
 ) -> Figures:
     """Figures printed, and written where asked."""
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
-    figures = compute_figures(records, duration, slo)
+    figures = compute_figures(records, duration, slo, cached_before)
     print_report(config, figures)
     if args.output_file:
         write_results(args.output_file, config, figures, records)
@@ -659,7 +800,7 @@ async def _server_tokenizer_path(client: httpx2.AsyncClient, base_url: str) -> s
     return path if path and Path(path).is_dir() else None
 
 
-async def _warm_up(session: Session, workload: list[Conversation], n: int) -> None:
+async def _warm_up(session: Session, workload: list[Conversation], n: int) -> list[RequestRecord]:
     """The first turns of the first `n` conversations, at once; any failure stops the run."""
     convs = [Conversation(c.questions[:1], c.output_lens[:1]) for c in workload[:n]]
     session.t0 = time.perf_counter()
@@ -668,6 +809,7 @@ async def _warm_up(session: Session, workload: list[Conversation], n: int) -> No
     failed = [r.error for records in results for r in records if not r.success]
     if failed:
         raise SetupError(f"the warm-up request failed: {failed[0]}")
+    return [r for records in results for r in records]
 
 
 async def _flush_cache(client: httpx2.AsyncClient, base_url: str) -> bool:
@@ -752,6 +894,11 @@ def print_report(config: dict[str, Any], f: Figures) -> None:
     line("Mean concurrency", f.concurrency, ".2f")
     line("Goodput (req/s)", f.goodput, ".2f")
     line("Cache hit rate", f.cache_hit_rate, ".1%")
+    optimum = f.optimum_cache_hit_rate
+    if optimum is not None:
+        line("  optimum (unbounded cache)", optimum, ".1%")
+        if f.cache_hit_rate is not None and optimum > 0:
+            line("  measured / optimum", f.cache_hit_rate / optimum, ".1%")
     decode = config.get("server_decode")
     if decode:
         line("Server decode steps", decode["decode_steps"])
@@ -768,9 +915,21 @@ def print_report(config: dict[str, Any], f: Figures) -> None:
         print(f"{' ' + title + ' (ms) ':-^54}")
         for name in ("mean", "p50", "p90", "p99"):
             line(name, None if stats is None else getattr(stats, name), ".2f")
+    if f.ttft_ms_by_turn:
+        print_ttft_by_turn(f.ttft_ms_by_turn)
     print("=" * 54)
     for message in f.errors:
         print(f"error: {message}")
+
+
+def print_ttft_by_turn(by_turn: list[TurnTtft]) -> None:
+    def cell(value: float | None) -> str:
+        return f"{'n/a' if value is None else format(value, '.2f'):>14}"
+
+    print(f"{' TTFT by turn (ms) ':-^54}")
+    print(f"{'turn':<12}{'requests':>14}{'mean':>14}{'p50':>14}")
+    for turn, t in enumerate(by_turn, start=1):
+        print(f"{turn:<12}{t.requests:>14}{cell(t.mean)}{cell(t.p50)}")
 
 
 def _jsonable(value: Any) -> Any:
@@ -780,7 +939,10 @@ def _jsonable(value: Any) -> Any:
 def write_results(
     path: str, config: dict[str, Any], figures: Figures, records: list[RequestRecord]
 ) -> None:
-    requests = [asdict(r) | {"tpot": r.tpot} for r in records]
+    token_ids = ("prompt_ids", "output_ids")
+    requests = [
+        {k: v for k, v in vars(r).items() if k not in token_ids} | {"tpot": r.tpot} for r in records
+    ]
     with open(path, "w") as out:
         json.dump(
             {"config": config, "figures": asdict(figures), "requests": requests},
