@@ -19,6 +19,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8")
+ATTENTION_BACKENDS = ("auto", "torch")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -58,6 +59,12 @@ class ModelConfig:
         "and the LM head, a quarter of the bytes per decode step; CPU and float32 only.",
         choices=QUANTIZATIONS,
     )
+    attention_backend: str = _opt(
+        "auto",
+        "auto: decode steps attend with the C++ kernel that reads K/V where they lie in the "
+        "pool (CPU, float32; torch where it cannot be built); torch: gather + SDPA always.",
+        choices=ATTENTION_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -65,6 +72,11 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
 
     @property

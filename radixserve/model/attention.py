@@ -7,7 +7,11 @@ shared by all layers), then `forward(layer, q, k, v, meta)` in every layer. Fast
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,18 +20,22 @@ import torch.nn.functional as F
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.cache.allocator import PADDING_SLOT
 from radixserve.core.batch import ForwardBatch, ForwardMode
+from radixserve.model.cpu_kernels import load_kernel
 
 
 @dataclass
 class AttentionGroup:
-    """Requests attended together in one SDPA call."""
+    """Requests attended together in one SDPA (or decode kernel) call."""
 
     tokens: torch.Tensor | None  # (T_g,) their flat token positions; None: every token
-    kv_index: torch.Tensor  # (B, S) slot of each key position; padding → PADDING_SLOT
+    kv_index: torch.Tensor | None  # (B, S) slot of each key position, padding → PADDING_SLOT;
+    # None: the decode kernel reads the slots from the request→token table itself
     mask: torch.Tensor | None  # (B, 1, Q, S) bool, True where a query may attend a key
     is_causal: bool  # no mask needed: one request, no cached prefix, plain causal
     q_index: torch.Tensor | None  # (T_g,) token → row of the padded (B*Q) layout; None: identity
     max_q: int
+    req_rows: torch.Tensor | None = None  # (B,) for the decode kernel
+    seq_lens: torch.Tensor | None = None  # (B,) for the decode kernel
 
 
 @dataclass
@@ -50,12 +58,27 @@ class TorchNativeAttention:
     Works on CPU and CUDA. Queries are padded to the longest extend length of the batch
     (1 in decode mode); the mask encodes causality after each request's cached prefix and
     the padding of keys and queries.
+
+    On CPU in float32, one-token rows (decode steps) go to the C++ decode kernel instead
+    (`decode_attention.cpp`), which reads K/V where they lie in the pool: no gathered copy,
+    no padding, no mask. `use_kernel=False` keeps the torch path everywhere.
     """
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scale: float) -> None:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        scale: float,
+        use_kernel: bool = True,
+        kernel_dir: Path | None = None,
+    ) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scale = scale
+        pool = kv_pool.k[0]
+        cpu_fp32 = pool.device.type == "cpu" and pool.dtype == torch.float32
+        use_kernel = use_kernel and cpu_fp32
+        self.decode_kernel = decode_attention_kernel(kernel_dir) if use_kernel else None
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         """One group, except for an extend batch mixing one-token rows (decode steps) with
@@ -85,6 +108,9 @@ class TorchNativeAttention:
         prefix_list = [batch.prefix_lens[i] for i in rows]
         extend_list = [batch.extend_lens[i] for i in rows]
         seq_lens = torch.tensor(seq_list, device=device)
+        req_rows = batch.req_rows if tokens is None else batch.req_rows[rows]
+        if self.decode_kernel is not None and all(n == 1 for n in extend_list):
+            return AttentionGroup(tokens, None, None, False, None, 1, req_rows, seq_lens)
         prefix_lens = torch.tensor(prefix_list, device=device)
         extend_lens = torch.tensor(extend_list, device=device)
         max_s = max(seq_list)
@@ -92,7 +118,6 @@ class TorchNativeAttention:
 
         key_pos = torch.arange(max_s, device=device)  # (S,)
         key_valid = key_pos[None, :] < seq_lens[:, None]  # (B, S)
-        req_rows = batch.req_rows if tokens is None else batch.req_rows[rows]
         kv_index = self.req_to_token.table[req_rows, :max_s]
         kv_index = torch.where(key_valid, kv_index, PADDING_SLOT)
 
@@ -132,6 +157,12 @@ class TorchNativeAttention:
     def _attend(self, layer: int, q: torch.Tensor, meta: AttentionGroup) -> torch.Tensor:
         """Attention of one group's queries q (T_g, H, D) → (T_g, H * D)."""
         _, num_heads, head_dim = q.shape
+        if meta.kv_index is None:
+            pool_k, pool_v = self.kv_pool.k[layer], self.kv_pool.v[layer]
+            table = self.req_to_token.table
+            return self.decode_kernel(
+                q, pool_k, pool_v, table, meta.req_rows, meta.seq_lens, self.scale
+            )
         batch_size, max_s = meta.kv_index.shape
         keys = self._gather(self.kv_pool.k[layer], meta.kv_index)  # (B, KH, S, D)
         values = self._gather(self.kv_pool.v[layer], meta.kv_index)
@@ -166,6 +197,48 @@ class TorchNativeAttention:
         batch_size, max_s = kv_index.shape
         rows = pool.view(pool.shape[0], -1).index_select(0, kv_index.view(-1))
         return rows.view(batch_size, max_s, *pool.shape[1:]).transpose(1, 2)
+
+
+# (q (B, H, D), k_pool, v_pool (N, KH, D), table (R, C), rows (B,), seq_lens (B,), scale)
+# -> (B, H * D)
+DecodeKernel = Callable[..., torch.Tensor]
+
+
+@functools.cache
+def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | None:
+    """The C++ decode attention (`decode_attention.cpp`, built into `kernel_dir`), or None
+    where it cannot be built."""
+    library = load_kernel("decode_attention", kernel_dir)
+    if library is None:
+        return None
+    kernel = library.decode_attention
+    kernel.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    kernel.restype = None
+
+    def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float) -> torch.Tensor:
+        batch, heads, dim = q.shape
+        q = q.contiguous()
+        out = torch.empty(batch, heads * dim, dtype=torch.float32)
+        rows, seq_lens = rows.contiguous(), seq_lens.contiguous()
+        kernel(
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            table.data_ptr(),
+            rows.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            heads,
+            k_pool.shape[1],
+            dim,
+            table.stride(0),
+            scale,
+            torch.get_num_threads(),
+        )
+        return out
+
+    return decode_attention
 
 
 def _ragged_arange(lengths: torch.Tensor) -> torch.Tensor:

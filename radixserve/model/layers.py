@@ -26,6 +26,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+LOGITS_CHUNK = 2048  # vocabulary rows per product: 4.7 MB of fp32 weights, stays in L2/L3
+
+
+def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, hidden) @ weight (vocab, hidden).T, the LM head. On CPU with several rows it is
+    computed in vocabulary chunks, each (chunk @ x.T) into a (vocab, M) buffer: measured
+    1.5x (64 rows) to 2x (16 rows) faster than one F.linear over the 49k-row matrix of
+    SmolLM2, and alike at one row, where F.linear is kept."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 1:
+        return F.linear(x, weight)
+    out = x.new_empty(weight.shape[0], x.shape[0])
+    xt = x.t()
+    for start in range(0, weight.shape[0], LOGITS_CHUNK):
+        torch.mm(weight[start : start + LOGITS_CHUNK], xt, out=out[start : start + LOGITS_CHUNK])
+    return out.t().contiguous()
+
+
 class Linear(nn.Linear):
     """nn.Linear computed by `linear`. Used for the MLP's gate and up projections only:
     with it on every projection, batch-8 decode logits of SmolLM2 drifted 1.1e-4 from

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -19,6 +18,7 @@ from radixserve.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     RotaryTables,
+    logits_linear,
 )
 
 
@@ -100,7 +100,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rotary, attn, meta)
         x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
         if self.lm_head is None:
-            return F.linear(x, self.embed_tokens.weight).float()
+            return logits_linear(x, self.embed_tokens.weight).float()
+        if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
+            return logits_linear(x, self.lm_head.weight).float()
         return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -7,8 +7,8 @@ fp32, so the only error is the rounding of the weights. The embedding lookup sta
 tied LM head gets its own int8 copy of the embedding matrix.
 
 The matmul is chosen once per process:
-- `int8_linear.cpp` (AVX2 + FMA), compiled with the system C++ compiler on first use and
-  cached beside converted models; it reads int8 and widens in registers.
+- `int8_linear.cpp` (AVX2 + FMA; built by cpu_kernels.py on first use): it reads int8
+  and widens in registers.
 - otherwise torch's `_weight_int8pack_mm`: the same arithmetic, vectorized only for
   AVX-512 and ARM (on AVX2 it is 5-50x slower than fp32 matmul; a warning says so).
 From DEQUANT_MIN_ROWS rows up (prefill) the product is bound by compute, not bytes: the
@@ -19,13 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,13 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.config import default_model_cache_dir
+from radixserve.model.cpu_kernels import load_kernel
 from radixserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("int8_linear.cpp")
-KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 DEQUANT_MIN_ROWS = 48  # from here on MKL on the widened weight is as fast (measured, 1 thread)
 
 # (x (M, K) fp32 contiguous, weight (N, K) int8, scale (N,), bias (N,) | None) -> (M, N)
@@ -121,10 +113,11 @@ def quantize_model_int8(model: LlamaForCausalLM, kernel_dir: Path | None = None)
 
 @functools.cache
 def int8_matmul(kernel_dir: Path | None = None) -> Int8Matmul:
-    """The int8 matmul for this machine, chosen once: the AVX2 kernel if it builds here,
-    else torch's `_weight_int8pack_mm`."""
-    library = _build_kernel(kernel_dir or Path(default_model_cache_dir()) / "kernels")
+    """The int8 matmul for this machine, chosen once: the AVX2 kernel if it builds here
+    (into `kernel_dir`), else torch's `_weight_int8pack_mm`."""
+    library = load_kernel("int8_linear", kernel_dir)
     if library is None:
+        logger.warning("int8 layers use torch's _weight_int8pack_mm (slower than fp32 on AVX2)")
         return torch_int8_matmul
     kernel = library.int8_linear
     kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -147,41 +140,3 @@ def torch_int8_matmul(
     """The fallback: torch's own kernel, the same arithmetic."""
     out = torch.ops.aten._weight_int8pack_mm(x, weight, scale)
     return out if bias is None else out + bias
-
-
-def _build_kernel(kernel_dir: Path) -> ctypes.CDLL | None:
-    """Compile int8_linear.cpp once per source version (cached in `kernel_dir`) and load it;
-    None, with a warning, where this CPU or toolchain cannot."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine() not in ("x86_64", "AMD64") or capability not in ("AVX2", "AVX512"):
-        logger.warning("no AVX2: int8 layers use torch's _weight_int8pack_mm")
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    source = KERNEL_SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(KERNEL_FLAGS).encode()).hexdigest()[:16]
-    path = kernel_dir / f"int8_linear-{digest}.so"
-    if not path.is_file():
-        if compiler is None:
-            logger.warning(
-                "no C++ compiler (set CXX): int8 layers use torch's _weight_int8pack_mm, "
-                "which is slower than fp32 on AVX2 CPUs"
-            )
-            return None
-        kernel_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=kernel_dir) as tmp:
-            built = Path(tmp) / path.name
-            result = subprocess.run(
-                [compiler, *KERNEL_FLAGS, str(KERNEL_SOURCE), "-o", str(built)],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                logger.warning(
-                    "building the int8 kernel failed (%s); int8 layers use torch's "
-                    "_weight_int8pack_mm, slower than fp32 on AVX2 CPUs:\n%s",
-                    compiler,
-                    result.stderr[-2000:],
-                )
-                return None
-            os.replace(built, path)  # atomic: concurrent builders each install a whole file
-    return ctypes.CDLL(str(path))

@@ -82,7 +82,13 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(
             self.max_running_requests + 1, self.context_len, self.device
         )
-        self.attention = TorchNativeAttention(self.kv_pool, self.req_to_token, head_dim**-0.5)
+        self.attention = TorchNativeAttention(
+            self.kv_pool,
+            self.req_to_token,
+            head_dim**-0.5,
+            use_kernel=config.model.attention_backend == "auto",
+            kernel_dir=config.model.cache_dir / "kernels",
+        )
         logger.info(
             "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens",
             self.model_folder,

@@ -1,0 +1,71 @@
+"""The project's C++ CPU kernels (x86 AVX2 + FMA), compiled with the system compiler on
+first use and loaded with ctypes.
+
+Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
+built once per source version into a cache folder (~/.cache/radixserve/kernels by default)
+and shared by every process after. Where the CPU lacks AVX2, or no compiler is found, or
+the build fails, `load_kernel` warns and returns None and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from radixserve.config import default_model_cache_dir
+
+logger = logging.getLogger(__name__)
+
+KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def kernel_dir() -> Path:
+    return Path(default_model_cache_dir()) / "kernels"
+
+
+@functools.cache
+def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
+    """The library built from `<name>.cpp` (compiled into `folder` when not there yet);
+    None, with a warning that names the reason, where this machine cannot build it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() not in ("x86_64", "AMD64") or capability not in ("AVX2", "AVX512"):
+        logger.warning("no AVX2 on this CPU: the %s kernel is not used", name)
+        return None
+    source_path = Path(__file__).with_name(f"{name}.cpp")
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + " ".join(KERNEL_FLAGS).encode()).hexdigest()[:16]
+    folder = folder or kernel_dir()
+    path = folder / f"{name}-{digest}.so"
+    if not path.is_file():
+        compiler = shutil.which(os.environ.get("CXX", "c++"))
+        if compiler is None:
+            logger.warning("no C++ compiler (set CXX): the %s kernel is not used", name)
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            built = Path(tmp) / path.name
+            result = subprocess.run(
+                [compiler, *KERNEL_FLAGS, str(source_path), "-o", str(built)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                logger.warning(
+                    "building the %s kernel with %s failed; it is not used:\n%s",
+                    name,
+                    compiler,
+                    result.stderr[-2000:],
+                )
+                return None
+            os.replace(built, path)  # atomic: concurrent builders each install a whole file
+    return ctypes.CDLL(str(path))
