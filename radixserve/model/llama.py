@@ -21,6 +21,9 @@ from radixserve.model.layers import (
     logits_linear,
 )
 
+GATE_UP = ".mlp.gate_up_proj."  # the fused parameter, and the checkpoint's halves in order
+GATE_UP_SHARDS = (".mlp.gate_proj.", ".mlp.up_proj.")
+
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -106,23 +109,36 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered."""
+        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.
+        A checkpoint's gate_proj / up_proj fill the halves of the fused gate_up_proj."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if name not in params:
+            target, part = name, slice(None)
+            for half, shard in enumerate(GATE_UP_SHARDS):
+                if shard in name:
+                    target = name.replace(shard, GATE_UP)
+                    rows = self.config.intermediate_size
+                    part = slice(half * rows, (half + 1) * rows)
+            if target not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            if params[name].shape != tensor.shape:
+            param = params[target].data[part]
+            if param.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(params[name].shape)}"
+                    f"the model expects {tuple(param.shape)}"
                 )
-            params[name].data.copy_(tensor)
+            param.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        expected = {
+            p.replace(GATE_UP, shard) if GATE_UP in p else p
+            for p in params
+            for shard in GATE_UP_SHARDS
+        }
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
 
