@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
+        http_shared_prefix,
         json_schema,
         offline,
         one_batch,
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "one-batch": one_batch,
         "offline": offline,
         "server-vs-engine": server_vs_engine,
+        "http-shared-prefix": http_shared_prefix,
         "serving": serving,
         "json": json_schema,
         "perplexity": perplexity,

@@ -431,3 +431,24 @@ def test_a_failed_warm_up_or_no_server_stops_the_run(server, capsys):
     nobody = f"http://127.0.0.1:{free_port()}"
     assert main(["bench", "serving", "--base-url", nobody]) == 2
     assert f"cannot reach {nobody}" in capsys.readouterr().err
+
+
+def test_http_shared_prefix_runs_all_three_sides(tiny_model_dirs, tmp_path):
+    """`bench http-shared-prefix` on the tiny model: both servers and transformers produce
+    every output token; only the radix-cache server reports cached prompt tokens."""
+    out = tmp_path / "http.json"
+    argv = ["bench", "http-shared-prefix", "--model-path", str(tiny_model_dirs["llama"])]
+    argv += ["--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "40"]
+    argv += ["--question-len", "6", "--output-len", "5", "--concurrency", "4"]
+    argv += ["--max-total-tokens", "2048", "--output-json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"server, radix cache", "server, radix cache off", "transformers"}
+    for name, [row] in rows.items():
+        assert row["output_tokens"] == 6 * 5, name
+        assert row["prompt_tokens"] == 6 * 46, name
+        assert row["seconds"] > 0
+    # after the flush: each group's first request is computed whole, later ones reuse its
+    # 40-token system prompt (at least; more where question tokens happen to match)
+    assert rows["server, radix cache"][0]["cached_tokens"] >= 2 * 2 * 40
+    assert rows["server, radix cache off"][0]["cached_tokens"] == 0

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if args.baseline == "transformers":
-        rows.append(_transformers_row(folder, prompts, args))
+        rows.append(transformers_row(folder, prompts, args))
     _print(rows, args)
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 @torch.inference_mode()
-def _transformers_row(folder, prompts: list[list[int]], args: argparse.Namespace) -> Row:
+def transformers_row(folder, prompts: list[list[int]], args: argparse.Namespace) -> Row:
     """transformers `generate`: static batches, left padding, greedy."""
     from transformers import AutoModelForCausalLM
 

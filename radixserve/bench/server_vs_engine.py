@@ -35,15 +35,10 @@ def run(args: argparse.Namespace) -> int:
     from radixserve.engine import Engine
 
     config = config_from_args(args, PARTS)
-    flat = config.to_flat()
-    engine_kwargs = {k: flat[k] for part in PARTS for k in part.__dataclass_fields__}
+    engine_kwargs = _options(config)
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     body = {"sampling_params": params, "stream": args.stream}
-    server_flags = [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in engine_kwargs.items()
-        if v is not None and not isinstance(v, bool)
-    ] + [f"--{k.replace('_', '-')}" for k, v in engine_kwargs.items() if v is True]
+    flags = server_flags(config)
     engine_rows: list[Row] = []
     server_rows: list[Row] = []
     prompts: list[list[int]] = []
@@ -54,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
             engine.flush_cache()
             start = time.perf_counter()
             results = engine.generate(input_ids=prompts, sampling_params=params)
-            engine_rows.append(_row("offline Engine", time.perf_counter() - start, results))
+            engine_rows.append(result_row("offline Engine", time.perf_counter() - start, results))
             engine_steps = _steps(engine.get_server_info())
-        with _Server(server_flags) as url:
-            _post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
-            _post(url + "/flush_cache", None)
+        with Server(flags) as url:
+            post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
+            post(url + "/flush_cache", None)
             start = time.perf_counter()
             with ThreadPoolExecutor(args.concurrency) as pool:
-                results = list(pool.map(lambda p: _post(url, {**body, "input_ids": p}), prompts))
-            server_rows.append(_row("HTTP server", time.perf_counter() - start, results))
+                results = list(pool.map(lambda p: post(url, {**body, "input_ids": p}), prompts))
+            server_rows.append(result_row("HTTP server", time.perf_counter() - start, results))
             server_steps = _steps(
                 json.loads(urllib.request.urlopen(url + "/get_server_info").read())
             )
@@ -80,12 +75,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options(config) -> dict:
+    """The config's model, cache and scheduler fields, by name."""
+    flat = config.to_flat()
+    return {k: flat[k] for part in PARTS for k in part.__dataclass_fields__}
+
+
+def server_flags(config) -> list[str]:
+    """`radixserve serve` flags for the config's model, cache and scheduler fields."""
+    options = _options(config)
+    valued = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in options.items()
+        if v is not None and not isinstance(v, bool)
+    ]
+    return valued + [f"--{k.replace('_', '-')}" for k, v in options.items() if v is True]
+
+
 def _steps(info: dict) -> str:
     state = info["internal_states"][0]
     return f"{state['prefill_batches']}/{state['decode_steps']}"
 
 
-def _row(name: str, seconds: float, results: list[dict]) -> Row:
+def result_row(name: str, seconds: float, results: list[dict]) -> Row:
     metas = [r["meta_info"] for r in results]
     return Row(
         name,
@@ -96,7 +108,7 @@ def _row(name: str, seconds: float, results: list[dict]) -> Row:
     )
 
 
-def _post(url: str, body: dict | None) -> dict:
+def post(url: str, body: dict | None) -> dict:
     """POST to /generate (or `url` itself when body is None); for a stream, the last chunk."""
     if body is None:
         urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60).read()
@@ -115,7 +127,7 @@ def _post(url: str, body: dict | None) -> dict:
         return last
 
 
-class _Server:
+class Server:
     """`radixserve serve` on a free loopback port, stopped on exit."""
 
     def __init__(self, flags: list[str]) -> None:
