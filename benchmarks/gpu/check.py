@@ -1,0 +1,606 @@
+"""The GPU check: the runner against transformers on CUDA, then its speed, in one run.
+
+On a lent GPU machine, from the repository root (the device tool's `run`):
+    bash benchmarks/gpu/run.sh        # timeout 540 python3 benchmarks/gpu/check.py --out $OUT
+As a dry run on CPU (float32, small sizes):
+    python benchmarks/gpu/check.py --device cpu --quick --out /tmp/gpu_check
+
+Parts:
+  fidelity    the tests' tiny random-weight Llama and Qwen2 (tests/conftest.py): logits of
+              prefill and of 8 teacher-forced decode steps against transformers on the same
+              weights (max-abs difference), and 32 greedy tokens for the 8 prompts of
+              tests/test_fidelity.py in one batch. float32 is held to the CPU tests' bar
+              (1e-4, identical tokens); bfloat16 (CUDA only) is reported, not judged.
+  throughput  random weights in SmolLM2-135M's shape, bfloat16 (float32 on CPU): prefill
+              and decode tokens/s through radixserve.bench.one_batch's workloads, each next
+              to transformers (`generate` for decode) in the same run; peak GPU memory.
+
+Figures, or a part's traceback, go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten
+after every part so that a run cut short still leaves what it measured. Parts (and decode
+batch sizes) still to run once --budget-s has passed are skipped.
+
+Only the runner level of radixserve is imported (model, cache, core, scheduler.batch_builder,
+scheduler.static_generator, bench.one_batch): it needs torch and transformers, plus msgspec,
+which radixserve.core.sampling_params imports for request parsing only. The GPU image has no
+msgspec, so where it is missing a stand-in that fails on use takes its place
+(`provide_missing_modules`); the JSON lists it under "stand_ins".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parents[2]
+TEACHER_FORCED_STEPS = 8  # decode steps fed the reference's own tokens, as in the CPU tests
+
+# SmolLM2-135M's shape; the weights are random (they do not change the speed).
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+SMOLLM2_ROPE_THETA = 100000.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    greedy_steps: int  # greedy tokens compared per prompt
+    layers: int  # of the SmolLM2-shaped model
+    prefill_len: int
+    batch_sizes: tuple[int, ...]
+    context_len: int  # prompt length before the timed decode steps
+    output_len: int  # decode steps timed
+    repeats: int  # median of this many runs, after one warm-up
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV pool for the largest decode batch (prompt, warm-up token, timed steps)."""
+        return max(self.batch_sizes) * (self.context_len + self.output_len + 2) + self.prefill_len
+
+
+FULL = Sizes(32, 30, 512, (1, 32, 64, 256), 128, 32, 5)
+QUICK = Sizes(8, 2, 64, (1, 4), 16, 4, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    stand_ins = provide_missing_modules()
+    transformers.logging.disable_progress_bar()  # keeps the log (and the device's tail) short
+    device = torch.device(args.device)
+    sizes = QUICK if args.quick else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "environment": environment(device),
+        "stand_ins": stand_ins,
+        "sizes": asdict(sizes),
+        "parts": {},
+    }
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as work:
+        for name in args.parts:
+            if time.monotonic() > deadline:
+                report["parts"][name] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
+            else:
+                print(f"== {name}", flush=True)
+                run_part = PARTS[name]
+                report["parts"][name] = guarded(run_part, device, sizes, Path(work), deadline)
+            report["elapsed_s"] = round(time.monotonic() - started, 1)
+            write_report(report, out)
+    print((out / "gpu_check.md").read_text())
+    return 1 if has_error(report) else 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for gpu_check.json and .md")
+    parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for CPU dry runs")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="skip what is still to run past this many seconds (run.sh kills at 540)",
+    )
+    return parser.parse_args(argv)
+
+
+def provide_missing_modules() -> list[str]:
+    """Stand-ins for modules that the runner level imports but this check never uses.
+
+    radixserve.core.sampling_params imports msgspec at module level for
+    SamplingParams.from_dict (parsing a request), which nothing here calls. Any use of the
+    stand-in raises, so it cannot change a figure silently."""
+    provided = []
+    for name in ("msgspec",):
+        try:
+            __import__(name)
+        except ImportError:
+            sys.modules[name] = _stand_in(name)
+            provided.append(name)
+    return provided
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    module = types.ModuleType(name, f"stand-in for the missing {name} (benchmarks/gpu/check.py)")
+
+    def missing(attr: str) -> Any:
+        raise AttributeError(f"{name} is not installed here; {name}.{attr} was used")
+
+    module.__getattr__ = missing
+    return module
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "cuda_graphs": "not implemented (every decode step runs eagerly)",
+        "gpu": None,
+    }
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        info |= {
+            "gpu": props.name,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        }
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout, with "+dirty" for local changes; None where there is no .git
+    (the device machine gets the working tree without it)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def guarded(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """fn's figures, or its traceback: one failure must not lose the other parts' figures,
+    and every failure is reported (the JSON, the markdown and the exit status)."""
+    try:
+        return fn(*args)
+    except Exception:
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        return {"error": tb}
+
+
+def has_error(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "error" in node or any(has_error(v) for v in node.values())
+    if isinstance(node, list):
+        return any(has_error(v) for v in node)
+    return False
+
+
+# -- fidelity ----------------------------------------------------------------------------
+
+
+def fidelity(device: torch.device, sizes: Sizes, work: Path, deadline: float) -> dict[str, Any]:
+    from tests.conftest import build_tiny_model
+
+    dtypes = ["float32", "bfloat16"] if device.type == "cuda" else ["float32"]
+    cases: dict[str, Any] = {}
+    for arch in ("llama", "qwen2"):
+        folder = build_tiny_model(work / arch, arch)
+        for dtype in dtypes:
+            key = f"{arch}/{dtype}"
+            if time.monotonic() > deadline:
+                cases[key] = {"skipped": "past the time budget"}
+                continue
+            print(f"   {key}", flush=True)
+            cases[key] = guarded(fidelity_case, folder, device, dtype, sizes.greedy_steps)
+            _free(device)
+    return {"cases": cases}
+
+
+def fidelity_case(folder: Path, device: torch.device, dtype: str, steps: int) -> dict[str, Any]:
+    """The runner vs transformers on one model folder, both on `device` in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.config import Config
+    from radixserve.model.runner import ModelRunner
+    from radixserve.scheduler.static_generator import StaticGenerator
+    from tests.reference import reference_logits
+    from tests.test_fidelity import ATOL, TEXTS, encode, greedy
+
+    config = Config.from_flat(
+        model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=8192
+    )
+    runner = ModelRunner(config, progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=runner.dtype)
+    reference = reference.to(runner.device).eval()
+    prompts = [encode(runner, t) for t in TEXTS]
+    with torch.device(runner.device):  # tests.reference builds its inputs with torch.tensor
+        continuations = [recompute_greedy(reference, p, TEACHER_FORCED_STEPS) for p in prompts]
+        refs = [reference_logits(reference, p + c) for p, c in zip(prompts, continuations)]
+        expected = [recompute_greedy(reference, p, steps) for p in prompts]
+    prefill_diff, decode_diff = teacher_forced_diffs(runner, prompts, continuations, refs)
+
+    results = StaticGenerator(runner).generate(prompts, [greedy(steps) for _ in prompts])
+    agreeing = [_common_prefix(r.output_ids, e) for r, e in zip(results, expected)]
+    identical = sum(n == steps for n in agreeing)
+    judged = dtype == "float32"
+    passed = max(prefill_diff, decode_diff) <= ATOL and identical == len(prompts)
+    return {
+        "prefill_max_abs": prefill_diff,
+        "decode_max_abs": decode_diff,
+        "reference_logits_max_abs": max(r.abs().max().item() for r in refs),
+        "greedy_identical": identical,
+        "greedy_prompts": len(prompts),
+        "greedy_tokens_agreeing": sum(agreeing),  # before each prompt's first difference
+        "greedy_tokens": steps * len(prompts),
+        "first_difference": [None if n == steps else n for n in agreeing],
+        "atol": ATOL,
+        "passed": passed if judged else None,  # bfloat16: reported, not judged
+    }
+
+
+def recompute_greedy(reference, ids: list[int], steps: int) -> list[int]:
+    """Argmax decoding by transformers, each step one full forward pass over all tokens so
+    far (no cache: tests.reference.reference_greedy passes `cache=`, a keyword newer than the
+    GPU image's transformers). eos is just another token, as with ignore_eos."""
+    from tests.reference import reference_logits
+
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(reference_logits(reference, ids + tokens)[-1].argmax()))
+    return tokens
+
+
+def teacher_forced_diffs(
+    runner, prompts: list[list[int]], continuations: list[list[int]], refs: list[torch.Tensor]
+) -> tuple[float, float]:
+    """Max-abs logit differences of one prefill batch (every position) and of each decode
+    step fed the reference's tokens, as tests/test_fidelity.py checks them on CPU."""
+    from radixserve.core.req import Req
+    from radixserve.scheduler.batch_builder import BatchBuilder
+    from tests.test_fidelity import greedy
+
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    reqs = [Req(f"tf{i}", p, greedy()) for i, p in enumerate(prompts)]
+    prefill = decode = 0.0
+    try:
+        batch = builder.extend(reqs, prompts, all_logits=[True] * len(reqs))
+        logits = runner.forward(batch).logits
+        offset = 0
+        for p, ref in zip(prompts, refs):
+            prefill = max(prefill, _max_abs(logits[offset : offset + len(p)], ref[: len(p)]))
+            offset += len(p)
+        for step in range(len(continuations[0])):
+            for req, c in zip(reqs, continuations):
+                req.output_ids.append(c[step])
+            logits = runner.forward(builder.decode(reqs)).logits
+            for i, (p, ref) in enumerate(zip(prompts, refs)):
+                decode = max(decode, _max_abs(logits[i], ref[len(p) + step]))
+    finally:
+        for req in reqs:
+            builder.release(req)
+    return prefill, decode
+
+
+def _max_abs(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return (ours.float() - ref.float()).abs().max().item()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# -- throughput --------------------------------------------------------------------------
+
+
+def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) -> dict[str, Any]:
+    from radixserve.bench.one_batch import Figure, RunnerWorkload, TransformersWorkload
+    from radixserve.config import DTYPES, Config
+    from radixserve.model.runner import ModelRunner
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    folder = build_smollm2_shaped(work / "smollm2-shape", sizes.layers, DTYPES[dtype])
+    config = Config.from_flat(
+        model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=sizes.kv_tokens
+    )
+    before = _allocated(device)
+    runner = ModelRunner(config, progress=False)
+    runner_resident = _allocated(device) - before
+    before = _allocated(device)
+    workloads = {
+        "radixserve": RunnerWorkload(runner),
+        "transformers": TransformersWorkload(runner.model_folder, runner.dtype, runner.device),
+    }
+    transformers_resident = _allocated(device) - before
+    peaks = {name: 0 for name in workloads}
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return torch.randint(100, runner.vocab_size, (batch, length), generator=gen).tolist()
+
+    def figure(name: str, measure: Callable[[Any], float]) -> dict[str, Any]:
+        samples = _alternate(workloads, measure, sizes.repeats, device, peaks)
+        ours, theirs = (statistics.median(samples[w]) for w in ("radixserve", "transformers"))
+        fig = Figure(name, ours, theirs)
+        return asdict(fig) | {"ratio": fig.ratio, "samples": samples}
+
+    def decode_rate(workload: Any, batch_prompts: list[list[int]]) -> float:
+        steps = sizes.output_len
+        return len(batch_prompts) * steps / workload.decode_seconds(batch_prompts, steps)
+
+    figures = []
+    [prefill] = prompts(1, sizes.prefill_len)
+    print(f"   prefill {sizes.prefill_len}", flush=True)
+    figures.append(
+        guarded(
+            figure,
+            f"prefill {sizes.prefill_len} tokens (tok/s)",
+            lambda w: sizes.prefill_len / w.prefill_seconds(prefill),
+        )
+    )
+    for batch in sizes.batch_sizes:
+        name = f"decode batch {batch} (tok/s)"
+        if time.monotonic() > deadline:
+            figures.append({"name": name, "skipped": "past the time budget"})
+            continue
+        print(f"   decode batch {batch}", flush=True)
+        batch_prompts = prompts(batch, sizes.context_len)
+        figures.append(guarded(figure, name, lambda w, p=batch_prompts: decode_rate(w, p)))
+    return {
+        "model": f"random weights, SmolLM2-135M shape ({sizes.layers} layers)",
+        "dtype": dtype,
+        "kv_pool_tokens": runner.max_total_tokens,
+        "decode_context_len": sizes.context_len,
+        "decode_steps_timed": sizes.output_len,
+        "repeats": sizes.repeats,
+        "figures": figures,
+        "memory_gib": _memory_gib(device, runner_resident, transformers_resident, peaks),
+    }
+
+
+def build_smollm2_shaped(folder: Path, layers: int, dtype: torch.dtype) -> Path:
+    """A model folder of SmolLM2-135M's shape with seeded random weights in `dtype` and the
+    tests' tokenizer (the prompts are random token ids; the tokenizer is only loaded)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import TINY_TOKENIZER
+
+    config = LlamaConfig(**(SMOLLM2_SHAPE | {"num_hidden_layers": layers}))
+    config.rope_parameters = {"rope_type": "default", "rope_theta": SMOLLM2_ROPE_THETA}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    for file in TINY_TOKENIZER.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def _alternate(
+    workloads: dict[str, Any],
+    measure: Callable[[Any], float],
+    repeats: int,
+    device: torch.device,
+    peaks: dict[str, int],
+) -> dict[str, list[float]]:
+    """`repeats` samples of each workload after one warm-up each, alternating so that drifts
+    of the machine's speed hit all alike; peaks[name] keeps the most memory allocated during
+    any of that workload's calls (resident tensors of both models included)."""
+    samples: dict[str, list[float]] = {name: [] for name in workloads}
+    for round_ in range(repeats + 1):
+        for name, workload in workloads.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            value = measure(workload)
+            if device.type == "cuda":
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
+            if round_ > 0:
+                samples[name].append(value)
+    return samples
+
+
+def _memory_gib(
+    device: torch.device, runner_resident: int, transformers_resident: int, peaks: dict[str, int]
+) -> dict[str, float] | None:
+    if device.type != "cuda":
+        return None
+    gib = 2**30
+    return {
+        "radixserve_resident": round(runner_resident / gib, 3),  # weights + KV pool
+        "transformers_resident": round(transformers_resident / gib, 3),  # weights
+        "peak_during_radixserve": round(peaks["radixserve"] / gib, 3),
+        "peak_during_transformers": round(peaks["transformers"] / gib, 3),
+    }
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+PARTS: dict[str, Callable[..., dict[str, Any]]] = {
+    "fidelity": fidelity,
+    "throughput": throughput,
+}
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    where = env["gpu"] or f"CPU ({env.get('cpu_threads')} threads)"
+    if env["gpu"]:
+        where += f" ({env['gpu_memory_gib']} GiB, {env['multiprocessors']} SMs)"
+    lines = [
+        f"# GPU check — {env['date']}",
+        "",
+        f"- device: {where}",
+        f"- torch {env['torch']} (CUDA {env['torch_cuda']}), transformers "
+        f"{env['transformers']}, Python {env['python']}",
+        f"- command: `{env['command']}`; commit: {env['git_commit'] or 'not recorded'}",
+        f"- CUDA graphs: {env['cuda_graphs']}; stand-ins: {report['stand_ins'] or 'none'}",
+        f"- elapsed: {report.get('elapsed_s', '?')} s",
+    ]
+    parts = report["parts"]
+    if "fidelity" in parts:
+        lines += ["", "## Fidelity against transformers (same weights, same device)", ""]
+        lines += _fidelity_table(parts["fidelity"])
+    if "throughput" in parts:
+        lines += ["", "## Throughput against transformers", ""]
+        lines += _throughput_table(parts["throughput"])
+    lines += _problems(parts)
+    return "\n".join(lines) + "\n"
+
+
+def _fidelity_table(part: dict[str, Any]) -> list[str]:
+    if "cases" not in part:
+        return [_not_measured(part)]
+    lines = [
+        "Max-abs logit differences (prefill: every position of 8 prompts; decode: "
+        f"{TEACHER_FORCED_STEPS} teacher-forced steps) next to the reference's largest |logit|; "
+        "greedy: the 8 prompts in one batch, tokens agreeing before each first difference.",
+        "",
+        "| model | prefill max-abs | decode max-abs | logit scale | greedy identical "
+        "| greedy tokens agreeing | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, case in part["cases"].items():
+        if "prefill_max_abs" not in case:
+            lines.append(f"| {key} | {_not_measured(case)} ||||||")
+            continue
+        verdict = {True: "pass", False: "FAIL", None: "reported"}[case["passed"]]
+        lines.append(
+            f"| {key} | {case['prefill_max_abs']:.2e} | {case['decode_max_abs']:.2e} "
+            f"| {case['reference_logits_max_abs']:.2f} "
+            f"| {case['greedy_identical']}/{case['greedy_prompts']} "
+            f"| {case['greedy_tokens_agreeing']}/{case['greedy_tokens']} "
+            f"| {verdict} (bar {case['atol']:g}) |"
+        )
+    return lines
+
+
+def _throughput_table(part: dict[str, Any]) -> list[str]:
+    if "figures" not in part:
+        return [_not_measured(part)]
+    lines = [
+        f"{part['model']}, {part['dtype']}; decode after a {part['decode_context_len']}-token "
+        f"prompt, {part['decode_steps_timed']} steps timed; median of {part['repeats']}.",
+        "",
+        "| figure | radixserve | transformers | ratio |",
+        "|---|---|---|---|",
+    ]
+    for fig in part["figures"]:
+        if "radixserve" not in fig:
+            lines.append(f"| {fig.get('name', '?')} | {_not_measured(fig)} |||")
+            continue
+        lines.append(
+            f"| {fig['name']} | {fig['radixserve']:.1f} | {fig['baseline']:.1f} "
+            f"| {fig['ratio']:.2f}x |"
+        )
+    memory = part["memory_gib"]
+    if memory:
+        lines.append(
+            f"| peak GPU memory allocated (GiB) | {memory['peak_during_radixserve']:.2f} "
+            f"| {memory['peak_during_transformers']:.2f} | |"
+        )
+        lines += [
+            "",
+            f"Resident: radixserve {memory['radixserve_resident']:.2f} GiB (weights + KV pool of "
+            f"{part['kv_pool_tokens']} tokens), transformers {memory['transformers_resident']:.2f}"
+            " GiB (weights); both models stay loaded, so each peak includes both.",
+        ]
+    return lines
+
+
+def _not_measured(node: dict[str, Any]) -> str:
+    if "skipped" in node:
+        return f"skipped: {node['skipped']}"
+    if "error" in node:
+        return f"error: {node['error'].strip().splitlines()[-1]}"
+    return "not measured"
+
+
+def _problems(parts: dict[str, Any]) -> list[str]:
+    """The last line of every traceback, with where it happened (full ones: the JSON)."""
+    found: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if "error" in node:
+                found.append(f"- {path}: {node['error'].strip().splitlines()[-1]}")
+            for key, value in node.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+
+    walk(parts, "parts")
+    return ["", "## Errors (tracebacks in gpu_check.json)", "", *found] if found else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/gpu/check.py as a CPU dry run (the check itself needs a lent GPU machine).
+
+It runs in a subprocess that cannot import the packages the GPU image lacks, so the check
+stays within what that image has; every part reports, float32 fidelity is within the CPU
+tests' bar, and every throughput figure is a positive rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "check.py"
+# radixserve's dependencies that the GPU image lacks (import names; httpx2 is left out: the
+# huggingface_hub here needs it, the image's own uses httpx)
+MISSING_ON_GPU_IMAGE = ("msgspec", "fastapi", "uvicorn", "zmq", "llguidance", "gguf")
+
+RUN_WITHOUT = """
+import runpy, sys
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {missing!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Missing())
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_cpu_dry_run_reports_every_part(tmp_path):
+    code = RUN_WITHOUT.format(missing=MISSING_ON_GPU_IMAGE, script=str(SCRIPT))
+    args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--budget-s", "90"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # light on a shared machine
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=tmp_path,  # the script finds the repository itself
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["stand_ins"] == ["msgspec"]
+    assert report["environment"]["device"] == "cpu"
+
+    cases = report["parts"]["fidelity"]["cases"]
+    assert sorted(cases) == ["llama/float32", "qwen2/float32"]
+    for case in cases.values():
+        assert case["passed"] is True, case
+        assert 0 <= case["decode_max_abs"] <= case["atol"]
+        assert case["greedy_identical"] == case["greedy_prompts"] == 8
+
+    part = report["parts"]["throughput"]
+    names = [fig["name"] for fig in part["figures"]]
+    assert names == [
+        "prefill 64 tokens (tok/s)",
+        "decode batch 1 (tok/s)",
+        "decode batch 4 (tok/s)",
+    ]
+    for fig in part["figures"]:
+        assert fig["radixserve"] > 0 and fig["baseline"] > 0, fig
+        assert fig["ratio"] == fig["radixserve"] / fig["baseline"]
+
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| decode batch 4 (tok/s) |" in table and "| llama/float32 |" in table
