@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0):
+def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0, kernel_fits=True):
     """(kernel output, torch output) of one layer over a pool with scattered slots."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
@@ -51,20 +51,30 @@ def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0):
     v = torch.randn(tokens, kv_heads, dim, generator=gen)
     results = []
     for use_kernel in (True, False):
-        backend = TorchNativeAttention(pool, table, dim**-0.5, use_kernel=use_kernel)
-        assert (backend.decode_kernel is not None) == use_kernel
+        backend = TorchNativeAttention(pool, table, dim**-0.5, heads, use_kernel=use_kernel)
+        assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
         results.append(backend.forward(0, q, k, v, backend.prepare(batch)))
     return results
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 20), (6, 1, 16)]
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 16)]
 )
 def test_decode_kernel_matches_torch_path(heads, kv_heads, dim):
-    prefix_lens = [0, 1, 5, 37, 140, 3]  # ragged, incl. a first token with no prefix
-    kernel, reference = attend_both_ways(heads, kv_heads, dim, prefix_lens, [1] * 6)
-    assert kernel.shape == reference.shape == (6, heads * dim)
+    # ragged lengths around the kernel's 8-position blocks, a first token with no prefix
+    prefix_lens = [0, 1, 5, 7, 8, 15, 37, 140, 3, 300]
+    kernel, reference = attend_both_ways(heads, kv_heads, dim, prefix_lens, [1] * 10)
+    assert kernel.shape == reference.shape == (10, heads * dim)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 20), (18, 2, 64)])
+def test_shapes_the_kernel_does_not_take_stay_on_the_torch_path(heads, kv_heads, dim):
+    """Head size not a multiple of 16, or more than 8 query heads per KV head."""
+    kernel = decode_attention_kernel()
+    assert not kernel.supports(heads, kv_heads, dim)
+    first, second = attend_both_ways(heads, kv_heads, dim, [3, 9], [1, 1], kernel_fits=False)
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
 def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike():

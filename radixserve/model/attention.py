@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -69,6 +68,7 @@ class TorchNativeAttention:
         kv_pool: KVPool,
         req_to_token: ReqToTokenPool,
         scale: float,
+        num_heads: int,
         use_kernel: bool = True,
         kernel_dir: Path | None = None,
     ) -> None:
@@ -77,8 +77,11 @@ class TorchNativeAttention:
         self.scale = scale
         pool = kv_pool.k[0]
         cpu_fp32 = pool.device.type == "cpu" and pool.dtype == torch.float32
-        use_kernel = use_kernel and cpu_fp32
-        self.decode_kernel = decode_attention_kernel(kernel_dir) if use_kernel else None
+        kernel = decode_attention_kernel(kernel_dir) if use_kernel and cpu_fp32 else None
+        _, kv_heads, head_dim = pool.shape
+        if kernel is not None and not kernel.supports(num_heads, kv_heads, head_dim):
+            kernel = None  # head size not a multiple of 16, or over 8 query heads per KV head
+        self.decode_kernel = kernel
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         """One group, except for an extend batch mixing one-token rows (decode steps) with
@@ -199,28 +202,34 @@ class TorchNativeAttention:
         return rows.view(batch_size, max_s, *pool.shape[1:]).transpose(1, 2)
 
 
-# (q (B, H, D), k_pool, v_pool (N, KH, D), table (R, C), rows (B,), seq_lens (B,), scale)
-# -> (B, H * D)
-DecodeKernel = Callable[..., torch.Tensor]
+class DecodeKernel:
+    """The C++ decode attention: `kernel(q (B, H, D), k_pool, v_pool (N, KH, D),
+    table (R, C), rows (B,), seq_lens (B,), scale)` → (B, H * D)."""
 
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.decode_attention
+        self._run.argtypes = (
+            [ctypes.c_void_p] * 7
+            + [ctypes.c_int64] * 5
+            + [
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
+        )
+        self._run.restype = None
+        self._supports = library.decode_attention_supports
+        self._supports.argtypes = [ctypes.c_int64] * 3
+        self._supports.restype = ctypes.c_int
 
-@functools.cache
-def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | None:
-    """The C++ decode attention (`decode_attention.cpp`, built into `kernel_dir`), or None
-    where it cannot be built."""
-    library = load_kernel("decode_attention", kernel_dir)
-    if library is None:
-        return None
-    kernel = library.decode_attention
-    kernel.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-    kernel.restype = None
+    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return bool(self._supports(heads, kv_heads, head_dim))
 
-    def decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_pool, v_pool, table, rows, seq_lens, scale: float) -> torch.Tensor:
         batch, heads, dim = q.shape
         q = q.contiguous()
         out = torch.empty(batch, heads * dim, dtype=torch.float32)
         rows, seq_lens = rows.contiguous(), seq_lens.contiguous()
-        kernel(
+        self._run(
             q.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
@@ -238,7 +247,13 @@ def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | No
         )
         return out
 
-    return decode_attention
+
+@functools.cache
+def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | None:
+    """The C++ decode attention (`decode_attention.cpp`, built into `kernel_dir`), or None
+    where it cannot be built."""
+    library = load_kernel("decode_attention", kernel_dir)
+    return None if library is None else DecodeKernel(library)
 
 
 def _ragged_arange(lengths: torch.Tensor) -> torch.Tensor:

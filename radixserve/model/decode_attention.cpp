@@ -9,8 +9,11 @@
 // the batch's keys and values, no padding to the longest request, no mask. The torch path
 // (index_select into a padded batch, then SDPA) spent 30% of a batch-64 decode step on this.
 //
-// One task per (request, KV head): its G query heads share every K and V row read.
-// Arithmetic in fp32; the softmax subtracts the row maximum like every reference does.
+// One task per (request, KV head): its G query heads share every K and V row read. Scores
+// are computed 8 positions at a time (one transposed reduction instead of 8), exp is a
+// vectorized polynomial, and the weighted sum of V keeps every head's accumulators in
+// registers. Arithmetic in fp32; the softmax subtracts the row maximum like every
+// reference does.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +22,8 @@
 
 namespace {
 
+constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -26,21 +31,119 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-    int64_t i = 0;
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+// The 8 sums of a[0..7]'s lanes, as one vector (sum of a[i] in lane i).
+inline __m256 hsum8(const __m256* a) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    // lanes: s0123 = [0 1 2 3 | 0 1 2 3] partial halves, s4567 likewise for 4..7
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    return _mm256_add_ps(lo, hi);
 }
 
-inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
-    int64_t i = 0;
-    __m256 vp = _mm256_set1_ps(p);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += p * x[i];
+// e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 minimax polynomial
+// (relative error ~2e-7, fp32 rounding), 2^n put into the exponent bits. Inputs here are
+// <= 0 (scores minus their maximum); below -87 the result flushes to 0.
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(underflow, e);
+}
+
+// scores[g * len + s] = q[g] . k(s) * scale for s in [0, len), 8 positions per pass.
+void scores_of(const float* q, const float* k_pool, const int64_t* slots, int64_t len,
+               int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float scale,
+               float* scores) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t s0 = 0; s0 < len; s0 += 8) {
+        const int64_t n = len - s0 < 8 ? len - s0 : 8;
+        const float* k[8];
+        for (int64_t t = 0; t < 8; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float* qg = q + g * dim;
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qg + d);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + d), acc[t]);
+            }
+            __m256 sums = _mm256_mul_ps(hsum8(acc), vscale);
+            if (n == 8) {
+                _mm256_storeu_ps(scores + g * len + s0, sums);
+            } else {
+                alignas(32) float tmp[8];
+                _mm256_store_ps(tmp, sums);
+                for (int64_t t = 0; t < n; t++) scores[g * len + s0 + t] = tmp[t];
+            }
+        }
+    }
+}
+
+// row[0..len) = softmax(row), in place.
+void softmax(float* row, int64_t len) {
+    int64_t s = 0;
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (; s + 8 <= len; s += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + s));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float peak = -INFINITY;
+    for (int i = 0; i < 8; i++) peak = lanes[i] > peak ? lanes[i] : peak;
+    for (; s < len; s++) peak = row[s] > peak ? row[s] : peak;
+    const __m256 vpeak = _mm256_set1_ps(peak);
+    __m256 vtotal = _mm256_setzero_ps();
+    for (s = 0; s + 8 <= len; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vpeak));
+        _mm256_storeu_ps(row + s, e);
+        vtotal = _mm256_add_ps(vtotal, e);
+    }
+    if (s < len) {  // the tail through the same exp, padded with -inf (e = 0)
+        alignas(32) float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = s + i < len ? row[s + i] - peak : -INFINITY;
+        _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+        for (int64_t i = 0; s + i < len; i++) row[s + i] = tail[i];
+        vtotal = _mm256_add_ps(vtotal, _mm256_load_ps(tail));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(vtotal));
+    for (s = 0; s + 8 <= len; s += 8) _mm256_storeu_ps(row + s, _mm256_mul_ps(_mm256_loadu_ps(row + s), inv));
+    for (; s < len; s++) row[s] *= 1.0f / hsum(vtotal);
+}
+
+// out[g] = sum_s p[g * len + s] * v(s) for the group's query heads, 16 dims per pass with
+// every head's accumulators in registers.
+void weighted_values(const float* p, const float* v_pool, const int64_t* slots, int64_t len,
+                     int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float* out) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        __m256 acc[kMaxGroup][2];
+        for (int64_t g = 0; g < group; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < len; s++) {
+            const float* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int64_t g = 0; g < group; g++) {
+                __m256 w = _mm256_broadcast_ss(p + g * len + s);
+                acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            _mm256_storeu_ps(out + g * dim + d, acc[g][0]);
+            _mm256_storeu_ps(out + g * dim + d + 8, acc[g][1]);
+        }
+    }
 }
 
 }  // namespace
@@ -48,7 +151,8 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
 extern "C" {
 
 // q, out: (B, H, D); k_pool, v_pool: (slots, KH, D); table: (rows, table_stride) int64;
-// rows, seq_lens: (B,) int64. Every tensor contiguous fp32 / int64.
+// rows, seq_lens: (B,) int64. Every tensor contiguous fp32 / int64. D must be a multiple of
+// 16 and H / KH at most kMaxGroup (decode_attention_supports says so to the caller).
 void decode_attention(const float* q, const float* k_pool, const float* v_pool,
                       const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
                       float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -63,32 +167,17 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool,
             const int64_t b = task / kv_heads, kh = task % kv_heads;
             const int64_t len = seq_lens[b];
             const int64_t* slots = table + rows[b] * table_stride;
-            const float* qb = q + (b * heads + kh * group) * dim;
-            float* ob = out + (b * heads + kh * group) * dim;
+            const int64_t first = (b * heads + kh * group) * dim;
             scores.resize(group * len);
-            for (int64_t s = 0; s < len; s++) {
-                const float* k = k_pool + (slots[s] * kv_heads + kh) * dim;
-                for (int64_t g = 0; g < group; g++) scores[g * len + s] = dot(qb + g * dim, k, dim) * scale;
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float* row = scores.data() + g * len;
-                float peak = -INFINITY;
-                for (int64_t s = 0; s < len; s++) peak = row[s] > peak ? row[s] : peak;
-                float total = 0.f;
-                for (int64_t s = 0; s < len; s++) {
-                    row[s] = expf(row[s] - peak);
-                    total += row[s];
-                }
-                const float inv = 1.f / total;
-                for (int64_t s = 0; s < len; s++) row[s] *= inv;
-                for (int64_t d = 0; d < dim; d++) ob[g * dim + d] = 0.f;
-            }
-            for (int64_t s = 0; s < len; s++) {
-                const float* v = v_pool + (slots[s] * kv_heads + kh) * dim;
-                for (int64_t g = 0; g < group; g++) axpy(scores[g * len + s], v, ob + g * dim, dim);
-            }
+            scores_of(q + first, k_pool, slots, len, group, kv_heads, kh, dim, scale, scores.data());
+            for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
+            weighted_values(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim, out + first);
         }
     }
+}
+
+int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
+    return heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && dim % 16 == 0;
 }
 
 }  // extern "C"

@@ -86,6 +86,7 @@ class ModelRunner:
             self.kv_pool,
             self.req_to_token,
             head_dim**-0.5,
+            self.hf_config.num_attention_heads,
             use_kernel=config.model.attention_backend == "auto",
             kernel_dir=config.model.cache_dir / "kernels",
         )
