@@ -19,7 +19,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8")
-ATTENTION_BACKENDS = ("auto", "torch")
+KERNELS = ("auto", "torch")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -59,11 +59,12 @@ class ModelConfig:
         "and the LM head, a quarter of the bytes per decode step; CPU and float32 only.",
         choices=QUANTIZATIONS,
     )
-    attention_backend: str = _opt(
+    kernels: str = _opt(
         "auto",
-        "auto: decode steps attend with the C++ kernel that reads K/V where they lie in the "
-        "pool (CPU, float32; torch where it cannot be built); torch: gather + SDPA always.",
-        choices=ATTENTION_BACKENDS,
+        "auto: on CPU in float32, the project's C++ kernels for decode attention (reading "
+        "K/V where they lie in the pool) and one-row linear layers (batch-1 decode), built "
+        "on first use (torch where they cannot be); torch: torch ops only.",
+        choices=KERNELS,
     )
 
     def __post_init__(self) -> None:
@@ -73,11 +74,8 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
 
     @property
     def cache_dir(self) -> Path:

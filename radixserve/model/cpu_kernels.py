@@ -69,3 +69,31 @@ def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
                 return None
             os.replace(built, path)  # atomic: concurrent builders each install a whole file
     return ctypes.CDLL(str(path))
+
+
+class Gemv:
+    """`fp32_gemv.cpp`: gemv(x (1, K), weight (N, K), bias (N,) | None) → (1, N), fp32."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.fp32_gemv
+        self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._run.restype = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        n, k = weight.shape
+        x = x.contiguous()
+        out = torch.empty(1, n, dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        self._run(
+            x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), n, k, torch.get_num_threads()
+        )
+        return out
+
+
+@functools.cache
+def gemv_kernel(folder: Path | None = None) -> Gemv | None:
+    """The one-row fp32 linear kernel, or None where it cannot be built."""
+    library = load_kernel("fp32_gemv", folder)
+    return None if library is None else Gemv(library)

@@ -6,6 +6,7 @@ operations, fp32 where it computes in fp32) so outputs match it to fp32 rounding
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +17,31 @@ from transformers import PretrainedConfig
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
 
 
+class Linear(nn.Linear):
+    """nn.Linear that hands a single row to `gemv` when one is set: on CPU in float32 the
+    project's kernel (`fp32_gemv.cpp`) streams the weights faster than MKL's sgemv, which is
+    what a batch-1 decode step is made of."""
+
+    gemv: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+            return self.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 LOGITS_CHUNK = 2048  # vocabulary rows per product: 4.7 MB of fp32 weights, stays in L2/L3
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_linear(
+    x: torch.Tensor, weight: torch.Tensor, gemv: Callable[..., torch.Tensor] | None = None
+) -> torch.Tensor:
     """x (M, hidden) @ weight (vocab, hidden).T, the LM head. On CPU with several rows it is
     computed in vocabulary chunks, each (chunk @ x.T) into a (vocab, M) buffer: measured
     1.5x (64 rows) to 2x (16 rows) faster than one F.linear over the 49k-row matrix of
-    SmolLM2, and alike at one row, where F.linear is kept."""
+    SmolLM2, and alike at one row, which goes to `gemv` when one is set."""
+    if gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+        return gemv(x, weight, None)
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 1:
         return F.linear(x, weight)
     out = x.new_empty(weight.shape[0], x.shape[0])
@@ -128,14 +146,14 @@ class GatedMLP(nn.Module):
                 f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh"
             )
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if (
-            type(gate_up) is nn.Linear
+            isinstance(gate_up, nn.Linear)  # not an int8 layer
             and x.device.type == "cpu"
             and x.dim() == 2
             and 1 < x.shape[0] < SMALL_BATCH_ROWS

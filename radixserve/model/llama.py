@@ -6,7 +6,7 @@ requests; attention goes through the backend, which owns the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.layers import (
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     RotaryTables,
@@ -39,10 +40,10 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Separate projections: on CPU the fused QKV matmul measured no faster, and its
         # strided q/k/v views made the rotary element-wise ops slower.
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -87,7 +88,8 @@ class LlamaForCausalLM(nn.Module):
         # None when tied: the logits use the embedding matrix (int8 quantization sets a head)
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.gemv: Callable[..., torch.Tensor] | None = None  # see use_gemv
 
     def forward(
         self,
@@ -103,10 +105,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rotary, attn, meta)
         x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
         if self.lm_head is None:
-            return logits_linear(x, self.embed_tokens.weight).float()
+            return logits_linear(x, self.embed_tokens.weight, self.gemv).float()
         if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
-            return logits_linear(x, self.lm_head.weight).float()
+            return logits_linear(x, self.lm_head.weight, self.gemv).float()
         return self.lm_head(x).float()
+
+    def use_gemv(self, gemv: Callable[..., torch.Tensor]) -> None:
+        """Send single rows (batch-1 decode) of every linear layer and the LM head to `gemv`."""
+        self.gemv = gemv
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemv = gemv
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.

@@ -20,6 +20,7 @@ from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
 from radixserve.config import Config, resolve_device_and_dtype
 from radixserve.core.batch import ForwardBatch
 from radixserve.model.attention import TorchNativeAttention
+from radixserve.model.cpu_kernels import gemv_kernel
 from radixserve.model.llama import MODEL_CLASSES, LlamaForCausalLM, head_dim_of
 from radixserve.model.loader import (
     ModelLoadError,
@@ -59,6 +60,7 @@ class ModelRunner:
             self.device,
             config.model.quantization,
             config.model.cache_dir,
+            config.model.kernels,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
@@ -87,7 +89,7 @@ class ModelRunner:
             self.req_to_token,
             head_dim**-0.5,
             self.hf_config.num_attention_heads,
-            use_kernel=config.model.attention_backend == "auto",
+            use_kernel=config.model.kernels == "auto",
             kernel_dir=config.model.cache_dir / "kernels",
         )
         logger.info(
@@ -179,9 +181,11 @@ def build_model(
     device: torch.device,
     quantization: str = "none",
     cache_dir: Path | None = None,
+    kernels: str = "auto",
 ) -> LlamaForCausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
-    its linear layers are then replaced by int8 ones (kernel cached under `cache_dir`)."""
+    its linear layers are then replaced by int8 ones; on CPU in float32 with kernels "auto"
+    single rows go to the one-row kernel (kernels cached under `cache_dir`)."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     with torch.device("meta"):
         model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
@@ -192,6 +196,11 @@ def build_model(
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
+    kernel_dir = cache_dir / "kernels" if cache_dir else None
     if quantization == "int8":
-        quantize_model_int8(model, cache_dir / "kernels" if cache_dir else None)
+        quantize_model_int8(model, kernel_dir)
+    elif kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
+        gemv = gemv_kernel(kernel_dir)
+        if gemv is not None:
+            model.use_gemv(gemv)
     return model

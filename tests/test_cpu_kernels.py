@@ -1,7 +1,8 @@
-"""The C++ decode attention kernel (`decode_attention.cpp`) against the torch path (gather +
-SDPA) on the same pool: ragged lengths, scattered slots, GQA groups, head sizes that are and
-are not multiples of the 8-wide vector, decode batches and mixed extend batches; and greedy
-generation of the tiny model alike with either backend."""
+"""The C++ CPU kernels against torch: decode attention (`decode_attention.cpp`) against the
+gather + SDPA path on the same pool (ragged lengths, scattered slots, GQA groups, shapes it
+does not take, decode batches and mixed extend batches); the one-row linear
+(`fp32_gemv.cpp`) against F.linear; and greedy generation of the tiny model alike with
+`--kernels auto` and `--kernels torch`, batched and alone."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
+from radixserve.model.cpu_kernels import gemv_kernel
 
 pytestmark = pytest.mark.skipif(
-    decode_attention_kernel() is None, reason="the C++ kernel cannot be built on this machine"
+    decode_attention_kernel() is None or gemv_kernel() is None,
+    reason="the C++ kernels cannot be built on this machine",
 )
 
 
@@ -84,17 +87,30 @@ def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike():
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
-def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs):
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (301, 203), (576, 576), (4099, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(n, k, bias):
+    """Odd sizes exercise the leftover rows (n % 4) and columns (k % 8)."""
+    gen = torch.Generator().manual_seed(n * k)
+    x, weight = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = gemv_kernel()(x, weight, b)
+    assert out.shape == (1, n)
+    # fp32 sums of k products of N(0, 1) values (~sqrt(k)) in another order
+    reference = torch.nn.functional.linear(x, weight, b)
+    torch.testing.assert_close(out, reference, atol=1e-6 * k, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases through the kernel
+def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch):
     prompts = [[5, 6, 7, 8], [9] * 30, [11, 12]]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     outputs = []
-    for backend in ("auto", "torch"):
-        with Engine(
-            str(tiny_model_dirs["llama"]), attention_backend=backend, max_total_tokens=512
-        ) as engine:
-            results = engine.generate(
-                input_ids=prompts,
-                sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
-            )
-        outputs.append([r["output_ids"] for r in results])
+    for kernels in ("auto", "torch"):
+        with Engine(str(tiny_model_dirs[arch]), kernels=kernels, max_total_tokens=512) as engine:
+            assert (engine.runner.model.gemv is not None) == (kernels == "auto")
+            batched = engine.generate(input_ids=prompts, sampling_params=params)
+            alone = engine.generate(input_ids=prompts[1], sampling_params=params)  # batch 1
+        outputs.append(([r["output_ids"] for r in batched], alone["output_ids"]))
     assert outputs[0] == outputs[1]
-    assert all(len(ids) == 24 for ids in outputs[0])
+    assert all(len(ids) == 24 for ids in outputs[0][0])
