@@ -61,7 +61,7 @@ def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0, ker
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 16)]
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 32)]
 )
 def test_decode_kernel_matches_torch_path(heads, kv_heads, dim):
     # ragged lengths around the kernel's 8-position blocks, a first token with no prefix
@@ -71,9 +71,9 @@ def test_decode_kernel_matches_torch_path(heads, kv_heads, dim):
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 20), (18, 2, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 20), (6, 1, 16), (18, 2, 64)])
 def test_shapes_the_kernel_does_not_take_stay_on_the_torch_path(heads, kv_heads, dim):
-    """Head size not a multiple of 16, or more than 8 query heads per KV head."""
+    """Head size not a multiple of 32, or more than 8 query heads per KV head."""
     kernel = decode_attention_kernel()
     assert not kernel.supports(heads, kv_heads, dim)
     first, second = attend_both_ways(heads, kv_heads, dim, [3, 9], [1, 1], kernel_fits=False)

@@ -80,7 +80,7 @@ class TorchNativeAttention:
         kernel = decode_attention_kernel(kernel_dir) if use_kernel and cpu_fp32 else None
         _, kv_heads, head_dim = pool.shape
         if kernel is not None and not kernel.supports(num_heads, kv_heads, head_dim):
-            kernel = None  # head size not a multiple of 16, or over 8 query heads per KV head
+            kernel = None  # head size not a multiple of 32, or over 8 query heads per KV head
         self.decode_kernel = kernel
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
