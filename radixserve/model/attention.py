@@ -208,14 +208,8 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.decode_attention
-        self._run.argtypes = (
-            [ctypes.c_void_p] * 7
-            + [ctypes.c_int64] * 5
-            + [
-                ctypes.c_float,
-                ctypes.c_int,
-            ]
-        )
+        pointers, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 5
+        self._run.argtypes = [*pointers, *sizes, ctypes.c_float, ctypes.c_int]
         self._run.restype = None
         self._supports = library.decode_attention_supports
         self._supports.argtypes = [ctypes.c_int64] * 3
