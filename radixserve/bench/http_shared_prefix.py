@@ -8,15 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import torch
 
-from radixserve.bench.offline import PARTS, Row, add_workload_args, workload_prompts
-from radixserve.bench.offline import transformers_row as offline_transformers_row
-from radixserve.bench.server_vs_engine import Server, post, result_row, server_flags
+from radixserve.bench.offline import (
+    PARTS,
+    Row,
+    add_workload_args,
+    transformers_row,
+    workload_prompts,
+)
+from radixserve.bench.server_vs_engine import Server, serve_round, server_flags
 from radixserve.config import add_config_args, config_from_args
 
 RADIX_ON, RADIX_OFF = "server, radix cache", "server, radix cache off"
@@ -40,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
     folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
     vocab_size = AutoConfig.from_pretrained(folder).vocab_size
     prompts = workload_prompts(args, vocab_size)
+    params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     rows: dict[str, list[Row]] = {RADIX_ON: [], RADIX_OFF: [], "transformers": []}
     for round_ in range(args.rounds):
         for name, extra in ((RADIX_ON, []), (RADIX_OFF, ["--disable-radix-cache"])):
             with Server([*flags, *extra]) as url:
-                rows[name].append(_serve_round(url, name, prompts, args))
-        rows["transformers"].append(offline_transformers_row(folder, prompts, args))
+                rows[name].append(serve_round(url, name, prompts, params, args.concurrency, True))
+        rows["transformers"].append(transformers_row(folder, prompts, args))
         print(
             f"round {round_ + 1}: "
             + ", ".join(f"{name} {r[-1].output_throughput:.1f}" for name, r in rows.items())
@@ -57,17 +61,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({name: [asdict(r) for r in r_] for name, r_ in rows.items()}, f, indent=2)
     return 0
-
-
-def _serve_round(url: str, name: str, prompts: list[list[int]], args) -> Row:
-    params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
-    post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
-    post(url + "/flush_cache", None)
-    body = {"sampling_params": params, "stream": True}
-    start = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        results = list(pool.map(lambda p: post(url, {**body, "input_ids": p}), prompts))
-    return result_row(name, time.perf_counter() - start, results)
 
 
 def _print(args: argparse.Namespace, rows: dict[str, list[Row]]) -> None:

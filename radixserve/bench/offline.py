@@ -34,6 +34,18 @@ class Row:
     def total_throughput(self) -> float:
         return (self.output_tokens + self.prompt_tokens) / self.seconds
 
+    @classmethod
+    def of_results(cls, name: str, seconds: float, results: list[dict]) -> Row:
+        """The row of a run whose results are native API dicts (Engine or /generate)."""
+        metas = [r["meta_info"] for r in results]
+        return cls(
+            name,
+            seconds,
+            sum(m["completion_tokens"] for m in metas),
+            sum(m["prompt_tokens"] for m in metas),
+            sum(m["cached_tokens"] for m in metas),
+        )
+
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The shared-prefix workload: groups of prompts sharing a random system prompt."""
@@ -89,15 +101,7 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             results = engine.generate(input_ids=prompts, sampling_params=params)
             seconds = time.perf_counter() - start
-        rows.append(
-            Row(
-                name,
-                seconds,
-                sum(r["meta_info"]["completion_tokens"] for r in results),
-                sum(r["meta_info"]["prompt_tokens"] for r in results),
-                sum(r["meta_info"]["cached_tokens"] for r in results),
-            )
-        )
+        rows.append(Row.of_results(name, seconds, results))
     if args.baseline == "transformers":
         rows.append(transformers_row(folder, prompts, args))
     _print(rows, args)

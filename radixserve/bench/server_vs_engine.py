@@ -37,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, PARTS)
     engine_kwargs = _options(config)
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
-    body = {"sampling_params": params, "stream": args.stream}
     flags = server_flags(config)
     engine_rows: list[Row] = []
     server_rows: list[Row] = []
@@ -49,15 +48,14 @@ def run(args: argparse.Namespace) -> int:
             engine.flush_cache()
             start = time.perf_counter()
             results = engine.generate(input_ids=prompts, sampling_params=params)
-            engine_rows.append(result_row("offline Engine", time.perf_counter() - start, results))
+            engine_rows.append(
+                Row.of_results("offline Engine", time.perf_counter() - start, results)
+            )
             engine_steps = _steps(engine.get_server_info())
         with Server(flags) as url:
-            post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
-            post(url + "/flush_cache", None)
-            start = time.perf_counter()
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                results = list(pool.map(lambda p: post(url, {**body, "input_ids": p}), prompts))
-            server_rows.append(result_row("HTTP server", time.perf_counter() - start, results))
+            server_rows.append(
+                serve_round(url, "HTTP server", prompts, params, args.concurrency, args.stream)
+            )
             server_steps = _steps(
                 json.loads(urllib.request.urlopen(url + "/get_server_info").read())
             )
@@ -97,15 +95,18 @@ def _steps(info: dict) -> str:
     return f"{state['prefill_batches']}/{state['decode_steps']}"
 
 
-def result_row(name: str, seconds: float, results: list[dict]) -> Row:
-    metas = [r["meta_info"] for r in results]
-    return Row(
-        name,
-        seconds,
-        sum(m["completion_tokens"] for m in metas),
-        sum(m["prompt_tokens"] for m in metas),
-        sum(m["cached_tokens"] for m in metas),
-    )
+def serve_round(
+    url: str, name: str, prompts: list[list[int]], params: dict, concurrency: int, stream: bool
+) -> Row:
+    """One timed run of `prompts` against the server at `url` from `concurrency` clients,
+    after a warm-up request and a cache flush."""
+    post(url, {"input_ids": prompts[0][:16], "sampling_params": params})  # warm-up
+    post(url + "/flush_cache", None)
+    body = {"sampling_params": params, "stream": stream}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: post(url, {**body, "input_ids": p}), prompts))
+    return Row.of_results(name, time.perf_counter() - start, results)
 
 
 def post(url: str, body: dict | None) -> dict:

@@ -7,6 +7,7 @@ kept zero so that a masked-out padded position can never inject NaN into attenti
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import torch
@@ -58,5 +59,9 @@ def advise_huge_pages(buf: torch.Tensor) -> None:
     first = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     last = end // HUGE_PAGE * HUGE_PAGE
     if last > first:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE)
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
