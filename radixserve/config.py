@@ -3,7 +3,8 @@
 Every field carries its help text in `metadata["help"]`; the command line is derived from
 the fields (`add_config_args` / `config_from_args`), so a flag and its default are declared
 exactly once. Values that depend on the machine ("auto") are resolved in one place,
-`resolve_device_and_dtype` and `ModelRunner`'s KV sizing, never sprinkled through the code.
+`resolve_device_and_dtype` (from what `radixserve.hardware` detects) and `ModelRunner`'s
+KV sizing, never sprinkled through the code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from radixserve.hardware import auto_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8")
@@ -45,7 +48,8 @@ class ModelConfig:
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     dtype: str = _opt(
         "auto",
-        "float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).",
+        "float32, bfloat16, float16, or auto: bfloat16 on CUDA and on CPUs whose matrix "
+        "units make it faster than float32 (AMX), float32 elsewhere (see radixserve/hardware.py).",
         choices=("auto", *DTYPES),
     )
     model_cache_dir: str | None = _opt(
@@ -61,9 +65,10 @@ class ModelConfig:
     )
     kernels: str = _opt(
         "auto",
-        "auto: on CPU in float32, the project's C++ kernels for decode attention (reading "
-        "K/V where they lie in the pool) and one-row linear layers (batch-1 decode), built "
-        "on first use (torch where they cannot be); torch: torch ops only.",
+        "auto: on x86 CPUs with AVX2, the project's C++ kernels where they beat torch on this "
+        "CPU (decode attention reading K/V where they lie in the pool; one-row fp32 linear "
+        "layers on AVX2-only CPUs), built on first use (torch where they cannot be); "
+        "torch: torch ops only.",
         choices=KERNELS,
     )
 
@@ -93,8 +98,19 @@ class CacheConfig:
         "Default 0.85 on CUDA, 0.25 on CPU.",
     )
     page_size: int = _opt(1, "Tokens per KV page.")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "dtype of the KV pool: auto (the model's dtype), float32, bfloat16 or float16. A "
+        "16-bit pool holds twice the tokens and halves what decode attention reads.",
+        choices=("auto", *DTYPES),
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto or one of {sorted(DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -248,11 +264,13 @@ def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dt
         device = torch.device(model.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no CUDA device")
-    if model.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        dtype = DTYPES[model.dtype]
+    dtype = auto_dtype(device) if model.dtype == "auto" else DTYPES[model.dtype]
     return device, dtype
+
+
+def resolve_kv_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: the model's unless --kv-cache-dtype names another."""
+    return dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
 
 
 def _flag(name: str) -> str:

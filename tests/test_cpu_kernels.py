@@ -12,6 +12,7 @@ import torch
 from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
+from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.model.cpu_kernels import gemv_kernel
 
@@ -21,12 +22,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0, kernel_fits=True):
+def attend_both_ways(
+    heads,
+    kv_heads,
+    dim,
+    prefix_lens,
+    extend_lens,
+    seed=0,
+    kernel_fits=True,
+    kv_dtype=torch.float32,
+    q_dtype=torch.float32,
+):
     """(kernel output, torch output) of one layer over a pool with scattered slots."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     size = sum(seq_lens) + 7
-    pool = KVPool(size, 1, kv_heads, dim, torch.float32, "cpu")
+    pool = KVPool(size, 1, kv_heads, dim, kv_dtype, "cpu")
     pool.k[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
     pool.v[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
     table = ReqToTokenPool(len(seq_lens) + 2, 512, "cpu")
@@ -49,9 +60,9 @@ def attend_both_ways(heads, kv_heads, dim, prefix_lens, extend_lens, seed=0, ker
         extend_lens=list(extend_lens),
         logits_indices=torch.zeros(1, dtype=torch.int64),
     )
-    q = torch.randn(tokens, heads, dim, generator=gen)
-    k = torch.randn(tokens, kv_heads, dim, generator=gen)
-    v = torch.randn(tokens, kv_heads, dim, generator=gen)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(q_dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(q_dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(q_dtype)
     results = []
     for use_kernel in (True, False):
         backend = TorchNativeAttention(pool, table, dim**-0.5, heads, use_kernel=use_kernel)
@@ -69,6 +80,22 @@ def test_decode_kernel_matches_torch_path(heads, kv_heads, dim):
     kernel, reference = attend_both_ways(heads, kv_heads, dim, prefix_lens, [1] * 10)
     assert kernel.shape == reference.shape == (10, heads * dim)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_16_bit_pools_like_the_torch_path(kv_dtype, q_dtype):
+    """--kv-cache-dtype bfloat16/float16 (under an fp32 or a bf16 model): the kernel widens
+    the pool's 16-bit rows in registers; the torch path gathers them and widens the copy.
+    Both read the same rounded values, so they agree to fp32 rounding; with bf16 queries
+    to bf16's (SDPA computes in bf16, the kernel in fp32)."""
+    prefix_lens = [0, 3, 8, 21, 130]
+    kernel, reference = attend_both_ways(
+        9, 3, 64, prefix_lens, [1] * 5, kv_dtype=kv_dtype, q_dtype=q_dtype
+    )
+    assert kernel.dtype == reference.dtype == q_dtype
+    tol = {"atol": 2e-6, "rtol": 1e-5} if q_dtype == torch.float32 else {"atol": 1e-2, "rtol": 0}
+    torch.testing.assert_close(kernel, reference, **tol)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 20), (6, 1, 16), (18, 2, 64)])
@@ -108,7 +135,12 @@ def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch
     outputs = []
     for kernels in ("auto", "torch"):
         with Engine(str(tiny_model_dirs[arch]), kernels=kernels, max_total_tokens=512) as engine:
-            assert (engine.runner.model.gemv is not None) == (kernels == "auto")
+            plan = engine.runner.kernels
+            assert plan == KernelPlan.choose(
+                kernels, torch.device("cpu"), torch.float32, torch.float32
+            )
+            assert (engine.runner.model.gemv is not None) == plan.gemv
+            assert (engine.runner.attention.decode_kernel is not None) == plan.decode_attention
             batched = engine.generate(input_ids=prompts, sampling_params=params)
             alone = engine.generate(input_ids=prompts[1], sampling_params=params)  # batch 1
         outputs.append(([r["output_ids"] for r in batched], alone["output_ids"]))

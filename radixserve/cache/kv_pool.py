@@ -42,9 +42,11 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the K/V of new tokens: k, v (T, kv_heads, head_dim) into `slots` (T,)."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Store the K/V of new tokens: k, v (T, kv_heads, head_dim) into `slots` (T,),
+        rounded to the pool's dtype when it is narrower."""
+        pool_k, pool_v = self.k[layer], self.v[layer]
+        pool_k.index_copy_(0, slots, k.to(pool_k.dtype))
+        pool_v.index_copy_(0, slots, v.to(pool_v.dtype))
 
 
 def advise_huge_pages(buf: torch.Tensor) -> None:

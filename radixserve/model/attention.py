@@ -58,9 +58,12 @@ class TorchNativeAttention:
     (1 in decode mode); the mask encodes causality after each request's cached prefix and
     the padding of keys and queries.
 
-    On CPU in float32, one-token rows (decode steps) go to the C++ decode kernel instead
-    (`decode_attention.cpp`), which reads K/V where they lie in the pool: no gathered copy,
-    no padding, no mask. `use_kernel=False` keeps the torch path everywhere.
+    A pool in another dtype than the queries (e.g. `--kv-cache-dtype bfloat16` under an
+    fp32 model) is read in its own dtype and the gathered K/V widened to the queries'.
+
+    With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
+    steps) go to the C++ decode kernel instead (`decode_attention.cpp`), which reads K/V
+    where they lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask.
     """
 
     def __init__(
@@ -76,8 +79,7 @@ class TorchNativeAttention:
         self.req_to_token = req_to_token
         self.scale = scale
         pool = kv_pool.k[0]
-        cpu_fp32 = pool.device.type == "cpu" and pool.dtype == torch.float32
-        kernel = decode_attention_kernel(kernel_dir) if use_kernel and cpu_fp32 else None
+        kernel = decode_attention_kernel(kernel_dir) if use_kernel else None
         _, kv_heads, head_dim = pool.shape
         if kernel is not None and not kernel.supports(num_heads, kv_heads, head_dim):
             kernel = None  # head size not a multiple of 32, or over 8 query heads per KV head
@@ -167,8 +169,8 @@ class TorchNativeAttention:
                 q, pool_k, pool_v, table, meta.req_rows, meta.seq_lens, self.scale
             )
         batch_size, max_s = meta.kv_index.shape
-        keys = self._gather(self.kv_pool.k[layer], meta.kv_index)  # (B, KH, S, D)
-        values = self._gather(self.kv_pool.v[layer], meta.kv_index)
+        keys = self._gather(self.kv_pool.k[layer], meta.kv_index).to(q.dtype)  # (B, KH, S, D)
+        values = self._gather(self.kv_pool.v[layer], meta.kv_index).to(q.dtype)
         if meta.max_q == 1:
             # Decode: fold each KV head's query group into the query axis, (B, KH, G, D),
             # so one SDPA call serves GQA without repeating K/V.
@@ -202,14 +204,18 @@ class TorchNativeAttention:
         return rows.view(batch_size, max_s, *pool.shape[1:]).transpose(1, 2)
 
 
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 class DecodeKernel:
     """The C++ decode attention: `kernel(q (B, H, D), k_pool, v_pool (N, KH, D),
-    table (R, C), rows (B,), seq_lens (B,), scale)` → (B, H * D)."""
+    table (R, C), rows (B,), seq_lens (B,), scale)` → (B, H * D) in q's dtype. The pool may
+    be fp32, bf16 or fp16; the arithmetic is fp32."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.decode_attention
         pointers, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 5
-        self._run.argtypes = [*pointers, *sizes, ctypes.c_float, ctypes.c_int]
+        self._run.argtypes = [*pointers, *sizes, ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self._run.restype = None
         self._supports = library.decode_attention_supports
         self._supports.argtypes = [ctypes.c_int64] * 3
@@ -220,11 +226,11 @@ class DecodeKernel:
 
     def __call__(self, q, k_pool, v_pool, table, rows, seq_lens, scale: float) -> torch.Tensor:
         batch, heads, dim = q.shape
-        q = q.contiguous()
+        q32 = q.contiguous().float()
         out = torch.empty(batch, heads * dim, dtype=torch.float32)
         rows, seq_lens = rows.contiguous(), seq_lens.contiguous()
         self._run(
-            q.data_ptr(),
+            q32.data_ptr(),
             k_pool.data_ptr(),
             v_pool.data_ptr(),
             table.data_ptr(),
@@ -238,8 +244,9 @@ class DecodeKernel:
             table.stride(0),
             scale,
             torch.get_num_threads(),
+            KV_DTYPE_CODES[k_pool.dtype],
         )
-        return out
+        return out.to(q.dtype)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""The project's C++ CPU kernels (x86 AVX2 + FMA), compiled with the system compiler on
+"""The project's C++ CPU kernels (x86 AVX2 + FMA + F16C), compiled with the system compiler on
 first use and loaded with ctypes.
 
 Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
@@ -14,7 +14,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -23,10 +22,11 @@ from pathlib import Path
 import torch
 
 from radixserve.config import default_model_cache_dir
+from radixserve.hardware import cpu_info
 
 logger = logging.getLogger(__name__)
 
-KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
 def kernel_dir() -> Path:
@@ -37,9 +37,9 @@ def kernel_dir() -> Path:
 def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
     """The library built from `<name>.cpp` (compiled into `folder` when not there yet);
     None, with a warning that names the reason, where this machine cannot build it."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine() not in ("x86_64", "AMD64") or capability not in ("AVX2", "AVX512"):
-        logger.warning("no AVX2 on this CPU: the %s kernel is not used", name)
+    cpu = cpu_info()
+    if not (cpu.avx2 and "f16c" in cpu.flags):
+        logger.warning("no AVX2 + FMA + F16C on this CPU: the %s kernel is not used", name)
         return None
     source_path = Path(__file__).with_name(f"{name}.cpp")
     source = source_path.read_bytes()

@@ -1,4 +1,4 @@
-// Decode attention over the KV pool for x86 CPUs with AVX2 + FMA, built and loaded by
+// Decode attention over the KV pool for x86 CPUs with AVX2 + FMA (+ F16C), built and loaded by
 // cpu_kernels.py.
 //
 //   out[b, h] = softmax_s(q[b, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
@@ -14,11 +14,14 @@
 // vectorized polynomial, the weighted sum of V keeps every head's accumulators in
 // registers, and rows are prefetched ahead (they are scattered over a pool far bigger than
 // the caches). Arithmetic in fp32; the softmax subtracts the row maximum like every
-// reference does.
+// reference does. The pool may hold fp32, bf16 or fp16 (`--kv-cache-dtype`): 16-bit rows
+// are widened to fp32 in registers as they are loaded, so a 16-bit pool halves the bytes
+// this kernel reads (what it is bound by at long contexts).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,15 +70,41 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(underflow, e);
 }
 
-// Prefetch the `dim` floats at p (one head's K or V row part) into the caches.
-inline void prefetch_row(const float* p, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += 16) _mm_prefetch((const char*)(p + d), _MM_HINT_T0);
+// 8 pool values at p as fp32 lanes, for each element type a pool may hold.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p, std::true_type /*bf16*/) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 = the fp32's top half
+}
+inline __m256 load8(const uint16_t* p, std::false_type /*fp16*/) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));  // F16C
+}
+
+struct Fp32 {
+    using T = float;
+    static __m256 load(const T* p) { return load8(p); }
+};
+struct Bf16 {
+    using T = uint16_t;
+    static __m256 load(const T* p) { return load8(p, std::true_type()); }
+};
+struct Fp16 {
+    using T = uint16_t;
+    static __m256 load(const T* p) { return load8(p, std::false_type()); }
+};
+
+// Prefetch the `dim` values at p (one head's K or V row part) into the caches.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+    const char* bytes = (const char*)p;
+    for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
 // scores[g * len + s] = q[g] . k(s) * scale for s in [0, len), 8 positions per pass; the
 // next 8 positions' rows are prefetched (the pool is far bigger than the caches and the
 // rows are scattered: without it the kernel waited on memory, ~4 GB/s).
-void scores_of(const float* q, const float* k_pool, const int64_t* slots, int64_t len,
+template <typename Kv>
+void scores_of(const float* q, const typename Kv::T* k_pool, const int64_t* slots, int64_t len,
                int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float scale,
                float* scores) {
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -84,7 +113,7 @@ void scores_of(const float* q, const float* k_pool, const int64_t* slots, int64_
         const int64_t n = len - s0 < 8 ? len - s0 : 8;
         for (int64_t s = s0 + kAhead; s < len && s < s0 + kAhead + 8; s++)
             prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
-        const float* k[8];
+        const typename Kv::T* k[8];
         for (int64_t t = 0; t < 8; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
         for (int64_t g = 0; g < group; g++) {
             const float* qg = q + g * dim;
@@ -92,7 +121,7 @@ void scores_of(const float* q, const float* k_pool, const int64_t* slots, int64_
             for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
             for (int64_t d = 0; d < dim; d += 8) {
                 __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + d), acc[t]);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, Kv::load(k[t] + d), acc[t]);
             }
             __m256 sums = _mm256_mul_ps(hsum8(acc), vscale);
             if (n == 8) {
@@ -137,7 +166,8 @@ void softmax(float* row, int64_t len) {
 
 // out[g] = sum_s p[g * len + s] * v(s) for the group's query heads, 32 dims per pass with
 // every head's accumulators in registers; the first pass prefetches whole rows ahead.
-void weighted_values(const float* p, const float* v_pool, const int64_t* slots, int64_t len,
+template <typename Kv>
+void weighted_values(const float* p, const typename Kv::T* v_pool, const int64_t* slots, int64_t len,
                      int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float* out) {
     for (int64_t d = 0; d < dim; d += 32) {
         __m256 acc[kMaxGroup][4];
@@ -147,9 +177,9 @@ void weighted_values(const float* p, const float* v_pool, const int64_t* slots, 
             for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(v_pool + (slots[s] * kv_heads + kh) * dim, dim);
         for (int64_t s = 0; s < len; s++) {
             if (d == 0 && s + kAhead < len) prefetch_row(v_pool + (slots[s + kAhead] * kv_heads + kh) * dim, dim);
-            const float* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
+            const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m256 vv[4];
-            for (int i = 0; i < 4; i++) vv[i] = _mm256_loadu_ps(v + 8 * i);
+            for (int i = 0; i < 4; i++) vv[i] = Kv::load(v + 8 * i);
             for (int64_t g = 0; g < group; g++) {
                 __m256 w = _mm256_broadcast_ss(p + g * len + s);
                 for (int i = 0; i < 4; i++) acc[g][i] = _mm256_fmadd_ps(w, vv[i], acc[g][i]);
@@ -160,17 +190,13 @@ void weighted_values(const float* p, const float* v_pool, const int64_t* slots, 
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// q, out: (B, H, D); k_pool, v_pool: (slots, KH, D); table: (rows, table_stride) int64;
-// rows, seq_lens: (B,) int64. Every tensor contiguous fp32 / int64. D must be a multiple of
-// 32 and H / KH at most kMaxGroup (decode_attention_supports says so to the caller).
-void decode_attention(const float* q, const float* k_pool, const float* v_pool,
-                      const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
-                      float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t table_stride, float scale, int num_threads) {
+template <typename Kv>
+void attend(const float* q, const void* k_pool_, const void* v_pool_, const int64_t* table,
+            const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
+            int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
+            int num_threads) {
+    const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
+    const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
     const int64_t tasks = batch * kv_heads;
 #pragma omp parallel num_threads(num_threads)
@@ -183,11 +209,28 @@ void decode_attention(const float* q, const float* k_pool, const float* v_pool,
             const int64_t* slots = table + rows[b] * table_stride;
             const int64_t first = (b * heads + kh * group) * dim;
             scores.resize(group * len);
-            scores_of(q + first, k_pool, slots, len, group, kv_heads, kh, dim, scale, scores.data());
+            scores_of<Kv>(q + first, k_pool, slots, len, group, kv_heads, kh, dim, scale, scores.data());
             for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
-            weighted_values(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim, out + first);
+            weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim, out + first);
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out: (B, H, D) fp32; k_pool, v_pool: (slots, KH, D) in the pool's dtype, kv_dtype 0
+// fp32, 1 bf16, 2 fp16; table: (rows, table_stride) int64; rows, seq_lens: (B,) int64.
+// Every tensor contiguous. D must be a multiple of 32 and H / KH at most kMaxGroup
+// (decode_attention_supports says so to the caller).
+void decode_attention(const float* q, const void* k_pool, const void* v_pool,
+                      const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
+                      float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t table_stride, float scale, int num_threads, int kv_dtype) {
+    auto run = kv_dtype == 1 ? attend<Bf16> : kv_dtype == 2 ? attend<Fp16> : attend<Fp32>;
+    run(q, k_pool, v_pool, table, rows, seq_lens, out, batch, heads, kv_heads, dim, table_stride,
+        scale, num_threads);
 }
 
 int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
-from radixserve.config import Config, resolve_device_and_dtype
+from radixserve.config import Config, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.core.batch import ForwardBatch
+from radixserve.hardware import KernelPlan, cpu_info
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.cpu_kernels import gemv_kernel
 from radixserve.model.llama import MODEL_CLASSES, LlamaForCausalLM, head_dim_of
@@ -46,6 +47,12 @@ class ModelRunner:
     def __init__(self, config: Config, progress: bool = True) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config.model)
+        self.kv_dtype = resolve_kv_dtype(config.cache, self.dtype)
+        self.kernels = KernelPlan.choose(
+            config.model.kernels, self.device, self.dtype, self.kv_dtype
+        )
+        if self.device.type == "cpu":
+            logger.info("%s", cpu_info().summary())
         if config.model.quantization == "int8":
             check_int8_supported(self.device, self.dtype)
         start = time.perf_counter()
@@ -60,7 +67,7 @@ class ModelRunner:
             self.device,
             config.model.quantization,
             config.model.cache_dir,
-            config.model.kernels,
+            self.kernels,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
@@ -73,7 +80,7 @@ class ModelRunner:
             self.hf_config.num_hidden_layers,
             num_kv_heads,
             head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
@@ -89,17 +96,19 @@ class ModelRunner:
             self.req_to_token,
             head_dim**-0.5,
             self.hf_config.num_attention_heads,
-            use_kernel=config.model.kernels == "auto",
+            use_kernel=self.kernels.decode_attention,
             kernel_dir=config.model.cache_dir / "kernels",
         )
         logger.info(
-            "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens",
+            "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
             self.model_folder,
             type(self.model).__name__,
             self.device,
             self.dtype,
             time.perf_counter() - start,
             self.max_total_tokens,
+            self.kv_dtype,
+            self.kernels,
         )
 
     def info(self) -> dict[str, Any]:
@@ -111,6 +120,10 @@ class ModelRunner:
             "max_req_input_len": min(self.context_len, self.max_total_tokens) - 1,
             "context_length": self.context_len,
             "vocab_size": self.vocab_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kernels": asdict(self.kernels),
+            "cpu": cpu_info().as_dict(),
         }
 
     @property
@@ -140,7 +153,7 @@ class ModelRunner:
             self.hf_config.num_hidden_layers,
             self.hf_config.num_key_value_heads,
             head_dim_of(self.hf_config),
-            self.dtype,
+            self.kv_dtype,
         )
         if self.device.type == "cuda":
             fraction = cache.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION
@@ -181,11 +194,11 @@ def build_model(
     device: torch.device,
     quantization: str = "none",
     cache_dir: Path | None = None,
-    kernels: str = "auto",
+    kernels: KernelPlan | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
-    its linear layers are then replaced by int8 ones; on CPU in float32 with kernels "auto"
-    single rows go to the one-row kernel (kernels cached under `cache_dir`)."""
+    its linear layers are then replaced by int8 ones; where the kernel plan says so, single
+    rows go to the one-row kernel (kernels cached under `cache_dir`)."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     with torch.device("meta"):
         model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
@@ -199,7 +212,7 @@ def build_model(
     kernel_dir = cache_dir / "kernels" if cache_dir else None
     if quantization == "int8":
         quantize_model_int8(model, kernel_dir)
-    elif kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
+    elif kernels is not None and kernels.gemv:
         gemv = gemv_kernel(kernel_dir)
         if gemv is not None:
             model.use_gemv(gemv)

@@ -1,0 +1,162 @@
+"""What this machine's CPU can do, detected once, and every dtype and kernel choice that
+follows from it: the one place where the engine looks at the hardware.
+
+Machines of this project differ: some are AMD EPYC with AVX2 only, some Intel Xeon with
+AVX-512, AVX512-BF16 and AMX. The figures behind each choice (SmolLM2-135M's layer shapes,
+torch 2.13.0, 2 threads):
+
+- fp32 linear, 1 row (the weights streamed once): AMD (AVX2) MKL sgemv 9-13 GB/s, the
+  project's `fp32_gemv.cpp` 16 GB/s; Intel (AVX-512) MKL 39 GB/s.
+- fp32 linear, 16 / 64 / 512 rows: AMD 100-130 GFLOP/s; Intel 108 / 167 / 234 GFLOP/s.
+- bf16 linear, 16 / 64 / 512 rows: AMD ~1.3 GFLOP/s (no bf16 units: ~50x slower than fp32);
+  Intel 266 / 509 / 1,494 GFLOP/s (oneDNN on AMX: 2.5-6.4x fp32).
+
+Hence: bf16 weights and activations by default only where AMX runs them (`auto_dtype`);
+the one-row fp32 kernel only where MKL's sgemv is the slower one, i.e. on AVX2-only CPUs
+(`KernelPlan.gemv`); the decode-attention kernel (AVX2 code, which every AVX-512 CPU also
+runs) wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU's model name, its instruction-set flags (from /proc/cpuinfo), what torch's
+    kernels dispatch to, and the threads torch uses."""
+
+    model_name: str
+    machine: str  # platform.machine(): x86_64, aarch64, ...
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, DEFAULT...
+    flags: frozenset[str]
+    threads: int
+
+    @property
+    def x86(self) -> bool:
+        return self.machine in ("x86_64", "AMD64")
+
+    @property
+    def avx2(self) -> bool:
+        return self.x86 and {"avx2", "fma"} <= self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return self.x86 and {"avx512f", "avx512bw", "avx512vl"} <= self.flags
+
+    @property
+    def avx512_bf16(self) -> bool:
+        return "avx512_bf16" in self.flags
+
+    @property
+    def amx_bf16(self) -> bool:
+        return {"amx_bf16", "amx_tile"} <= self.flags
+
+    @property
+    def amx_int8(self) -> bool:
+        return {"amx_int8", "amx_tile"} <= self.flags
+
+    @property
+    def vnni(self) -> bool:
+        return bool({"avx512_vnni", "avx_vnni"} & self.flags)
+
+    @property
+    def fast_bf16_matmul(self) -> bool:
+        """bf16 matmuls beat fp32 here: AMX (oneDNN, 2.5-6.4x fp32 from 16 rows up). With
+        AVX512-BF16 alone it is unmeasured, and without either ~50x slower."""
+        return self.amx_bf16
+
+    def features(self) -> dict[str, bool]:
+        names = ("avx2", "avx512", "avx512_bf16", "amx_bf16", "amx_int8", "vnni")
+        return {name: getattr(self, name) for name in names}
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        have = [name for name, on in self.features().items() if on] or ["none of the above"]
+        return (
+            f"CPU {self.model_name} ({self.machine}); torch kernels {self.torch_capability}; "
+            f"{' '.join(have)}; {self.threads} threads"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["flags"] = sorted(self.flags & KNOWN_FLAGS)
+        return {**d, **self.features()}
+
+
+KNOWN_FLAGS = frozenset(
+    "avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx_vnni avx512_bf16 "
+    "avx512_fp16 amx_tile amx_bf16 amx_int8 amx_fp16".split()
+)
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """The model name and the flags of the first processor in a /proc/cpuinfo text."""
+    name, flags = "unknown", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name == "unknown":
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return name, flags
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU, read once per process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name, flags = parse_cpuinfo(f.read())
+    except OSError:  # not Linux: torch's own dispatch level is all we know
+        name, flags = platform.processor() or "unknown", frozenset()
+    return CpuInfo(
+        model_name=name,
+        machine=platform.machine(),
+        torch_capability=torch.backends.cpu.get_cpu_capability(),
+        flags=flags,
+        threads=torch.get_num_threads(),
+    )
+
+
+def auto_dtype(device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
+    """The dtype of `--dtype auto`: bf16 on CUDA and on CPUs with AMX, fp32 elsewhere
+    (fp32 is the fidelity reference everywhere)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if (cpu or cpu_info()).fast_bf16_matmul else torch.float32
+
+
+KV_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which of the project's C++ CPU kernels the model uses; torch ops do the rest."""
+
+    decode_attention: bool  # decode_attention.cpp: one-token rows read K/V in the pool
+    gemv: bool  # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode)
+
+    @classmethod
+    def choose(
+        cls,
+        kernels: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        cpu: CpuInfo | None = None,
+    ) -> KernelPlan:
+        """`--kernels torch`: none. `auto`: each kernel where it wins on this CPU (see the
+        table at the top of this module)."""
+        cpu = cpu or cpu_info()
+        on_x86 = kernels == "auto" and device.type == "cpu" and cpu.avx2
+        return cls(
+            decode_attention=on_x86 and kv_dtype in KV_KERNEL_DTYPES,
+            gemv=on_x86 and dtype == torch.float32 and not cpu.avx512,
+        )

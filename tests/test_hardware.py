@@ -1,0 +1,91 @@
+"""CPU detection and the choices that follow from it, for both kinds of machine this project
+runs on (AMD EPYC with AVX2 only; Intel Xeon with AVX-512, AVX512-BF16 and AMX), whichever
+one the tests run on."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.config import CacheConfig, ModelConfig, resolve_device_and_dtype, resolve_kv_dtype
+from radixserve.hardware import CpuInfo, KernelPlan, auto_dtype, cpu_info, parse_cpuinfo
+
+AMD_FLAGS = "fpu sse sse2 avx f16c fma avx2 bmi2 sha_ni vaes"
+INTEL_FLAGS = (
+    AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16"
+    " amx_bf16 amx_tile amx_int8"
+)
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: {flags}
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: {flags}
+"""
+CPU = torch.device("cpu")
+
+
+def cpu(flags: str, capability: str = "AVX2") -> CpuInfo:
+    return CpuInfo("test cpu", "x86_64", capability, frozenset(flags.split()), 2)
+
+
+def test_parse_cpuinfo_reads_the_first_processor():
+    name, flags = parse_cpuinfo(CPUINFO.format(flags=INTEL_FLAGS))
+    assert name == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert {"amx_bf16", "avx512_bf16", "avx2"} <= flags
+    assert parse_cpuinfo("") == ("unknown", frozenset())
+
+
+def test_features_of_each_kind():
+    amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
+    assert amd.avx2 and not amd.avx512 and not amd.amx_bf16 and not amd.fast_bf16_matmul
+    assert intel.avx2 and intel.avx512 and intel.avx512_bf16 and intel.amx_bf16
+    assert intel.fast_bf16_matmul and intel.vnni and intel.amx_int8
+    assert "avx2" in amd.summary() and "amx_bf16" not in amd.summary()
+    assert "amx_bf16" in intel.summary()
+    arm = CpuInfo("arm", "aarch64", "DEFAULT", frozenset({"asimd", "fma", "avx2"}), 2)
+    assert not arm.avx2  # flag names only count on x86
+
+
+def test_auto_dtype_is_bf16_only_where_amx_makes_it_faster():
+    assert auto_dtype(CPU, cpu(AMD_FLAGS)) == torch.float32
+    assert auto_dtype(CPU, cpu(AMD_FLAGS + " avx512f avx512bw avx512vl")) == torch.float32
+    assert auto_dtype(CPU, cpu(INTEL_FLAGS, "AVX512")) == torch.bfloat16
+    assert auto_dtype(torch.device("cuda"), cpu(AMD_FLAGS)) == torch.bfloat16
+
+
+def test_config_resolution_follows_this_machine():
+    _, dtype = resolve_device_and_dtype(ModelConfig(device="cpu"))
+    assert dtype == auto_dtype(CPU, cpu_info())
+    _, dtype = resolve_device_and_dtype(ModelConfig(device="cpu", dtype="float32"))
+    assert dtype == torch.float32  # an explicit dtype is never overridden
+    assert resolve_kv_dtype(CacheConfig(), torch.float32) == torch.float32
+    assert resolve_kv_dtype(CacheConfig(kv_cache_dtype="bfloat16"), torch.float32) == (
+        torch.bfloat16
+    )
+
+
+def test_kernel_plan_per_cpu():
+    f32, bf16 = torch.float32, torch.bfloat16
+    amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
+    # AVX2 only: the one-row kernel beats MKL's sgemv; decode attention for any pool dtype
+    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == KernelPlan(True, True)
+    assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == KernelPlan(True, True)
+    # AVX-512: MKL streams one row faster; bf16 models keep the attention kernel
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False)
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False)
+    # torch ops only, or not a CPU with AVX2, or not a CPU at all
+    assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
+    assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)
+    cuda = torch.device("cuda")
+    assert KernelPlan.choose("auto", cuda, bf16, bf16, intel) == KernelPlan(False, False)
+
+
+def test_this_machine_is_described():
+    info = cpu_info()
+    assert info.torch_capability == torch.backends.cpu.get_cpu_capability()
+    assert info.summary().startswith("CPU ")
+    report = info.as_dict()
+    assert set(report["flags"]) <= info.flags
+    assert report["avx2"] == info.avx2
