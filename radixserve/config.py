@@ -143,6 +143,12 @@ class SchedulerConfig:
         "Longest prefill chunk; longer prompts are split and interleaved with decode "
         "steps. 0 or -1 disables chunking.",
     )
+    enable_mixed_chunk: bool = _opt(
+        True,
+        "Run the running requests' decode step inside each prefill batch (one forward for "
+        "both) instead of alternating prefill and decode steps; their tokens count against "
+        "--chunked-prefill-size. --no-enable-mixed-chunk alternates.",
+    )
     disable_radix_cache: bool = _opt(
         False, "Do not keep finished requests' KV: every request computes its whole prompt."
     )

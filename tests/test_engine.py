@@ -58,6 +58,9 @@ def finish(engine: Engine) -> None:
         {"schedule_policy": "lpm"},
         {"schedule_policy": "dfs-weight"},
         {"page_size": 4},
+        {"enable_mixed_chunk": False},
+        {"enable_mixed_chunk": False, "chunked_prefill_size": 7},
+        {"chunked_prefill_size": 3, "page_size": 4},
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default",
 )
@@ -71,10 +74,16 @@ def test_greedy_identical_alone_batched_and_cached(tiny_model_dirs, expected, co
     finish(engine)
 
 
-def test_forced_retraction_keeps_outputs_identical(tiny_model_dirs, reference):
+@pytest.mark.parametrize("mixed", [False, True], ids=["alternating", "mixed-chunk"])
+def test_forced_retraction_keeps_outputs_identical(tiny_model_dirs, reference, mixed):
     """A pool too small for all requests' outputs: decode retracts and re-admits."""
     engine = make_engine(
-        tiny_model_dirs, max_total_tokens=160, init_new_token_ratio=0.1, min_new_token_ratio=0.01
+        tiny_model_dirs,
+        max_total_tokens=160,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio=0.01,
+        enable_mixed_chunk=mixed,
+        chunked_prefill_size=16,
     )
     prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(20)] for i in range(6)]
     results = engine.generate(input_ids=prompts, sampling_params=greedy())

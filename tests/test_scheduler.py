@@ -50,7 +50,9 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(tiny_model_dirs):
 
 
 def test_chunked_prefill_interleaves_with_decode(tiny_model_dirs):
-    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16)
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16, enable_mixed_chunk=False
+    )
     sched.add_request(req("short", [5, 6, 7], max_new_tokens=40))
     sched.step()
     assert [r.rid for r in sched.running] == ["short"]
@@ -64,6 +66,30 @@ def test_chunked_prefill_interleaves_with_decode(tiny_model_dirs):
     assert kinds == ["decode", "prefill"] * 6
     assert sched.chunked is not None and sched.chunked.rid == "long"
     run_to_end(sched)
+
+
+def test_mixed_chunks_carry_the_decode_step(tiny_model_dirs):
+    """--enable-mixed-chunk: each prefill chunk carries the running request's decode step,
+    so it streams a token every step; its token counts against the chunk budget."""
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16, enable_mixed_chunk=True
+    )
+    sched.add_request(req("short", [5, 6, 7], max_new_tokens=40))
+    sched.step()
+    sched.add_request(req("long", SHARED, max_new_tokens=2))
+    chunks = []
+    for _ in range(8):
+        outs = sched.step()
+        assert sched.last_step == "mixed"
+        assert [o.rid for o in outs if o.rid == "short"] == ["short"]  # a token every step
+        chunks.append(sched.chunked.kv_len if sched.chunked is not None else None)
+        sched.check_kv_accounting()
+    # 15 prompt tokens per chunk beside the one decode token: 120 tokens in 8 chunks
+    assert chunks == [15, 30, 45, 60, 75, 90, 105, None]
+    assert [r.rid for r in sched.running] == ["short", "long"]
+    assert sched.stats["mixed_steps"] == 8
+    run_to_end(sched)
+    assert sched.flush_cache()
 
 
 def test_abort_of_a_chunked_request_leaks_nothing(tiny_model_dirs):

@@ -35,6 +35,10 @@ class AttentionGroup:
     max_q: int
     req_rows: torch.Tensor | None = None  # (B,) for the decode kernel
     seq_lens: torch.Tensor | None = None  # (B,) for the decode kernel
+    # Prompts with no cached prefix: each attends causally over its own new K/V, one SDPA
+    # call per request (no gather, no padding, no mask; SDPA's causal path skips the
+    # blocks above the diagonal, which an explicit mask cannot). Their lengths, in order.
+    causal_lens: list[int] | None = None
 
 
 @dataclass
@@ -116,6 +120,10 @@ class TorchNativeAttention:
         req_rows = batch.req_rows if tokens is None else batch.req_rows[rows]
         if self.decode_kernel is not None and all(n == 1 for n in extend_list):
             return AttentionGroup(tokens, None, None, False, None, 1, req_rows, seq_lens)
+        if max(extend_list) > 1 and not any(prefix_list):
+            return AttentionGroup(
+                tokens, None, None, True, None, max(extend_list), None, None, extend_list
+            )
         prefix_lens = torch.tensor(prefix_list, device=device)
         extend_lens = torch.tensor(extend_list, device=device)
         max_s = max(seq_list)
@@ -153,15 +161,21 @@ class TorchNativeAttention:
     ) -> torch.Tensor:  # (T, H * D)
         self.kv_pool.write(layer, meta.out_slots, k, v)
         if len(meta.groups) == 1:
-            return self._attend(layer, q, meta.groups[0])
+            return self._attend(layer, q, k, v, meta.groups[0])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for group in meta.groups:
-            out.index_copy_(0, group.tokens, self._attend(layer, q[group.tokens], group))
+            t = group.tokens
+            out.index_copy_(0, t, self._attend(layer, q[t], k[t], v[t], group))
         return out
 
-    def _attend(self, layer: int, q: torch.Tensor, meta: AttentionGroup) -> torch.Tensor:
-        """Attention of one group's queries q (T_g, H, D) → (T_g, H * D)."""
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionGroup
+    ) -> torch.Tensor:
+        """Attention of one group's queries q (T_g, H, D) → (T_g, H * D); k, v (T_g, KH, D)
+        are the group's new keys and values (already in the pool)."""
         _, num_heads, head_dim = q.shape
+        if meta.causal_lens is not None:
+            return self._attend_causal(q, k, v, meta.causal_lens)
         if meta.kv_index is None:
             pool_k, pool_v = self.kv_pool.k[layer], self.kv_pool.v[layer]
             table = self.req_to_token.table
@@ -192,6 +206,21 @@ class TorchNativeAttention:
         )  # (B, H, Q, D)
         out = out.transpose(1, 2).reshape(batch_size * meta.max_q, num_heads * head_dim)
         return out if meta.q_index is None else out[meta.q_index]
+
+    def _attend_causal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+    ) -> torch.Tensor:
+        """Each request's new tokens attending causally to themselves (no cached prefix)."""
+        outs = []
+        start = 0
+        for n in lens:
+            qi, ki, vi = (x[start : start + n].transpose(0, 1) for x in (q, k, v))  # (H, n, D)
+            out = F.scaled_dot_product_attention(
+                qi[None], ki[None], vi[None], is_causal=n > 1, scale=self.scale, enable_gqa=True
+            )  # (1, H, n, D)
+            outs.append(out[0].transpose(0, 1).reshape(n, -1))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def _gather(pool: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:

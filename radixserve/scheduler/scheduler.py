@@ -90,6 +90,7 @@ class Scheduler:
             "retractions": 0,
             "prefill_batches": 0,
             "decode_steps": 0,
+            "mixed_steps": 0,  # prefill chunks that carried the running requests' decode step
             # where decode time goes: the forward pass vs the whole step (batch building,
             # sampling, stop checks, grammar, outputs)
             "decode_step_seconds": 0.0,
@@ -130,15 +131,22 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def step(self) -> list[ReqOutput]:
+        """One forward pass: a prefill (extend) batch of admitted requests, or a decode step
+        of the running ones, or with mixed chunks both in one batch."""
         start = time.perf_counter()
         outputs = self._finish_aborted()
+        mixed = self.config.enable_mixed_chunk and bool(self.running)
+        if mixed:
+            self._make_room_for_decode()
+            mixed = bool(self.running)
         prefill = None
-        if not (self._last_was_prefill and self.running):
-            prefill = self._schedule_prefill()
+        if mixed or not (self._last_was_prefill and self.running):
+            decode_tokens = sum(map(self._pending, self.running)) if mixed else 0
+            prefill = self._schedule_prefill(decode_tokens)
         self.last_step = None
         if prefill:
-            outputs += self._run_prefill(*prefill)
-            self.last_step = "prefill"
+            outputs += self._run_prefill(*prefill, decoding=self.running if mixed else [])
+            self.last_step = "mixed" if mixed else "prefill"
         elif self.running:
             outputs += self._run_decode()
             self.last_step = "decode"
@@ -186,16 +194,19 @@ class Scheduler:
         )
 
     # -- admission ------------------------------------------------------------------------
-    def _schedule_prefill(self) -> tuple[list[Req], list[list[int]]] | None:
+    def _schedule_prefill(self, decode_tokens: int = 0) -> tuple[list[Req], list[list[int]]] | None:
         """Requests to extend now and the tokens each extends by (the last may be a chunk).
 
         Each admitted request is charged its uncached tokens plus a reserve for its future
-        output against free + evictable KV (minus what running requests reserve).
+        output against free + evictable KV (minus what running requests reserve). In a
+        mixed step the running requests' `decode_tokens` ride in the same batch: they count
+        against the chunk's token budget and keep their free slots.
         """
         if not self.waiting and self.chunked is None:
             return None
         chunk = self.config.chunk_size
         token_budget = min(self.config.max_prefill_tokens, chunk or self.config.max_prefill_tokens)
+        token_budget = max(token_budget - decode_tokens, 1)
         kv_budget = self._available_kv() - self._running_reserve()
         reqs: list[Req] = []
         extends: list[list[int]] = []
@@ -228,7 +239,7 @@ class Scheduler:
             if not alone and (remaining + reserve > kv_budget or too_big):
                 self._unmatch(req)
                 break
-            needed = sum(map(len, extends)) + min(remaining, token_budget)
+            needed = decode_tokens + sum(map(len, extends)) + min(remaining, token_budget)
             if not self._ensure_free(needed):
                 self._unmatch(req)
                 break
@@ -236,7 +247,7 @@ class Scheduler:
             admit(req, reserve)
         if not reqs:
             return None
-        if not self._ensure_free(sum(map(len, extends))):  # only a continued chunk gets here
+        if not self._ensure_free(decode_tokens + sum(map(len, extends))):  # a continued chunk
             for req in reqs:
                 self._requeue(req)
             return None
@@ -312,13 +323,25 @@ class Scheduler:
         return self.runner.allocator.num_free >= n
 
     # -- running batches ------------------------------------------------------------------
-    def _run_prefill(self, reqs: list[Req], extends: list[list[int]]) -> list[ReqOutput]:
+    def _run_prefill(
+        self, reqs: list[Req], extends: list[list[int]], decoding: list[Req] | None = None
+    ) -> list[ReqOutput]:
+        """Extend `reqs` by `extends`; with `decoding` (a mixed step) the running requests
+        take their decode step in the same batch, after the prefill rows."""
+        decoding = decoding or []
         self.stats["prefill_batches"] += 1
+        if decoding:
+            self.stats["mixed_steps"] += 1
+            self.stats["decode_steps"] += 1
         want_all = [self._wants_prompt_logits(r) for r in reqs]
         starts = [r.kv_len for r in reqs]
         to_sample = [r for r in reqs if r is not self.chunked and r.params.max_new_tokens > 0]
-        masks = self.grammars.start_masks(to_sample)  # computed while the forward runs
-        batch = self.builder.extend(reqs, extends, all_logits=want_all)
+        masks = self.grammars.start_masks(decoding + to_sample)  # computed during the forward
+        batch = self.builder.extend(
+            reqs + decoding,
+            extends + [r.all_ids[r.kv_len :] for r in decoding],
+            all_logits=want_all + [False] * len(decoding),
+        )
         logits = self.runner.forward(batch).logits
         done: list[Req] = []
         done_rows: list[int] = []
@@ -333,6 +356,7 @@ class Scheduler:
             row += n
             if req.row is not None:
                 self._cache_computed(req)
+        decode_rows = list(range(row, row + len(decoding)))
         for req in reqs:
             if req is not self.chunked and not req.output_ids:
                 self.stats["prompt_tokens"] += len(req.input_ids)
@@ -343,12 +367,16 @@ class Scheduler:
             req.finish_reason = {"type": "length", "length": 0}
             outputs.append(self._finish(req))
         sample = [(r, i) for r, i in zip(done, done_rows) if r.params.max_new_tokens > 0]
-        if sample:
-            sample_reqs = [r for r, _ in sample]
-            assert sample_reqs == to_sample
-            rows = torch.tensor([i for _, i in sample], device=logits.device)
-            outputs += self._sample_and_update(sample_reqs, logits[rows], masks)
-            self.running += [r for r in sample_reqs if not r.finished]
+        sample_reqs = [r for r, _ in sample]
+        assert sample_reqs == to_sample
+        if sample or decoding:
+            rows = torch.tensor(decode_rows + [i for _, i in sample], device=logits.device)
+            outputs += self._sample_and_update(decoding + sample_reqs, logits[rows], masks)
+        self.running = [r for r in decoding + sample_reqs if not r.finished] + [
+            r for r in self.running if r not in decoding
+        ]
+        if decoding:
+            self._decay_reserve_ratio()
         return outputs
 
     def _run_decode(self) -> list[ReqOutput]:
@@ -369,10 +397,14 @@ class Scheduler:
         self.stats["decode_forward_seconds"] += time.perf_counter() - start
         outputs = self._sample_and_update(reqs, logits, masks)
         self.running = [r for r in reqs if not r.finished]
+        self._decay_reserve_ratio()
+        return outputs
+
+    def _decay_reserve_ratio(self) -> None:
+        """After a decode step that needed no retraction, reserve a little less KV."""
         self.new_token_ratio = max(
             self.config.min_new_token_ratio, self.new_token_ratio - RATIO_DECAY
         )
-        return outputs
 
     @staticmethod
     def _pending(req: Req) -> int:
