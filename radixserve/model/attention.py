@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.cache.allocator import PADDING_SLOT
 from radixserve.core.batch import ForwardBatch, ForwardMode
-from radixserve.model.cpu_kernels import load_kernel
+from radixserve.model.cpu_kernels import load_kernel, profiled
 
 
 @dataclass
@@ -258,23 +258,24 @@ class DecodeKernel:
         q32 = q.contiguous().float()
         out = torch.empty(batch, heads * dim, dtype=torch.float32)
         rows, seq_lens = rows.contiguous(), seq_lens.contiguous()
-        self._run(
-            q32.data_ptr(),
-            k_pool.data_ptr(),
-            v_pool.data_ptr(),
-            table.data_ptr(),
-            rows.data_ptr(),
-            seq_lens.data_ptr(),
-            out.data_ptr(),
-            batch,
-            heads,
-            k_pool.shape[1],
-            dim,
-            table.stride(0),
-            scale,
-            torch.get_num_threads(),
-            KV_DTYPE_CODES[k_pool.dtype],
-        )
+        with profiled("kernel:attention"):
+            self._run(
+                q32.data_ptr(),
+                k_pool.data_ptr(),
+                v_pool.data_ptr(),
+                table.data_ptr(),
+                rows.data_ptr(),
+                seq_lens.data_ptr(),
+                out.data_ptr(),
+                batch,
+                heads,
+                k_pool.shape[1],
+                dim,
+                table.stride(0),
+                scale,
+                torch.get_num_threads(),
+                KV_DTYPE_CODES[k_pool.dtype],
+            )
         return out.to(q.dtype)
 
 

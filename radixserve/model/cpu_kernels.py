@@ -9,6 +9,7 @@ the build fails, `load_kernel` warns and returns None and the caller keeps its t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -27,6 +28,15 @@ from radixserve.hardware import cpu_info
 logger = logging.getLogger(__name__)
 
 KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """A label for torch's profiler around a ctypes kernel call, which it cannot see into
+    (`radixserve bench step-breakdown` reads them: "kernel:linear", "kernel:attention");
+    nothing when no profiler runs."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def kernel_dir() -> Path:
@@ -86,9 +96,16 @@ class Gemv:
         x = x.contiguous()
         out = torch.empty(1, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        self._run(
-            x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), n, k, torch.get_num_threads()
-        )
+        with profiled("kernel:linear"):
+            self._run(
+                x.data_ptr(),
+                weight.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                n,
+                k,
+                torch.get_num_threads(),
+            )
         return out
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model.cpu_kernels import load_kernel
+from radixserve.model.cpu_kernels import load_kernel, profiled
 from radixserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def int8_matmul(kernel_dir: Path | None = None) -> Int8Matmul:
         out = torch.empty(m, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
         ptrs = (x.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr())
-        kernel(*ptrs, m, n, k, torch.get_num_threads())
+        with profiled("kernel:linear"):
+            kernel(*ptrs, m, n, k, torch.get_num_threads())
         return out
 
     return avx2_int8_matmul
