@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         perplexity,
         server_vs_engine,
         serving,
+        vs_vllm,
     )
 
     benches = {
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "server-vs-engine": server_vs_engine,
         "http-shared-prefix": http_shared_prefix,
         "serving": serving,
+        "vs-vllm": vs_vllm,
         "json": json_schema,
         "perplexity": perplexity,
     }

@@ -90,6 +90,32 @@ def test_multi_turn_workload_structure(tokenizer):
     assert len({q for c in work for q in c.questions}) == 15
 
 
+def test_multi_turn_system_prompts_are_shared_within_a_group(tokenizer):
+    plain = datasets.multi_turn_workload(tokenizer, 6, 3, 16, 4, seed=0)
+    work = datasets.multi_turn_workload(
+        tokenizer, 6, 3, 16, 4, seed=0, system_prompt_len=40, conversations_per_system=4
+    )
+    again = datasets.multi_turn_workload(
+        tokenizer, 6, 3, 16, 4, seed=0, system_prompt_len=40, conversations_per_system=4
+    )
+    assert work == again  # deterministic from the seed
+    systems = []
+    for conv, base in zip(work, plain):
+        first = conv.questions[0]
+        assert first.endswith("\n\n" + base.questions[0])  # the system prompt, then the question
+        systems.append(first[: -len("\n\n" + base.questions[0])])
+        assert conv.questions[1:] == base.questions[1:]  # later turns extend the first
+        assert conv.output_lens == [4, 4, 4]
+    assert systems[:4] == [systems[0]] * 4  # conversations 0-3 share one, 4-5 another
+    assert systems[4:] == [systems[4]] * 2 and systems[4] != systems[0]
+    for system in (systems[0], systems[4]):
+        assert 30 <= len(tokenizer.encode(system, add_special_tokens=False)) <= 40
+    other_seed = datasets.multi_turn_workload(
+        tokenizer, 6, 3, 16, 4, seed=1, system_prompt_len=40, conversations_per_system=4
+    )
+    assert not other_seed[0].questions[0].startswith(systems[0])
+
+
 def test_conversation_rejects_multi_turn_token_ids():
     with pytest.raises(AssertionError):
         datasets.Conversation([[1, 2], [3]], [1, 1])

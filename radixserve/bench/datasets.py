@@ -19,6 +19,7 @@ Prompt = str | list[int]  # text, or token ids sent as they are
 FIRST_RANDOM_ID = 100  # random prompts draw ids from here up: the lowest ids are special
 SHAREGPT_MAX_TOKENS = 2048  # a ShareGPT entry whose prompt + answer exceed this is skipped
 SHAREGPT_MIN_TOKENS = 4  # ... and so is one whose prompt or answer is shorter than this
+SYSTEM_PROMPT_SEED_OFFSET = 1_000_003  # multi-turn system prompts: a generator of their own
 
 
 @dataclass(frozen=True)
@@ -161,17 +162,32 @@ def multi_turn_workload(
     question_len: int,
     output_len: int,
     seed: int,
+    system_prompt_len: int = 0,
+    conversations_per_system: int = 1,
 ) -> list[Conversation]:
-    """Conversations of `num_turns` random-text questions of `question_len` tokens."""
+    """Conversations of `num_turns` random-text questions of `question_len` tokens.
+
+    With `system_prompt_len` > 0, consecutive conversations in groups of
+    `conversations_per_system` share a random-text system prompt of that many tokens, put
+    before the first question of each (then a blank line), so every later turn extends it.
+    The questions are the same with or without system prompts: those are drawn apart."""
+    assert conversations_per_system >= 1, conversations_per_system
     gen = torch.Generator().manual_seed(seed)
+    system_gen = torch.Generator().manual_seed(seed + SYSTEM_PROMPT_SEED_OFFSET)
 
-    def question() -> str:
-        return text_of_len(tokenizer, random_ids(gen, question_len, len(tokenizer)), question_len)
+    def text(n: int, g: torch.Generator) -> str:
+        return text_of_len(tokenizer, random_ids(g, n, len(tokenizer)), n)
 
-    return [
-        Conversation([question() for _ in range(num_turns)], [output_len] * num_turns)
-        for _ in range(num_conversations)
-    ]
+    workload = []
+    system = ""
+    for i in range(num_conversations):
+        questions = [text(question_len, gen) for _ in range(num_turns)]
+        if system_prompt_len > 0:
+            if i % conversations_per_system == 0:
+                system = text(system_prompt_len, system_gen)
+            questions[0] = system + "\n\n" + questions[0]
+        workload.append(Conversation(questions, [output_len] * num_turns))
+    return workload
 
 
 def sharegpt_workload(

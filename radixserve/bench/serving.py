@@ -89,6 +89,18 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-turns", type=int, default=4)
     parser.add_argument("--multi-turn-question-len", type=int, default=64)
     parser.add_argument("--multi-turn-output-len", type=int, default=32)
+    parser.add_argument(
+        "--multi-turn-system-prompt-len",
+        type=int,
+        default=0,
+        help="tokens of a random system prompt before each conversation's first question (0: none)",
+    )
+    parser.add_argument(
+        "--multi-turn-conversations-per-system",
+        type=int,
+        default=1,
+        help="consecutive conversations sharing one system prompt",
+    )
     parser.add_argument("--dataset-path", default=None, help="a ShareGPT JSON file")
     parser.add_argument(
         "--sharegpt-output-len",
@@ -664,6 +676,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "openai-chat sends messages: use a text dataset, not random-ids"
     if args.dataset_name == "sharegpt" and not args.dataset_path:
         return "--dataset-name sharegpt needs --dataset-path"
+    if args.multi_turn_system_prompt_len < 0 or args.multi_turn_conversations_per_system < 1:
+        return (
+            "--multi-turn-system-prompt-len must be >= 0 and "
+            "--multi-turn-conversations-per-system >= 1"
+        )
     if args.max_concurrency is not None and args.max_concurrency < 1:
         return "--max-concurrency must be >= 1"
     if not args.request_rate > 0:
@@ -748,6 +765,8 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> list[Conversatio
             args.multi_turn_question_len,
             args.multi_turn_output_len,
             args.seed,
+            system_prompt_len=args.multi_turn_system_prompt_len,
+            conversations_per_system=args.multi_turn_conversations_per_system,
         )
     return datasets.sharegpt_workload(
         tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed
