@@ -70,16 +70,17 @@ def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
     # AVX2 only: the one-row kernel beats MKL's sgemv; decode attention for any pool dtype
-    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == KernelPlan(True, True)
-    assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == KernelPlan(True, True)
-    # AVX-512: MKL streams one row faster; bf16 models keep the attention kernel
-    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False)
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False)
+    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == KernelPlan(True, True, 48)
+    assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == KernelPlan(True, True, 48)
+    # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; bf16
+    # models keep the attention kernel
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False, 16)
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False, 16)
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)
     cuda = torch.device("cuda")
-    assert KernelPlan.choose("auto", cuda, bf16, bf16, intel) == KernelPlan(False, False)
+    assert KernelPlan.choose("auto", cuda, bf16, bf16, intel) == KernelPlan(False, False, 16)
 
 
 def test_this_machine_is_described():

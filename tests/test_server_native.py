@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import requests
+import torch
 
+from radixserve.hardware import auto_dtype, cpu_info
 from tests.server_utils import ServerProcess
 
 TIMEOUT = 120  # seconds for any one HTTP call
@@ -217,6 +219,13 @@ def test_get_server_info(url):
     states[0].get("avg_spec_accept_length")  # what bench_serving reads: must not raise
     for key in ("num_running", "num_waiting", "kv_held_by_requests"):
         assert isinstance(states[0][key], int), (key, states[0])
+    # what the machine can do, and the dtypes and kernels chosen from it
+    cpu = cpu_info()
+    assert info["cpu"]["avx2"] == cpu.avx2 and info["cpu"]["amx_bf16"] == cpu.amx_bf16
+    assert info["cpu"]["torch_capability"] == cpu.torch_capability
+    assert info["dtype"] == str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
+    assert info["kv_cache_dtype"] == info["dtype"]
+    assert set(info["kernel_plan"]) == {"decode_attention", "gemv", "int8_dequant_min_rows"}
 
 
 @pytest.mark.parametrize("method", ["GET", "POST"])

@@ -11,8 +11,9 @@ The matmul is chosen once per process:
   and widens in registers.
 - otherwise torch's `_weight_int8pack_mm`: the same arithmetic, vectorized only for
   AVX-512 and ARM (on AVX2 it is 5-50x slower than fp32 matmul; a warning says so).
-From DEQUANT_MIN_ROWS rows up (prefill) the product is bound by compute, not bytes: the
-weight is widened to fp32 and the matmul goes to MKL like the unquantized model's.
+From `dequant_min_rows` rows up (48 on AVX2, 16 on AVX-512: `radixserve.hardware`) the
+product is bound by compute, not bytes: the weight is widened to fp32 and the matmul goes to
+MKL like the unquantized model's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from radixserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-DEQUANT_MIN_ROWS = 48  # from here on MKL on the widened weight is as fast (measured, 1 thread)
+DEQUANT_MIN_ROWS = 48  # AVX2: from here on MKL on the widened weight is as fast (measured)
 
 # (x (M, K) fp32 contiguous, weight (N, K) int8, scale (N,), bias (N,) | None) -> (M, N)
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -66,8 +67,10 @@ class Int8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         matmul: Int8Matmul,
+        dequant_min_rows: int = DEQUANT_MIN_ROWS,
     ) -> None:
         super().__init__()
+        self.dequant_min_rows = dequant_min_rows
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
@@ -80,9 +83,10 @@ class Int8Linear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         matmul: Int8Matmul | None = None,
+        dequant_min_rows: int = DEQUANT_MIN_ROWS,
     ) -> Int8Linear:
         q, scale = quantize_weight(weight)
-        return cls(q, scale, bias, matmul or int8_matmul())
+        return cls(q, scale, bias, matmul or int8_matmul(), dequant_min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -90,7 +94,7 @@ class Int8Linear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         # (M, K): the model's flat batches; this path runs ~200 times per decode step, so it
         # is kept to the few tensor calls it needs
-        if x.shape[0] >= DEQUANT_MIN_ROWS:
+        if x.shape[0] >= self.dequant_min_rows:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scale
             return out if self.bias is None else out + self.bias
         return self.matmul(x.contiguous(), self.weight, self.scale, self.bias)
@@ -99,16 +103,24 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_model_int8(model: LlamaForCausalLM, kernel_dir: Path | None = None) -> None:
+def quantize_model_int8(
+    model: LlamaForCausalLM,
+    kernel_dir: Path | None = None,
+    dequant_min_rows: int = DEQUANT_MIN_ROWS,
+) -> None:
     """Replace every nn.Linear of `model` (in place) by an Int8Linear; a head tied to the
     embedding gets its own int8 copy (the lookup keeps the fp32 matrix)."""
     matmul = int8_matmul(kernel_dir)
+
+    def int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+        return Int8Linear.from_float(weight, bias, matmul, dequant_min_rows)
+
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear.from_float(child.weight, child.bias, matmul))
+                setattr(module, name, int8(child.weight, child.bias))
     if model.lm_head is None:
-        model.lm_head = Int8Linear.from_float(model.embed_tokens.weight, None, matmul)
+        model.lm_head = int8(model.embed_tokens.weight, None)
 
 
 @functools.cache

@@ -29,7 +29,11 @@ from radixserve.model.loader import (
     read_architecture,
     resolve_model_folder,
 )
-from radixserve.model.quantization import check_int8_supported, quantize_model_int8
+from radixserve.model.quantization import (
+    DEQUANT_MIN_ROWS,
+    check_int8_supported,
+    quantize_model_int8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ class ModelRunner:
             "vocab_size": self.vocab_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "kernels": asdict(self.kernels),
+            "kernel_plan": asdict(self.kernels),
             "cpu": cpu_info().as_dict(),
         }
 
@@ -211,7 +215,8 @@ def build_model(
     model = model.to(device=device, dtype=dtype).eval()
     kernel_dir = cache_dir / "kernels" if cache_dir else None
     if quantization == "int8":
-        quantize_model_int8(model, kernel_dir)
+        rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
+        quantize_model_int8(model, kernel_dir, rows)
     elif kernels is not None and kernels.gemv:
         gemv = gemv_kernel(kernel_dir)
         if gemv is not None:

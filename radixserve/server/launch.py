@@ -23,6 +23,7 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
 import uvicorn
 import zmq
 import zmq.asyncio
@@ -180,12 +181,15 @@ class Launcher:
                 info = self.manager.model_info
                 host, port = self.config.server.host, self.config.server.port
                 logger.info(
-                    "radixserve is ready on http://%s:%d (model %s; KV pool %d tokens; "
-                    "context %d; up to %d running requests)",
+                    "radixserve is ready on http://%s:%d in %.1fs (model %s; %s, KV pool %d "
+                    "tokens in %s; context %d; up to %d running requests)",
                     host,
                     port,
+                    time.time() - psutil.Process().create_time(),
                     info["model_path"],
+                    info["dtype"],
                     info["max_total_num_tokens"],
+                    info["kv_cache_dtype"],
                     info["context_length"],
                     info["max_running_requests"],
                 )
