@@ -133,6 +133,8 @@ def auto_dtype(device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
     return torch.bfloat16 if (cpu or cpu_info()).fast_bf16_matmul else torch.float32
 
 
+FEW_ROWS_MAX = 16  # fp32_gemm_small.cpp up to this many rows: see KernelPlan
+
 KV_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -142,6 +144,9 @@ class KernelPlan:
 
     decode_attention: bool  # decode_attention.cpp: one-token rows read K/V in the pool
     gemv: bool  # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode)
+    # fp32_gemm_small.cpp for linear layers of 2..few_rows_max rows (small decode batches);
+    # 0: off. AVX2-only CPUs (see FEW_ROWS_MAX); unmeasured on AVX-512, which keeps MKL there
+    few_rows_max: int = 0
     # --quantization int8: from this many rows up, MKL on the weight widened to fp32 instead
     # of the int8 kernel. AVX2: 48 (measured: the kernel, which reads a quarter of the bytes,
     # wins below it). AVX-512: 16 (there MKL fp32 streams 39 GB/s, and the AVX2 int8 kernel
@@ -164,5 +169,8 @@ class KernelPlan:
         return cls(
             decode_attention=on_x86 and kv_dtype in KV_KERNEL_DTYPES,
             gemv=on_x86 and dtype == torch.float32 and not cpu.avx512,
+            few_rows_max=FEW_ROWS_MAX
+            if on_x86 and dtype == torch.float32 and not cpu.avx512
+            else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
         )

@@ -14,10 +14,10 @@ from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
-from radixserve.model.cpu_kernels import gemv_kernel
+from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
 
 pytestmark = pytest.mark.skipif(
-    decode_attention_kernel() is None or gemv_kernel() is None,
+    decode_attention_kernel() is None or gemv_kernel() is None or gemm_small_kernel() is None,
     reason="the C++ kernels cannot be built on this machine",
 )
 
@@ -128,6 +128,22 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(out, reference, atol=1e-6 * k, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(2, 8, 8), (3, 7, 13), (5, 301, 203), (16, 576, 576), (17, 64, 1536)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_kernel_matches_linear(m, n, k, bias):
+    """Rows in groups of 4 and leftovers (m % 4), weight rows in blocks of 3 and leftovers
+    (n % 3), columns in 8s and leftovers (k % 8)."""
+    gen = torch.Generator().manual_seed(m * n * k)
+    x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = gemm_small_kernel()(x, weight, b)
+    assert out.shape == (m, n)
+    reference = torch.nn.functional.linear(x, weight, b)
+    torch.testing.assert_close(out, reference, atol=1e-6 * k, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases through the kernel
 def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch):
     prompts = [[5, 6, 7, 8], [9] * 30, [11, 12]]
@@ -139,7 +155,9 @@ def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch
             assert plan == KernelPlan.choose(
                 kernels, torch.device("cpu"), torch.float32, torch.float32
             )
-            assert (engine.runner.model.gemv is not None) == plan.gemv
+            kernels = engine.runner.model.row_kernels
+            assert (kernels.gemv is not None) == plan.gemv
+            assert (kernels.few is not None) == (plan.few_rows_max > 0)
             assert (engine.runner.attention.decode_kernel is not None) == plan.decode_attention
             batched = engine.generate(input_ids=prompts, sampling_params=params)
             alone = engine.generate(input_ids=prompts[1], sampling_params=params)  # batch 1

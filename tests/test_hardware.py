@@ -7,7 +7,14 @@ from __future__ import annotations
 import torch
 
 from radixserve.config import CacheConfig, ModelConfig, resolve_device_and_dtype, resolve_kv_dtype
-from radixserve.hardware import CpuInfo, KernelPlan, auto_dtype, cpu_info, parse_cpuinfo
+from radixserve.hardware import (
+    FEW_ROWS_MAX,
+    CpuInfo,
+    KernelPlan,
+    auto_dtype,
+    cpu_info,
+    parse_cpuinfo,
+)
 
 AMD_FLAGS = "fpu sse sse2 avx f16c fma avx2 bmi2 sha_ni vaes"
 INTEL_FLAGS = (
@@ -69,18 +76,19 @@ def test_config_resolution_follows_this_machine():
 def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
-    # AVX2 only: the one-row kernel beats MKL's sgemv; decode attention for any pool dtype
-    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == KernelPlan(True, True, 48)
-    assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == KernelPlan(True, True, 48)
+    # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool
+    avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48)
+    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
+    assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; bf16
     # models keep the attention kernel
-    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False, 16)
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False, 16)
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False, 0, 16)
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False, 0, 16)
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)
     cuda = torch.device("cuda")
-    assert KernelPlan.choose("auto", cuda, bf16, bf16, intel) == KernelPlan(False, False, 16)
+    assert KernelPlan.choose("auto", cuda, bf16, bf16, intel) == KernelPlan(False, False, 0, 16)
 
 
 def test_this_machine_is_described():

@@ -114,3 +114,40 @@ def gemv_kernel(folder: Path | None = None) -> Gemv | None:
     """The one-row fp32 linear kernel, or None where it cannot be built."""
     library = load_kernel("fp32_gemv", folder)
     return None if library is None else Gemv(library)
+
+
+class GemmSmall:
+    """`fp32_gemm_small.cpp`: x (M, K) @ weight (N, K).T + bias (N,) | None → (M, N), fp32,
+    for the few rows of a small decode batch."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.fp32_gemm_small
+        self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._run.restype = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        (m, k), n = x.shape, weight.shape[0]
+        x = x.contiguous()
+        out = torch.empty(m, n, dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        with profiled("kernel:linear"):
+            self._run(
+                x.data_ptr(),
+                weight.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                m,
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        return out
+
+
+@functools.cache
+def gemm_small_kernel(folder: Path | None = None) -> GemmSmall | None:
+    """The few-rows fp32 linear kernel, or None where it cannot be built."""
+    library = load_kernel("fp32_gemm_small", folder)
+    return None if library is None else GemmSmall(library)

@@ -17,16 +17,40 @@ from transformers import PretrainedConfig
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
 
 
-class Linear(nn.Linear):
-    """nn.Linear that hands a single row to `gemv` when one is set: on CPU in float32 the
-    project's kernel (`fp32_gemv.cpp`) streams the weights faster than MKL's sgemv, which is
-    what a batch-1 decode step is made of."""
+@dataclass(frozen=True)
+class RowKernels:
+    """The project's CPU linear kernels the model uses, from the kernel plan: `gemv` for one
+    row (`fp32_gemv.cpp`: a batch-1 decode step), `few` for 2..few_max_rows rows
+    (`fp32_gemm_small.cpp`: small decode batches). Each is (x, weight, bias) -> x @ weight.T."""
 
     gemv: Callable[..., torch.Tensor] | None = None
+    few: Callable[..., torch.Tensor] | None = None
+    few_max_rows: int = 0
+
+    def pick(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The kernel for x's rows, or None (torch's matmul)."""
+        if x.dim() != 2:
+            return None
+        rows = x.shape[0]
+        if rows == 1:
+            return self.gemv
+        return self.few if rows <= self.few_max_rows else None
+
+
+NO_ROW_KERNELS = RowKernels()
+
+
+class Linear(nn.Linear):
+    """nn.Linear that hands one row, or a few, to the project's kernels when the model was
+    given them (`RowKernels`): on CPU in float32 they stream the weights faster than MKL's
+    sgemv / sgemm do at those sizes, which is what decode steps are made of."""
+
+    kernels: RowKernels = NO_ROW_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self.gemv(x, self.weight, self.bias)
+        kernel = self.kernels.pick(x)
+        if kernel is not None:
+            return kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -34,14 +58,15 @@ LOGITS_CHUNK = 2048  # vocabulary rows per product: 4.7 MB of fp32 weights, stay
 
 
 def logits_linear(
-    x: torch.Tensor, weight: torch.Tensor, gemv: Callable[..., torch.Tensor] | None = None
+    x: torch.Tensor, weight: torch.Tensor, kernels: RowKernels = NO_ROW_KERNELS
 ) -> torch.Tensor:
     """x (M, hidden) @ weight (vocab, hidden).T, the LM head. On CPU with several rows it is
     computed in vocabulary chunks, each (chunk @ x.T) into a (vocab, M) buffer: measured
     1.5x (64 rows) to 2x (16 rows) faster than one F.linear over the 49k-row matrix of
-    SmolLM2, and alike at one row, which goes to `gemv` when one is set."""
-    if gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-        return gemv(x, weight, None)
+    SmolLM2, and alike at one row. One row or a few go to the row kernels when set."""
+    kernel = kernels.pick(x)
+    if kernel is not None:
+        return kernel(x, weight, None)
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 1:
         return F.linear(x, weight)
     out = x.new_empty(weight.shape[0], x.shape[0])
@@ -155,6 +180,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, half = self.gate_up_proj, self.intermediate
         cpu_rows = isinstance(gate_up, nn.Linear) and x.device.type == "cpu" and x.dim() == 2
+        cpu_rows = cpu_rows and getattr(gate_up, "kernels", NO_ROW_KERNELS).pick(x) is None
         if cpu_rows and 1 < x.shape[0] < SMALL_BATCH_ROWS:
             h = gate_up.weight @ x.t()  # (2I, M)
             return self.down_proj((self.act(h[:half]) * h[half:]).t())

@@ -6,7 +6,7 @@ requests; attention goes through the backend, which owns the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -14,11 +14,13 @@ from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.layers import (
+    NO_ROW_KERNELS,
     GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     RotaryTables,
+    RowKernels,
     logits_linear,
 )
 
@@ -89,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.gemv: Callable[..., torch.Tensor] | None = None  # see use_gemv
+        self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
 
     def forward(
         self,
@@ -105,17 +107,18 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rotary, attn, meta)
         x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
         if self.lm_head is None:
-            return logits_linear(x, self.embed_tokens.weight, self.gemv).float()
+            return logits_linear(x, self.embed_tokens.weight, self.row_kernels).float()
         if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
-            return logits_linear(x, self.lm_head.weight, self.gemv).float()
+            return logits_linear(x, self.lm_head.weight, self.row_kernels).float()
         return self.lm_head(x).float()
 
-    def use_gemv(self, gemv: Callable[..., torch.Tensor]) -> None:
-        """Send single rows (batch-1 decode) of every linear layer and the LM head to `gemv`."""
-        self.gemv = gemv
+    def use_row_kernels(self, kernels: RowKernels) -> None:
+        """Send one row / a few rows (decode steps) of every linear layer and the LM head to
+        the project's kernels."""
+        self.row_kernels = kernels
         for module in self.modules():
             if isinstance(module, Linear):
-                module.gemv = gemv
+                module.kernels = kernels
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.

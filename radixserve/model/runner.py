@@ -21,7 +21,8 @@ from radixserve.config import Config, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import KernelPlan, cpu_info
 from radixserve.model.attention import TorchNativeAttention
-from radixserve.model.cpu_kernels import gemv_kernel
+from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
+from radixserve.model.layers import RowKernels
 from radixserve.model.llama import MODEL_CLASSES, LlamaForCausalLM, head_dim_of
 from radixserve.model.loader import (
     ModelLoadError,
@@ -217,8 +218,9 @@ def build_model(
     if quantization == "int8":
         rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
         quantize_model_int8(model, kernel_dir, rows)
-    elif kernels is not None and kernels.gemv:
-        gemv = gemv_kernel(kernel_dir)
-        if gemv is not None:
-            model.use_gemv(gemv)
+    elif kernels is not None and (kernels.gemv or kernels.few_rows_max):
+        gemv = gemv_kernel(kernel_dir) if kernels.gemv else None
+        few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
+        rows = kernels.few_rows_max if few is not None else 0
+        model.use_row_kernels(RowKernels(gemv, few, rows))
     return model
