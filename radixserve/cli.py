@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         perplexity,
         server_vs_engine,
         serving,
+        step_breakdown,
         vs_vllm,
     )
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "http-shared-prefix": http_shared_prefix,
         "serving": serving,
         "vs-vllm": vs_vllm,
+        "step-breakdown": step_breakdown,
         "json": json_schema,
         "perplexity": perplexity,
     }
