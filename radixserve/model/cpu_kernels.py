@@ -81,49 +81,17 @@ def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(path))
 
 
-class Gemv:
-    """`fp32_gemv.cpp`: gemv(x (1, K), weight (N, K), bias (N,) | None) → (1, N), fp32."""
+class LinearKernel:
+    """A C linear kernel `name(x, weight, bias, out, [M,] N, K, threads)`: (x (M, K), weight
+    (N, K), bias (N,) | None) → x @ weight.T + bias, (M, N) fp32. `fp32_gemv.cpp` takes one
+    row (no M argument), `fp32_gemm_small.cpp` a few."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._run = library.fp32_gemv
-        self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    def __init__(self, library: ctypes.CDLL, name: str, takes_rows: bool) -> None:
+        self._run = getattr(library, name)
+        sizes = 3 if takes_rows else 2
+        self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes + [ctypes.c_int]
         self._run.restype = None
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        n, k = weight.shape
-        x = x.contiguous()
-        out = torch.empty(1, n, dtype=torch.float32)
-        bias_ptr = None if bias is None else bias.data_ptr()
-        with profiled("kernel:linear"):
-            self._run(
-                x.data_ptr(),
-                weight.data_ptr(),
-                bias_ptr,
-                out.data_ptr(),
-                n,
-                k,
-                torch.get_num_threads(),
-            )
-        return out
-
-
-@functools.cache
-def gemv_kernel(folder: Path | None = None) -> Gemv | None:
-    """The one-row fp32 linear kernel, or None where it cannot be built."""
-    library = load_kernel("fp32_gemv", folder)
-    return None if library is None else Gemv(library)
-
-
-class GemmSmall:
-    """`fp32_gemm_small.cpp`: x (M, K) @ weight (N, K).T + bias (N,) | None → (M, N), fp32,
-    for the few rows of a small decode batch."""
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._run = library.fp32_gemm_small
-        self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._run.restype = None
+        self._takes_rows = takes_rows
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -132,22 +100,30 @@ class GemmSmall:
         x = x.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
+        sizes = (m, n, k) if self._takes_rows else (n, k)
         with profiled("kernel:linear"):
             self._run(
                 x.data_ptr(),
                 weight.data_ptr(),
                 bias_ptr,
                 out.data_ptr(),
-                m,
-                n,
-                k,
+                *sizes,
                 torch.get_num_threads(),
             )
         return out
 
 
 @functools.cache
-def gemm_small_kernel(folder: Path | None = None) -> GemmSmall | None:
+def gemv_kernel(folder: Path | None = None) -> LinearKernel | None:
+    """The one-row fp32 linear kernel, or None where it cannot be built."""
+    library = load_kernel("fp32_gemv", folder)
+    return None if library is None else LinearKernel(library, "fp32_gemv", takes_rows=False)
+
+
+@functools.cache
+def gemm_small_kernel(folder: Path | None = None) -> LinearKernel | None:
     """The few-rows fp32 linear kernel, or None where it cannot be built."""
     library = load_kernel("fp32_gemm_small", folder)
-    return None if library is None else GemmSmall(library)
+    if library is None:
+        return None
+    return LinearKernel(library, "fp32_gemm_small", takes_rows=True)
