@@ -372,9 +372,9 @@ class Scheduler:
         if sample or decoding:
             rows = torch.tensor(decode_rows + [i for _, i in sample], device=logits.device)
             outputs += self._sample_and_update(decoding + sample_reqs, logits[rows], masks)
-        self.running = [r for r in decoding + sample_reqs if not r.finished] + [
-            r for r in self.running if r not in decoding
-        ]
+        stepped = {id(r) for r in decoding}  # the running requests this batch decoded
+        kept = [r for r in self.running if id(r) not in stepped]
+        self.running = kept + [r for r in decoding + sample_reqs if not r.finished]
         if decoding:
             self._decay_reserve_ratio()
         return outputs
