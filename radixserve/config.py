@@ -270,8 +270,10 @@ def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dt
         device = torch.device(model.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no CUDA device")
-    dtype = auto_dtype(device) if model.dtype == "auto" else DTYPES[model.dtype]
-    return device, dtype
+    if model.dtype != "auto":
+        return device, DTYPES[model.dtype]
+    # int8 layers compute in fp32 (`model/quantization.py`)
+    return device, torch.float32 if model.quantization == "int8" else auto_dtype(device)
 
 
 def resolve_kv_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:

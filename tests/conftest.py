@@ -15,6 +15,9 @@ from radixserve.model.runner import ModelRunner
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_TOKENIZER = FIXTURES / "tiny_tokenizer"
+# The fidelity reference is fp32 on every machine: `--dtype auto` would be bf16 where the
+# CPU has AMX, so the tests that compare with transformers in fp32 ask for it.
+FP32 = "float32"
 
 TINY_SHAPE = dict(
     vocab_size=512,
@@ -65,6 +68,8 @@ def model_cache_dir(tmp_path_factory) -> Path:
 def model_case(request, tiny_model_dirs):
     """(runner, reference HF model) for each model the fidelity tests cover."""
     path = None if request.param == "smollm2" else str(tiny_model_dirs[request.param])
-    runner = ModelRunner(Config.from_flat(model_path=path, max_total_tokens=8192), progress=False)
+    runner = ModelRunner(
+        Config.from_flat(model_path=path, max_total_tokens=8192, dtype=FP32), progress=False
+    )
     reference = AutoModelForCausalLM.from_pretrained(runner.model_folder, dtype=torch.float32)
     return request.param, runner, reference.eval()

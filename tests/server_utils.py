@@ -29,7 +29,9 @@ class ServerProcess:
     def __init__(self, *flags: str, env: dict[str, str] | None = None, log: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *flags]
+        # fp32 (the reference) unless the flags say otherwise: later flags win
+        serve = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port)]
+        cmd = [*serve, "--dtype", "float32", *flags]
         self.log_path = log
         self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(

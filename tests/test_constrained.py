@@ -18,7 +18,7 @@ from radixserve.constrained.base import unpack_bitmask
 from radixserve.constrained.grammars import jump_forward
 from radixserve.constrained.llguidance_backend import LLGuidanceBackend
 from radixserve.core.sampling_params import SamplingParams
-from tests.conftest import TINY_SHAPE, TINY_TOKENIZER
+from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER
 
 VOCAB = TINY_SHAPE["vocab_size"]
 
@@ -65,7 +65,9 @@ def backend() -> LLGuidanceBackend:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):
-    with Engine(str(tiny_model_dirs["llama"]), progress=False, max_total_tokens=8192) as e:
+    with Engine(
+        str(tiny_model_dirs["llama"]), progress=False, max_total_tokens=8192, dtype=FP32
+    ) as e:
         yield e
 
 
@@ -215,6 +217,7 @@ def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(tiny_
         with Engine(
             str(tiny_model_dirs["llama"]),
             progress=False,
+            dtype=FP32,
             max_total_tokens=pool,
             disable_jump_forward=not jump,
             init_new_token_ratio=0.05,

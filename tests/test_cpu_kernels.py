@@ -15,6 +15,7 @@ from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
+from tests.conftest import FP32
 
 pytestmark = pytest.mark.skipif(
     decode_attention_kernel() is None or gemv_kernel() is None or gemm_small_kernel() is None,
@@ -150,7 +151,9 @@ def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     outputs = []
     for kernels in ("auto", "torch"):
-        with Engine(str(tiny_model_dirs[arch]), kernels=kernels, max_total_tokens=512) as engine:
+        with Engine(
+            str(tiny_model_dirs[arch]), kernels=kernels, max_total_tokens=512, dtype=FP32
+        ) as engine:
             plan = engine.runner.kernels
             assert plan == KernelPlan.choose(
                 kernels, torch.device("cpu"), torch.float32, torch.float32

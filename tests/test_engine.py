@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve import Engine
+from tests.conftest import FP32
 from tests.reference import reference_greedy, reference_logits
 
 STEPS = 24
@@ -36,7 +37,7 @@ def expected(reference) -> list[list[int]]:
 
 
 def make_engine(tiny_model_dirs, **config) -> Engine:
-    return Engine(str(tiny_model_dirs["llama"]), progress=False, **config)
+    return Engine(str(tiny_model_dirs["llama"]), progress=False, dtype=FP32, **config)
 
 
 def finish(engine: Engine) -> None:
@@ -245,7 +246,7 @@ def test_every_policy_completes_every_request(tiny_model_dirs, expected, policy)
 
 
 def test_engine_with_the_default_model_answers():
-    with Engine(progress=False, max_total_tokens=2048) as engine:
+    with Engine(progress=False, max_total_tokens=2048, dtype=FP32) as engine:
         text = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": "What is the capital of France?"}],
             tokenize=False,

@@ -67,6 +67,8 @@ def test_config_resolution_follows_this_machine():
     assert dtype == auto_dtype(CPU, cpu_info())
     _, dtype = resolve_device_and_dtype(ModelConfig(device="cpu", dtype="float32"))
     assert dtype == torch.float32  # an explicit dtype is never overridden
+    _, dtype = resolve_device_and_dtype(ModelConfig(device="cpu", quantization="int8"))
+    assert dtype == torch.float32  # int8 layers compute in fp32, on AMX CPUs too
     assert resolve_kv_dtype(CacheConfig(), torch.float32) == torch.float32
     assert resolve_kv_dtype(CacheConfig(kv_cache_dtype="bfloat16"), torch.float32) == (
         torch.bfloat16

@@ -38,6 +38,7 @@ from radixserve.model.loader import (
     resolve_model_folder,
 )
 from radixserve.model.runner import ModelRunner, build_model, load_config_and_tokenizer
+from tests.conftest import FP32
 
 TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b", "  spaces\tand ünïcode"]
 
@@ -207,7 +208,7 @@ def transformers_gguf_tensors(path: Path, num_layers: int) -> dict[str, torch.Te
 
 def runner_for(model_path: Path, cache_dir: Path) -> ModelRunner:
     config = Config.from_flat(
-        model_path=str(model_path), max_total_tokens=256, model_cache_dir=str(cache_dir)
+        model_path=str(model_path), max_total_tokens=256, model_cache_dir=str(cache_dir), dtype=FP32
     )
     return ModelRunner(config, progress=False)
 

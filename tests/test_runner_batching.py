@@ -9,12 +9,13 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import OutOfKVSlots
 from radixserve.scheduler.static_generator import StaticGenerator
+from tests.conftest import FP32
 
 
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_model_dirs):
     return ModelRunner(
-        Config.from_flat(model_path=str(tiny_model_dirs["llama"]), max_total_tokens=96),
+        Config.from_flat(model_path=str(tiny_model_dirs["llama"]), max_total_tokens=96, dtype=FP32),
         progress=False,
     )
 

@@ -15,12 +15,13 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.policy import order_waiting
 from radixserve.scheduler.scheduler import Scheduler
+from tests.conftest import FP32
 
 SHARED = [(11 * i) % 300 + 40 for i in range(120)]
 
 
 def make_scheduler(tiny_model_dirs, **config) -> Scheduler:
-    cfg = Config.from_flat(model_path=str(tiny_model_dirs["llama"]), **config)
+    cfg = Config.from_flat(model_path=str(tiny_model_dirs["llama"]), dtype=FP32, **config)
     return Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 import requests
 
+from tests.conftest import FP32
 from tests.server_utils import STARTUP_TIMEOUT_S, ServerProcess
 
 pytestmark = pytest.mark.smollm2
@@ -660,7 +661,7 @@ def test_server_greedy_matches_offline_engine(client, model_id, server):
     for ids in prompts:
         out = greedy(client, model_id, ids, max_tokens=16)
         served.append(out.choices[0].text)
-    engine = Engine(max_total_tokens=20000, progress=False)
+    engine = Engine(max_total_tokens=20000, progress=False, dtype=FP32)
     try:
         offline = [
             engine.generate(
