@@ -167,14 +167,13 @@ class KernelPlan:
         cpu: CpuInfo | None = None,
     ) -> KernelPlan:
         """`--kernels torch`: none. `auto`: each kernel where it wins on this CPU (see the
-        table at the top of this module)."""
+        list at the top of this module)."""
         cpu = cpu or cpu_info()
         on_x86 = kernels == "auto" and device.type == "cpu" and cpu.avx2
+        fp32_linears = on_x86 and dtype == torch.float32 and not cpu.avx512  # AVX2-only, fp32
         return cls(
             decode_attention=on_x86 and kv_dtype in KV_KERNEL_DTYPES,
-            gemv=on_x86 and dtype == torch.float32 and not cpu.avx512,
-            few_rows_max=FEW_ROWS_MAX
-            if on_x86 and dtype == torch.float32 and not cpu.avx512
-            else 0,
+            gemv=fp32_linears,
+            few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
         )
