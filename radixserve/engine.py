@@ -19,11 +19,12 @@ from typing import Any
 
 from radixserve import __version__
 from radixserve.config import Config
+from radixserve.core.output import ReqOutput
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
 from radixserve.native import expand_request
 from radixserve.output import RequestState
-from radixserve.scheduler.scheduler import ReqOutput, Scheduler
+from radixserve.scheduler.scheduler import Scheduler
 
 Sink = Callable[[ReqOutput | BaseException], None]
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from radixserve.core.req import LogprobEntry
+from radixserve.core.output import LogprobEntry, ReqOutput
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.scheduler.scheduler import ReqOutput
 
 
 class RequestState:
@@ -54,7 +53,7 @@ class RequestState:
         could still become a stop string or an incomplete character is held back."""
         ids = self.output_ids
         reason = self.last.finish_reason if self.last else None
-        matched = reason.get("matched") if reason else None
+        matched = reason.matched if reason else None
         if isinstance(matched, int) and not self.params.no_stop_trim and ids:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
@@ -72,7 +71,7 @@ class RequestState:
         assert out is not None
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": out.finish_reason,
+            "finish_reason": out.finish_reason.to_dict() if out.finish_reason else None,
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,

@@ -13,8 +13,8 @@ import torch
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.scheduler.batch_builder import BatchBuilder
-from radixserve.scheduler.static_generator import StaticGenerator
 from tests.reference import reference_greedy, reference_logits
+from tests.static_generator import StaticGenerator
 
 ATOL = 1e-4
 STEPS = 32

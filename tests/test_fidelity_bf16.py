@@ -38,8 +38,8 @@ from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
-from radixserve.scheduler.static_generator import StaticGenerator
 from tests.reference import reference_greedy, reference_logits
+from tests.static_generator import StaticGenerator
 from tests.test_fidelity import TEXTS, encode, greedy
 
 STEPS = 16

@@ -10,6 +10,7 @@ import pytest
 from radixserve.cache import SlotAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import Config
+from radixserve.core.output import FinishReason
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
@@ -100,7 +101,7 @@ def test_abort_of_a_chunked_request_leaks_nothing(tiny_model_dirs):
     assert sched.chunked is not None
     sched.abort("long")
     [out] = sched.step()
-    assert out.finish_reason == {"type": "abort", "message": "aborted"}
+    assert out.finish_reason == FinishReason.abort("aborted")
     assert not sched.has_work
     sched.check_kv_accounting()
     assert sched.flush_cache()

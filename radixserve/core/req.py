@@ -8,9 +8,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.output import FinishReason, LogprobEntry
 from radixserve.core.sampling_params import SamplingParams
-
-LogprobEntry = tuple[float | None, int]  # (logprob or None, token id)
 
 
 @dataclass
@@ -36,7 +35,7 @@ class Req:
     retractions: int = 0
 
     # results
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)

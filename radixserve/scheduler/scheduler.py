@@ -20,7 +20,6 @@ import logging
 import random
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +28,8 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import SchedulerConfig
 from radixserve.constrained import Grammars
 from radixserve.constrained.grammars import MaskJob
-from radixserve.core.req import LogprobEntry, Req
+from radixserve.core.output import FinishReason, LogprobEntry, ReqOutput
+from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
 from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -40,22 +40,6 @@ logger = logging.getLogger(__name__)
 IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one round
 NEW_TOKEN_RESERVE_CAP = 4096  # at most this many future tokens reserved per request
 RATIO_DECAY = 0.001  # per decode step
-
-
-@dataclass
-class ReqOutput:
-    """What changed for one request in one step (new tokens are a delta)."""
-
-    rid: str
-    new_ids: list[int]
-    finish_reason: dict[str, Any] | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    new_logprobs: list[LogprobEntry] = field(default_factory=list)
-    new_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
-    input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
-    input_top_logprobs: list[list[LogprobEntry]] | None = None
 
 
 class Scheduler:
@@ -364,7 +348,7 @@ class Scheduler:
         outputs = []
         prefill_only = [r for r in done if r.params.max_new_tokens == 0]
         for req in prefill_only:
-            req.finish_reason = {"type": "length", "length": 0}
+            req.finish_reason = FinishReason.of_length(0)
             outputs.append(self._finish(req))
         sample = [(r, i) for r, i in zip(done, done_rows) if r.params.max_new_tokens > 0]
         sample_reqs = [r for r, _ in sample]
@@ -463,7 +447,7 @@ class Scheduler:
         )
         new = self.grammars.accept(req, token, room)
         if new is None:  # only when every allowed token was banned (e.g. by logit_bias)
-            req.finish_reason = {"type": "abort", "message": "no token the grammar allows"}
+            req.finish_reason = FinishReason.abort("no token the grammar allows")
             return []
         return new
 
@@ -481,14 +465,14 @@ class Scheduler:
         if grammar is not None and grammar.is_finished:
             token = req.output_ids[-1]
             matched = token if token in req.stop_ids(self.eos_ids) else None
-            req.finish_reason = {"type": "stop", "matched": matched}
+            req.finish_reason = FinishReason.stop(matched)
             return
         if grammar is None:
             stopped = n >= p.min_new_tokens and self._hit_stop(req, num_new)
         else:
             stopped = n >= p.min_new_tokens and grammar.is_accepting and self._grammar_stop(req)
         if not stopped and (n >= p.max_new_tokens or len(req.all_ids) >= self.runner.context_len):
-            req.finish_reason = {"type": "length", "length": n}
+            req.finish_reason = FinishReason.of_length(n)
 
     def _hit_stop(self, req: Req, num_new: int) -> bool:
         """Sets the finish reason if the num_new latest tokens end in a stop token, or bring
@@ -496,7 +480,7 @@ class Scheduler:
         p = req.params
         token = req.output_ids[-1]
         if token in req.stop_ids(self.eos_ids):
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop(token)
             return True
         if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it
             longest = max(len(s.encode()) for s in p.stop)
@@ -505,14 +489,14 @@ class Scheduler:
             )
             for stop in p.stop:
                 if stop in tail:
-                    req.finish_reason = {"type": "stop", "matched": stop}
+                    req.finish_reason = FinishReason.stop(stop)
                     return True
         if p.stop_regex:  # a match may span any length: search the whole output
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
             for pattern in p.stop_regex:
                 match = re.search(pattern, text)
                 if match and match.group(0):
-                    req.finish_reason = {"type": "stop", "matched": match.group(0)}
+                    req.finish_reason = FinishReason.stop(match.group(0))
                     return True
         return False
 
@@ -539,7 +523,7 @@ class Scheduler:
             at, matched = min(hits)
         if not self.grammars.completes(req, text[:at]):
             return False
-        req.finish_reason = {"type": "stop", "matched": matched}
+        req.finish_reason = FinishReason.stop(matched)
         return True
 
     def _wants_prompt_logits(self, req: Req) -> bool:
@@ -615,7 +599,7 @@ class Scheduler:
         outputs = []
         for req in [r for r in self._live() if r.rid in self._aborted]:
             message = self._aborted.pop(req.rid)
-            req.finish_reason = {"type": "abort", "message": message}
+            req.finish_reason = FinishReason.abort(message)
             if req in self.waiting:
                 self.waiting.remove(req)
             if req in self.running:

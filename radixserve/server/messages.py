@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
+from radixserve.core.output import ReqOutput
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.scheduler.scheduler import ReqOutput
 
 
 class Message(msgspec.Struct, tag=True):

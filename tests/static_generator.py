@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from radixserve.core.output import FinishReason
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
@@ -22,7 +22,7 @@ from radixserve.scheduler.batch_builder import BatchBuilder
 @dataclass
 class GenerateResult:
     output_ids: list[int]
-    finish_reason: dict[str, Any]
+    finish_reason: FinishReason
     logprobs: list[float]
     top_logprobs: list[list[tuple[float, int]]]
 
@@ -59,16 +59,14 @@ class StaticGenerator:
             for req in reqs:
                 self.builder.release(req)
         return [
-            GenerateResult(
-                r.output_ids, r.finish_reason or {}, r.output_logprobs, r.output_top_logprobs
-            )
+            GenerateResult(r.output_ids, r.finish_reason, r.output_logprobs, r.output_top_logprobs)
             for r in reqs
         ]
 
     def _run(self, reqs: list[Req], return_logprob: bool, top_n: int) -> None:
         for req in reqs:
             if req.params.max_new_tokens == 0:
-                req.finish_reason = {"type": "length", "length": 0}
+                req.finish_reason = FinishReason.of_length(0)
         active = [r for r in reqs if not r.finished]
         if not active:
             return
@@ -105,6 +103,6 @@ class StaticGenerator:
             if tops is not None:
                 req.output_top_logprobs.append(tops[i])
             if token in req.stop_ids(self.eos_ids):  # banned until min_new_tokens is reached
-                req.finish_reason = {"type": "stop", "matched": token}
+                req.finish_reason = FinishReason.stop(token)
             elif len(req.output_ids) >= req.params.max_new_tokens:
-                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+                req.finish_reason = FinishReason.of_length(len(req.output_ids))

@@ -1,0 +1,127 @@
+"""What the engine reports, as plain typed data every process can import: why a request
+finished, what one step changed for it, what the loaded model allows, and the scheduler's
+counters. msgspec Structs, so they cross processes as they are (no string-keyed dicts)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+LogprobEntry = tuple[float | None, int]  # (logprob or None, token id)
+
+
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why a request ended: a stop token or string (`matched`), its length limit, an abort
+    (`message`), or an error confined to it (`message`; the engine goes on serving)."""
+
+    type: Literal["stop", "length", "abort", "error"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    @classmethod
+    def stop(cls, matched: int | str | None) -> FinishReason:
+        return cls("stop", matched=matched)
+
+    @classmethod
+    def of_length(cls, length: int) -> FinishReason:
+        return cls("length", length=length)
+
+    @classmethod
+    def abort(cls, message: str) -> FinishReason:
+        return cls("abort", message=message)
+
+    @classmethod
+    def error(cls, message: str) -> FinishReason:
+        return cls("error", message=message)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The native API's shape: `{"type": "stop", "matched": ...}`, `{"type": "length",
+        "length": n}`, `{"type": "abort", "message": ...}`."""
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": self.type, "message": self.message}
+
+
+class ReqOutput(msgspec.Struct):
+    """What changed for one request in one step (new tokens and logprobs are deltas)."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    new_logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
+    new_top_logprobs: list[list[LogprobEntry]] = msgspec.field(default_factory=list)
+    input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
+    input_top_logprobs: list[list[LogprobEntry]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """The loaded model and the limits derived from it once, after load; every process
+    receives this one object (the scheduler's Ready message carries it)."""
+
+    model_path: str
+    max_total_num_tokens: int  # KV pool slots
+    max_running_requests: int
+    context_length: int  # the model's own limit (max_position_embeddings)
+    vocab_size: int
+    dtype: str
+    kv_cache_dtype: str
+    kv_pool_bytes: int
+    kernel_plan: dict[str, Any] = msgspec.field(default_factory=dict)
+    cpu: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence (prompt + output) one request may have."""
+        return min(self.context_length, self.max_total_num_tokens)
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.max_seq_len - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**msgspec.structs.asdict(self), "max_req_input_len": self.max_req_input_len}
+
+
+class SchedulerStats(msgspec.Struct):
+    """The scheduler's counters and where every KV slot is (reported by /get_server_info,
+    read by the benchmarks, turned into gauges by the HTTP process)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    prefill_batches: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0  # prefill chunks that carried the running requests' decode step
+    request_errors: int = 0  # requests ended by an error confined to them
+    # where decode time goes: the forward pass vs the whole step (batch building, sampling,
+    # stop checks, grammar, outputs) vs the loop iteration (receiving and sending too)
+    decode_step_seconds: float = 0.0
+    decode_forward_seconds: float = 0.0
+    decode_loop_seconds: float = 0.0
+    kv_total: int = 0
+    kv_free: int = 0
+    kv_tree_evictable: int = 0
+    kv_tree_protected: int = 0
+    kv_held_by_requests: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    grammar: dict[str, float] = msgspec.field(default_factory=dict)
+    pid: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, as reported: grammar counters as `grammar_<name>`."""
+        flat = msgspec.structs.asdict(self)
+        grammar = flat.pop("grammar")
+        return {**flat, **{f"grammar_{k}": v for k, v in grammar.items()}}
