@@ -3,8 +3,9 @@
 Every field carries its help text in `metadata["help"]`; the command line is derived from
 the fields (`add_config_args` / `config_from_args`), so a flag and its default are declared
 exactly once. Values that depend on the machine ("auto") are resolved in one place,
-`resolve_device_and_dtype` (from what `radixserve.hardware` detects) and `ModelRunner`'s
-KV sizing, never sprinkled through the code.
+`radixserve.hardware.resolve_device_and_dtype` (from what the CPU has) and `ModelRunner`'s
+KV sizing, never sprinkled through the code. Importing this module imports no torch, so
+`radixserve --help` is instant.
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from radixserve.hardware import auto_dtype
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name (hardware.py maps them)
 QUANTIZATIONS = ("none", "int8")
 KERNELS = ("auto", "torch")
 
@@ -121,6 +118,7 @@ class CacheConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
 
 
+DEFAULT_MAX_RUNNING_REQUESTS = 256
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 
@@ -185,6 +183,11 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+
+    def running_limit(self, kv_tokens: int) -> int:
+        """Most requests running at once, derived once after load from the KV pool size:
+        --max-running-requests, else min(DEFAULT_MAX_RUNNING_REQUESTS, kv_tokens)."""
+        return self.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, kv_tokens)
 
     @property
     def chunk_size(self) -> int | None:
@@ -260,25 +263,6 @@ class Config:
         return cls(
             **{f.name: f.default_factory(**parts[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[misc]
         )
-
-
-def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dtype]:
-    """The one place where "auto" device and dtype become concrete."""
-    if model.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(model.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda was asked for but torch sees no CUDA device")
-    if model.dtype != "auto":
-        return device, DTYPES[model.dtype]
-    # int8 layers compute in fp32 (`model/quantization.py`)
-    return device, torch.float32 if model.quantization == "int8" else auto_dtype(device)
-
-
-def resolve_kv_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype: the model's unless --kv-cache-dtype names another."""
-    return dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
 
 
 def _flag(name: str) -> str:

@@ -15,15 +15,28 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve import __version__
 from radixserve.config import Config
-from radixserve.core.output import ReqOutput
+from radixserve.core.errors import rejection
+from radixserve.core.messages import (
+    AbortReq,
+    ControlOp,
+    ControlReply,
+    ControlReq,
+    GenerateReq,
+    Message,
+    Rejected,
+    SchedulerState,
+)
+from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
 from radixserve.native import expand_request
 from radixserve.output import RequestState
+from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 
 Sink = Callable[[ReqOutput | BaseException], None]
@@ -31,6 +44,119 @@ Sink = Callable[[ReqOutput | BaseException], None]
 
 class EngineDeadError(RuntimeError):
     """The scheduler thread failed; the engine cannot serve more requests."""
+
+
+@dataclass
+class _Waiter:
+    sink: Sink
+    accepted: bool = False
+
+
+class InProcessTransport:
+    """The scheduler loop's transport on the Engine's thread: an inbox queue in, and for
+    each request a sink (a callback) that hands its outputs to the caller waiting for it.
+
+    Waiters are kept per rid in submission order; a refusal or an acceptance concerns the
+    oldest one not yet accepted (the loop handles messages in order), outputs go to the
+    accepted one (the loop never runs two requests of one rid).
+    """
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self.waiters: dict[str, list[_Waiter]] = {}
+        self.controls: dict[int, Future] = {}
+        self.stopped = False
+        self._lock = threading.Lock()
+        self._call_ids = iter(range(1 << 62))
+
+    # -- the Engine's side ----------------------------------------------------------------
+    def submit(self, msg: GenerateReq, sink: Sink) -> None:
+        with self._lock:
+            self.waiters.setdefault(msg.rid, []).append(_Waiter(sink))
+        self.inbox.put(msg)
+
+    def control(self, op: ControlOp) -> Future:
+        future: Future = Future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self.controls[call_id] = future
+        self.inbox.put(ControlReq(call_id, op))
+        return future
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.inbox.put(None)  # wakes a waiting `receive`
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every waiter and every pending call ends with `error` (nobody hangs)."""
+        with self._lock:
+            waiters = [w for ws in self.waiters.values() for w in ws]
+            controls = list(self.controls.values())
+            self.waiters.clear()
+            self.controls.clear()
+        for waiter in waiters:
+            waiter.sink(error)
+        for future in controls:
+            future.set_exception(error)
+
+    # -- the loop's side ------------------------------------------------------------------
+    def receive(self, timeout_s: float) -> list[Message]:
+        messages: list[Message | None] = []
+        try:
+            messages.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else None)
+        except queue.Empty:
+            pass
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return [m for m in messages if m is not None]
+
+    def send_outputs(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                waiters = self.waiters.get(out.rid, [])
+                waiter = next((w for w in waiters if w.accepted), None)
+                if waiter is not None and out.finished:
+                    self._remove(out.rid, waiter)
+            if waiter is not None:
+                waiter.sink(out)
+
+    def accepted(self, msg: GenerateReq) -> None:
+        with self._lock:
+            waiter = self._oldest_unaccepted(msg.rid)
+            if waiter is not None:
+                waiter.accepted = True
+
+    def reply(self, msg: Rejected | ControlReply | SchedulerState) -> None:
+        if isinstance(msg, Rejected):
+            with self._lock:
+                waiter = self._oldest_unaccepted(msg.rid)
+                if waiter is not None:
+                    self._remove(msg.rid, waiter)
+            if waiter is not None:
+                waiter.sink(rejection(msg.kind, msg.message))
+        elif isinstance(msg, ControlReply):
+            with self._lock:
+                future = self.controls.pop(msg.call_id, None)
+            if future is None:
+                return
+            if msg.error is not None:
+                future.set_exception(AssertionError(msg.error))
+            else:
+                future.set_result(msg.result)
+
+    def alive(self) -> bool:
+        return not self.stopped
+
+    def _oldest_unaccepted(self, rid: str) -> _Waiter | None:
+        return next((w for w in self.waiters.get(rid, []) if not w.accepted), None)
+
+    def _remove(self, rid: str, waiter: _Waiter) -> None:
+        waiters = self.waiters[rid]
+        waiters.remove(waiter)
+        if not waiters:
+            del self.waiters[rid]
 
 
 class Engine:
@@ -41,11 +167,12 @@ class Engine:
         self.scheduler = Scheduler(
             self.runner, self.config.scheduler, page_size=self.config.cache.page_size
         )
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Sink] = {}
+        self._transport = InProcessTransport()
+        self._loop = SchedulerLoop(
+            self.scheduler, self._transport, self.config.server.max_queued_requests
+        )
         self._error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="radixserve-scheduler", daemon=True)
         self._thread.start()
 
     # -- public API -----------------------------------------------------------------------
@@ -121,28 +248,29 @@ class Engine:
 
     def abort(self, rid: str | None = None) -> None:
         """Abort a request by rid, or every request (None)."""
-        self._inbox.put(("abort", rid))
+        self._transport.inbox.put(AbortReq(rid))
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing done) while requests are running."""
-        return self._call(self.scheduler.flush_cache)
+        return bool(self._control("flush_cache"))
 
     def check_kv_accounting(self) -> None:
-        self._call(self.scheduler.check_kv_accounting)
+        """Raises AssertionError if a KV slot is unaccounted for."""
+        self._control("check_kv_accounting")
 
     def get_server_info(self) -> dict[str, Any]:
-        state = self._call(self.scheduler.state)
+        state = self._control("get_state")
+        assert isinstance(state, SchedulerStats)
         return {
             **self.config.to_flat(),
-            **self.runner.info(),
+            **self.scheduler.info.as_dict(),
             "version": __version__,
-            "internal_states": [state],
+            "internal_states": [state.as_dict()],
         }
 
     def shutdown(self) -> None:
-        if not self._stopped:
-            self._stopped = True
-            self._inbox.put(("stop",))
+        if not self._transport.stopped:
+            self._transport.stop()
             self._thread.join(timeout=30)
 
     def __enter__(self) -> Engine:
@@ -193,10 +321,10 @@ class Engine:
         ]
         return expanded.reqs, states, expanded.single
 
-    def _submit(self, req: Req, sink: Sink) -> None:
-        if self._error is not None or self._stopped:
+    def _submit(self, req: Req, sink: Sink, return_text: bool = False) -> None:
+        if self._error is not None or self._transport.stopped:
             raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
-        self._inbox.put(("add", req, sink))
+        self._transport.submit(GenerateReq.from_req(req, return_text), sink)
 
     @staticmethod
     def _apply(state: RequestState, item: ReqOutput | BaseException) -> None:
@@ -224,72 +352,18 @@ class Engine:
             self._apply(state, await q.get())
             yield state.result()
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the scheduler thread (the scheduler is not thread-safe)."""
+    def _control(self, op: ControlOp) -> Any:
+        """Run a control op on the scheduler thread (the scheduler is not thread-safe)."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        future: Future = Future()
-        self._inbox.put(("call", fn, future))
-        return future.result()
+        return self._transport.control(op).result()
 
     # -- the scheduler thread -------------------------------------------------------------
-    def _loop(self) -> None:
+    def _run(self) -> None:
         try:
-            while True:
-                block = not self.scheduler.has_work
-                while True:
-                    try:
-                        msg = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    if msg[0] == "stop":
-                        self._fail_all(EngineDeadError("the engine was shut down"))
-                        return
-                    self._handle(msg)
-                    block = False
-                if self.scheduler.has_work:
-                    for out in self.scheduler.step():
-                        sink = self._sinks.get(out.rid)
-                        if sink is not None:
-                            sink(out)
-                        if out.finish_reason is not None:
-                            self._sinks.pop(out.rid, None)
+            self._loop.run()
         except BaseException as e:  # the thread must never die silently
             self._error = e
-            self._fail_all(EngineDeadError(f"the scheduler failed: {e!r}"))
+            self._transport.fail_all(EngineDeadError(f"the scheduler failed: {e!r}"))
             raise
-
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, req, sink = msg
-            try:
-                if req.rid in self._sinks:
-                    raise ValueError(f"a request with rid {req.rid!r} is already running")
-                self.scheduler.add_request(req)
-            except ValueError as e:
-                sink(e)
-                return
-            self._sinks[req.rid] = sink
-        elif kind == "abort":
-            self.scheduler.abort(msg[1])
-        elif kind == "call":
-            _, fn, future = msg
-            try:
-                future.set_result(fn())
-            except Exception as e:  # handed to the caller, who re-raises it
-                future.set_exception(e)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for sink in self._sinks.values():
-            sink(error)
-        self._sinks.clear()
-        while True:  # callers blocked on _call must not hang
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "call":
-                msg[2].set_exception(error)
-            elif msg[0] == "add":
-                msg[2](error)
+        self._transport.fail_all(EngineDeadError("the engine was shut down"))

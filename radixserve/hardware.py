@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from radixserve.config import CacheConfig, ModelConfig
+
 
 @dataclass(frozen=True)
 class CpuInfo:
@@ -177,3 +179,22 @@ class KernelPlan:
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
         )
+
+
+def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """The one place where "auto" device and dtype become concrete."""
+    if model.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(model.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+    if model.dtype != "auto":
+        return device, getattr(torch, model.dtype)
+    # int8 layers compute in fp32 (`model/quantization.py`)
+    return device, torch.float32 if model.quantization == "int8" else auto_dtype(device)
+
+
+def resolve_kv_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: the model's unless --kv-cache-dtype names another."""
+    return dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)

@@ -88,7 +88,7 @@ def test_forced_retraction_keeps_outputs_identical(tiny_model_dirs, reference, m
     )
     prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(20)] for i in range(6)]
     results = engine.generate(input_ids=prompts, sampling_params=greedy())
-    assert engine.scheduler.stats["retractions"] > 0, "the scenario should force a retraction"
+    assert engine.scheduler.stats.retractions > 0, "the scenario should force a retraction"
     for prompt, result in zip(prompts, results):
         assert result["output_ids"] == reference_greedy(reference, prompt, STEPS)
     finish(engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.config import CacheConfig, ModelConfig, resolve_device_and_dtype, resolve_kv_dtype
+from radixserve.config import CacheConfig, ModelConfig
 from radixserve.hardware import (
     FEW_ROWS_MAX,
     CpuInfo,
@@ -14,6 +14,8 @@ from radixserve.hardware import (
     auto_dtype,
     cpu_info,
     parse_cpuinfo,
+    resolve_device_and_dtype,
+    resolve_kv_dtype,
 )
 
 AMD_FLAGS = "fpu sse sse2 avx f16c fma avx2 bmi2 sha_ni vaes"

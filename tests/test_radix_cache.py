@@ -80,18 +80,24 @@ def test_radix_tree_matches_reference_model(ops, page):
         if op == "insert":
             seq = arg
             slots = alloc.alloc(len(seq))
-            already = cache.insert(seq, slots, extra_key=key)
+            inserted = cache.insert(seq, slots, extra_key=key)
+            already = inserted.prefix_len
             assert already == len(ref.match(key, seq)), "insert reported the wrong cached length"
             aligned = ref.aligned(seq)
             for n in range(page, len(aligned) + 1, page):
                 if (key, aligned[:n]) not in ref.cached:
                     head = ref.cached.get((key, aligned[: n - page]), ())
                     ref.cached[(key, aligned[:n])] = head + tuple(slots[n - page : n].tolist())
+            # the result names the tree's slots for the whole prefix and the node to lock
+            assert tuple(inserted.slots.tolist()) == ref.match(key, seq)
+            assert cache.match_prefix(seq, extra_key=key).last_node is inserted.last_node
             alloc.free(slots[:already])  # duplicates are the caller's to free
             alloc.free(slots[len(aligned) :])  # the unaligned tail is never cached
         elif op == "match_lock":
+            peek = cache.peek_prefix(arg, extra_key=key)
             result = cache.match_prefix(arg, extra_key=key)
             expected = ref.match(key, arg)
+            assert peek.length == result.length, "peek and match disagree on the length"
             assert tuple(result.slots.tolist()) == expected
             assert result.length % page == 0
             cache.lock(result.last_node)
@@ -126,7 +132,9 @@ def test_split_keeps_slots_and_last_node_covers_the_match():
     alloc = SlotAllocator(32)
     cache = RadixCache(alloc)
     slots = alloc.alloc(6)
-    assert cache.insert([1, 2, 3, 4, 5, 6], slots) == 0
+    assert cache.insert([1, 2, 3, 4, 5, 6], slots).prefix_len == 0
+    peek = cache.peek_prefix([1, 2, 3, 9])
+    assert peek.length == 3 and len(peek.node.key) == 6, "a peek splits nothing"
     match = cache.match_prefix([1, 2, 3, 9])
     assert match.slots.tolist() == slots[:3].tolist()
     assert match.last_node.key == (1, 2, 3)

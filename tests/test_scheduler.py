@@ -48,7 +48,7 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(tiny_model_dirs):
     first = sched.step()  # only one of the four is admitted: the others wait for its prefix
     assert len(first) == 1
     run_to_end(sched)
-    assert sched.stats["cached_tokens"] >= 3 * len(SHARED)
+    assert sched.stats.cached_tokens >= 3 * len(SHARED)
 
 
 def test_chunked_prefill_interleaves_with_decode(tiny_model_dirs):
@@ -89,7 +89,7 @@ def test_mixed_chunks_carry_the_decode_step(tiny_model_dirs):
     # 15 prompt tokens per chunk beside the one decode token: 120 tokens in 8 chunks
     assert chunks == [15, 30, 45, 60, 75, 90, 105, None]
     assert [r.rid for r in sched.running] == ["short", "long"]
-    assert sched.stats["mixed_steps"] == 8
+    assert sched.stats.mixed_steps == 8
     run_to_end(sched)
     assert sched.flush_cache()
 
@@ -165,5 +165,5 @@ def test_retraction_accounting_under_pressure(tiny_model_dirs, page_size):
     trace = run_to_end(sched)
     finished = {o.rid for outs in trace for o in outs if o.finish_reason}
     assert finished == {f"r{i}" for i in range(5)}
-    assert sched.stats["retractions"] > 0
+    assert sched.stats.retractions > 0
     assert sched.flush_cache() and sched.runner.allocator.num_free == 120

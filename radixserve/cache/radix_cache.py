@@ -6,9 +6,12 @@ Contract (what callers may rely on):
   tensor, safe to use while the returned node is locked) and the last node of the match. A
   match ending inside an edge splits that node so the node returned covers it exactly. The
   access time of every node on the path is refreshed.
+- `peek_prefix(tokens)` is the read-only form of `match_prefix` for policies that only want
+  a length and a node to group by: it splits nothing and touches no access time.
 - `insert(tokens, slots)` caches a page-aligned prefix of `tokens` with their slots and
-  returns how many leading tokens were already cached: the caller owns (and must free) its
-  slots for those, since the tree keeps its own copies.
+  returns an `InsertResult`: how many leading tokens were already cached (the caller owns,
+  and must free, its own slots for those: the tree keeps its copies), the tree's slots for
+  the whole inserted prefix, and the node it ends at (to lock), so nobody re-walks the tree.
 - `lock(node)` / `unlock(node)` add / remove a reference on every node from `node` up to the
   root. A locked node is never evicted.
 - `evict(n)` frees at least `n` tokens (or all it can) from least-recently-used unlocked
@@ -59,6 +62,23 @@ class MatchResult:
         return int(self.slots.numel())
 
 
+@dataclass
+class InsertResult:
+    prefix_len: int  # leading tokens that were cached before this insert
+    slots: torch.Tensor  # (L,) int64, the tree's slots for every inserted token
+    last_node: TreeNode  # the node the inserted prefix ends at
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+@dataclass
+class PeekResult:
+    length: int  # cached tokens (page-aligned)
+    node: TreeNode  # the deepest node the match reaches (it may end inside its edge)
+
+
 class RadixCache:
     def __init__(self, allocator: SlotAllocator, page_size: int = 1) -> None:
         self.allocator = allocator
@@ -97,27 +117,54 @@ class RadixCache:
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return MatchResult(slots, node)
 
-    # -- update ---------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable = None) -> int:
-        """Cache the page-aligned prefix of `tokens`; returns the already-cached length."""
-        aligned = len(tokens) - len(tokens) % self.page_size
-        tokens, slots = tuple(tokens[:aligned]), slots[:aligned]
-        node = self._root(extra_key)
-        now = next(self._clock)
+    def peek_prefix(self, tokens: Sequence[int], extra_key: Hashable = None) -> PeekResult:
+        """The cached length of `tokens` and the deepest node reached; splits no node and
+        touches no access time."""
+        node = self.roots.get(extra_key)
+        if node is None:
+            return PeekResult(0, self._root(extra_key))
+        tokens = tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
         pos = 0
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens[pos:]))
             if child is None:
-                new = TreeNode(tokens[pos:], slots[pos:].clone(), node, last_access=now)
-                node.children[self._child_key(new.key)] = new
-                self.evictable_size += len(new.key)
-                return pos
+                break
+            n = self._common_len(child.key, tokens[pos:])
+            node, pos = child, pos + n
+            if n < len(child.key):
+                break
+        return PeekResult(pos, node)
+
+    # -- update ---------------------------------------------------------------------------
+    def insert(
+        self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable = None
+    ) -> InsertResult:
+        """Cache the page-aligned prefix of `tokens` (see the module contract)."""
+        aligned = len(tokens) - len(tokens) % self.page_size
+        tokens, slots = tuple(tokens[:aligned]), slots[:aligned]
+        node = self._root(extra_key)
+        now = next(self._clock)
+        parts: list[torch.Tensor] = []
+        pos = 0
+        prefix_len = None
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens[pos:]))
+            if child is None:
+                prefix_len = pos
+                child = TreeNode(tokens[pos:], slots[pos:].clone(), node, last_access=now)
+                node.children[self._child_key(child.key)] = child
+                self.evictable_size += len(child.key)
+                parts.append(child.value)
+                node, pos = child, len(tokens)
+                break
             n = self._common_len(child.key, tokens[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            parts.append(child.value)
             node, pos = child, pos + n
-        return pos
+        tree_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return InsertResult(pos if prefix_len is None else prefix_len, tree_slots, node)
 
     def lock(self, node: TreeNode) -> None:
         while node.parent is not None:

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.core.output import FinishReason, LogprobEntry
+from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
 from radixserve.core.sampling_params import SamplingParams
 
 
@@ -52,6 +52,27 @@ class Req:
 
     def check(self) -> None:
         assert 0 <= self.tree_len <= self.kv_len <= len(self.input_ids) + len(self.output_ids)
+
+    def check_fits(self, info: ModelInfo) -> None:
+        """Raise ValueError unless this request can ever run on the loaded model: token ids
+        in its vocabulary, prompt + max_new_tokens within its context and its KV pool."""
+        vocab = info.vocab_size
+        bad = [t for t in self.input_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}), got {bad[:5]}")
+        self.params.verify_vocab(vocab)
+        need = len(self.input_ids) + self.params.max_new_tokens
+        if need > info.context_length:
+            raise ValueError(
+                f"prompt ({len(self.input_ids)} tokens) + max_new_tokens "
+                f"({self.params.max_new_tokens}) = {need} exceeds the context length "
+                f"{info.context_length}"
+            )
+        if need > info.max_total_num_tokens:
+            raise ValueError(
+                f"the request needs {need} KV tokens but the KV pool holds only "
+                f"{info.max_total_num_tokens}"
+            )
 
     @property
     def all_ids(self) -> list[int]:

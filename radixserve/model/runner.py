@@ -11,15 +11,15 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
-from radixserve.config import Config, resolve_device_and_dtype, resolve_kv_dtype
+from radixserve.config import Config
 from radixserve.core.batch import ForwardBatch
-from radixserve.hardware import KernelPlan, cpu_info
+from radixserve.core.output import ModelInfo
+from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import RowKernels
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_MEM_FRACTION = 0.25
 DEFAULT_CUDA_MEM_FRACTION = 0.85
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 @dataclass
@@ -89,13 +88,9 @@ class ModelRunner:
             self.device,
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
-        self.max_running_requests = config.scheduler.max_running_requests or min(
-            DEFAULT_MAX_RUNNING_REQUESTS, self.max_total_tokens
-        )
         # +1 row: the request being prefilled in chunks is not yet among the running ones
-        self.req_to_token = ReqToTokenPool(
-            self.max_running_requests + 1, self.context_len, self.device
-        )
+        running = config.scheduler.running_limit(self.max_total_tokens)
+        self.req_to_token = ReqToTokenPool(running + 1, self.context_len, self.device)
         self.attention = TorchNativeAttention(
             self.kv_pool,
             self.req_to_token,
@@ -116,20 +111,22 @@ class ModelRunner:
             self.kernels,
         )
 
-    def info(self) -> dict[str, Any]:
-        """What the server reports about the loaded model and its memory."""
-        return {
-            "model_path": str(self.model_folder),
-            "max_total_num_tokens": self.max_total_tokens,
-            "max_running_requests": self.max_running_requests,
-            "max_req_input_len": min(self.context_len, self.max_total_tokens) - 1,
-            "context_length": self.context_len,
-            "vocab_size": self.vocab_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "kernel_plan": asdict(self.kernels),
-            "cpu": cpu_info().as_dict(),
-        }
+    def model_info(self) -> ModelInfo:
+        """The loaded model and the limits derived from it (sent to every process)."""
+        return ModelInfo(
+            model_path=str(self.model_folder),
+            max_total_num_tokens=self.max_total_tokens,
+            max_running_requests=self.config.scheduler.running_limit(self.max_total_tokens),
+            context_length=self.context_len,
+            vocab_size=self.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_pool_bytes=sum(
+                t.numel() * t.element_size() for t in self.kv_pool.k + self.kv_pool.v
+            ),
+            kernel_plan=asdict(self.kernels),
+            cpu=cpu_info().as_dict(),
+        )
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -38,7 +38,7 @@ def run_detokenizer(model_folder: Path, endpoints: Endpoints, log_level: str, pa
         to_main.send(Failed("detokenizer", str(e)))
         ctx.destroy(linger=1000)
         raise SystemExit(1) from e
-    to_main.send(Ready("detokenizer", {}))
+    to_main.send(Ready("detokenizer"))
     detokenizer = Detokenizer(tokenizer)
     while parent_alive(parent_pid):
         msg = inbox.recv(IDLE_POLL_MS)

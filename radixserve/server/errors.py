@@ -45,6 +45,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# The scheduler's refusals (core/errors.py) as HTTP statuses.
+REJECTION_STATUS = {"invalid": 400, "duplicate_rid": 400, "queue_full": 503}
+
+
 class EngineUnavailable(APIError):
     """The engine is down, draining, or full: 503."""
 

@@ -178,20 +178,22 @@ class Launcher:
                     self.fail(f"the {name} process exited with code {child.exitcode}")
             if self.manager.ready and not announced and self.manager.dead is None:
                 announced = True
-                info = self.manager.model_info
+                info = self.manager.info
+                assert info is not None
                 host, port = self.config.server.host, self.config.server.port
                 logger.info(
                     "radixserve is ready on http://%s:%d in %.1fs (model %s; %s, KV pool %d "
-                    "tokens in %s; context %d; up to %d running requests)",
+                    "tokens in %s, %.2f GiB; context %d; up to %d running requests)",
                     host,
                     port,
                     time.time() - psutil.Process().create_time(),
-                    info["model_path"],
-                    info["dtype"],
-                    info["max_total_num_tokens"],
-                    info["kv_cache_dtype"],
-                    info["context_length"],
-                    info["max_running_requests"],
+                    info.model_path,
+                    info.dtype,
+                    info.max_total_num_tokens,
+                    info.kv_cache_dtype,
+                    info.kv_pool_bytes / 2**30,
+                    info.context_length,
+                    info.max_running_requests,
                 )
 
     def fail(self, reason: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from radixserve.core.output import SchedulerStats
+
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160,
 )  # fmt: skip
@@ -54,8 +56,8 @@ class Metrics:
             "radixserve_kv_usage", "Share of the KV pool in use (0..1).", registry=r
         )
 
-    def set_scheduler_state(self, state: dict[str, int]) -> None:
-        self.running.set(state["num_running"])
-        self.waiting.set(state["num_waiting"])
-        total = state["kv_total"]
-        self.kv_usage.set((total - state["kv_free"]) / total if total else 0.0)
+    def set_scheduler_state(self, state: SchedulerStats) -> None:
+        self.running.set(state.num_running)
+        self.waiting.set(state.num_waiting)
+        total = state.kv_total
+        self.kv_usage.set((total - state.kv_free) / total if total else 0.0)

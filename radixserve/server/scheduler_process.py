@@ -1,36 +1,54 @@
-"""The scheduler process: owns the model runner and the scheduler, receives requests from
-the main process, and sends each step's new tokens to the detokenizer."""
+"""The scheduler process: owns the model runner and the scheduler, and runs the scheduler
+loop (`scheduler/loop.py`) over ZMQ: requests from the main process, each step's outputs
+to the detokenizer, replies and state back to the main process."""
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 
 import zmq
 
 from radixserve.config import Config
+from radixserve.core.messages import ControlReply, GenerateReq, Message, Rejected, SchedulerState
+from radixserve.core.output import ReqOutput
 from radixserve.model.loader import ModelLoadError
 from radixserve.model.runner import ModelRunner
+from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
 from radixserve.server.ipc import Endpoints, Receiver, Sender
-from radixserve.server.messages import (
-    AbortReq,
-    ControlReply,
-    ControlReq,
-    Failed,
-    GenerateReq,
-    Ready,
-    Rejected,
-    SchedulerState,
-    TokenOutBatch,
-)
+from radixserve.server.messages import Failed, Ready, TokenOutBatch
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 500  # how often an idle scheduler checks that its parent lives
-STATE_INTERVAL_S = 0.2  # most frequent SchedulerState publication
+
+class ZmqTransport:
+    """The scheduler loop's transport in the server: one PULL socket in, PUSH sockets to
+    the detokenizer (accepted requests, then their outputs, in order) and to main."""
+
+    def __init__(
+        self, inbox: Receiver, to_detokenizer: Sender, to_main: Sender, parent_pid: int
+    ) -> None:
+        self.inbox = inbox
+        self.to_detokenizer = to_detokenizer
+        self.to_main = to_main
+        self.parent_pid = parent_pid
+
+    def receive(self, timeout_s: float) -> list[Message]:
+        first = self.inbox.recv(int(timeout_s * 1000)) if timeout_s > 0 else None
+        return ([first] if first is not None else []) + self.inbox.drain()
+
+    def send_outputs(self, outputs: list[ReqOutput]) -> None:
+        self.to_detokenizer.send(TokenOutBatch(outputs))
+
+    def accepted(self, msg: GenerateReq) -> None:
+        self.to_detokenizer.send(msg)  # before any of its outputs, on the same queue
+
+    def reply(self, msg: Rejected | ControlReply | SchedulerState) -> None:
+        self.to_main.send(msg)
+
+    def alive(self) -> bool:
+        return parent_alive(self.parent_pid)
 
 
 def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_pid: int) -> None:
@@ -46,89 +64,7 @@ def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_p
         to_main.send(Failed("scheduler", str(e)))
         ctx.destroy(linger=1000)
         raise SystemExit(1) from e
-    loop = SchedulerLoop(scheduler, inbox, Sender(ctx, endpoints.detokenizer), to_main, config)
-    to_main.send(Ready("scheduler", runner.info()))
-    loop.run(parent_pid)
-
-
-class SchedulerLoop:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        inbox: Receiver,
-        to_detokenizer: Sender,
-        to_main: Sender,
-        config: Config,
-    ) -> None:
-        self.scheduler = scheduler
-        self.inbox = inbox
-        self.to_detokenizer = to_detokenizer
-        self.to_main = to_main
-        self.max_queued = config.server.max_queued_requests
-        self.last_state: dict[str, int | float] = {}
-        self.last_state_time = 0.0
-        self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
-
-    def run(self, parent_pid: int) -> None:
-        while parent_alive(parent_pid):
-            if not self.scheduler.has_work:
-                first = self.inbox.recv(IDLE_POLL_MS)
-                messages = [first] if first is not None else []
-            else:
-                messages = []
-            start = time.perf_counter()
-            for msg in messages + self.inbox.drain():
-                self.handle(msg)
-            if self.scheduler.has_work:
-                outputs = self.scheduler.step()
-                if outputs:
-                    self.to_detokenizer.send(TokenOutBatch(outputs))
-                if self.scheduler.last_step == "decode":
-                    self.decode_loop_seconds += time.perf_counter() - start
-            self.publish_state()
-
-    def handle(self, msg: object) -> None:
-        if isinstance(msg, GenerateReq):
-            self.add(msg)
-        elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg.rid, msg.message)
-        elif isinstance(msg, ControlReq):
-            self.to_main.send(ControlReply(msg.call_id, self.control(msg.op)))
-        else:
-            raise TypeError(f"the scheduler got an unexpected message {type(msg).__name__}")
-
-    def add(self, msg: GenerateReq) -> None:
-        if len(self.scheduler.waiting) >= self.max_queued:
-            message = (
-                f"the server is overloaded: {self.max_queued} requests are already waiting "
-                "(--max-queued-requests); retry later"
-            )
-            self.to_main.send(Rejected(msg.rid, 503, message))
-            return
-        try:
-            self.scheduler.add_request(msg.to_req())
-        except ValueError as e:
-            self.to_main.send(Rejected(msg.rid, 400, str(e)))
-            return
-        self.to_detokenizer.send(msg)  # before any of its outputs, on the same queue
-
-    def control(self, op: str) -> object:
-        if op == "flush_cache":
-            return self.scheduler.flush_cache()
-        if op == "get_state":
-            return self.state()
-        raise ValueError(f"unknown control op {op!r}")
-
-    def state(self) -> dict[str, int | float]:
-        state = self.scheduler.state()
-        return {**state, "decode_loop_seconds": self.decode_loop_seconds, "pid": os.getpid()}
-
-    def publish_state(self) -> None:
-        now = time.monotonic()
-        if now - self.last_state_time < STATE_INTERVAL_S:
-            return
-        state = self.state()
-        if state != self.last_state:
-            self.to_main.send(SchedulerState(state))
-            self.last_state = state
-        self.last_state_time = now
+    transport = ZmqTransport(inbox, Sender(ctx, endpoints.detokenizer), to_main, parent_pid)
+    loop = SchedulerLoop(scheduler, transport, config.server.max_queued_requests)
+    to_main.send(Ready("scheduler", scheduler.info))
+    loop.run()

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.output import ModelInfo, SchedulerStats
 from radixserve.core.req import Req
-from radixserve.server.errors import APIError, EngineUnavailable, bad_request
+from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
 from radixserve.server.ipc import AsyncReceiver, Sender
 from radixserve.server.messages import (
     AbortReq,
@@ -86,7 +87,8 @@ class Call:
 class TokenizerManager:
     def __init__(self, to_scheduler: Sender, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
-        self.model_info: dict[str, Any] = {}  # from the scheduler's Ready
+        self.info: ModelInfo | None = None  # from the scheduler's Ready
+        self.model_info: dict[str, Any] = {}  # the same, as /get_server_info reports it
         self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
         self.to_scheduler = to_scheduler
         self.metrics = metrics
@@ -103,12 +105,13 @@ class TokenizerManager:
     @property
     def context_len(self) -> int:
         """The longest sequence (prompt + output) a request may have."""
-        info = self.model_info
-        return min(info["context_length"], info["max_total_num_tokens"])
+        assert self.info is not None, "the scheduler has not reported ready"
+        return self.info.max_seq_len
 
     def on_ready(self, msg: Ready) -> None:
-        if msg.role == "scheduler":
-            self.model_info = msg.info
+        if msg.role == "scheduler" and msg.info is not None:
+            self.info = msg.info
+            self.model_info = msg.info.as_dict()
         self.starting.discard(msg.role)
 
     # -- requests -------------------------------------------------------------------------
@@ -173,15 +176,13 @@ class TokenizerManager:
             elif isinstance(msg, Rejected):
                 self._on_rejected(msg)
             elif isinstance(msg, ControlReply):
-                future = self.controls.get(msg.call_id)
-                if future is not None and not future.done():
-                    future.set_result(msg.result)
+                self._on_control_reply(msg)
             elif isinstance(msg, Ready):
                 self.on_ready(msg)
             elif isinstance(msg, Failed):
                 self.fail_all(f"the {msg.role} failed to start: {msg.message}")
             elif isinstance(msg, SchedulerState):
-                self.metrics.set_scheduler_state(msg.state)
+                self.metrics.set_scheduler_state(msg.stats)
             else:
                 logger.warning("ignoring an unexpected %s", type(msg).__name__)
 
@@ -212,7 +213,18 @@ class TokenizerManager:
     def _on_rejected(self, msg: Rejected) -> None:
         track = self.pending.pop(msg.rid, None)
         if track is not None:
-            track.call.queue.put_nowait(APIError(msg.status, msg.message))
+            track.call.queue.put_nowait(APIError(REJECTION_STATUS[msg.kind], msg.message))
+
+    def _on_control_reply(self, msg: ControlReply) -> None:
+        future = self.controls.get(msg.call_id)
+        if future is None or future.done():
+            return
+        if msg.error is not None:
+            future.set_exception(APIError(500, msg.error))
+        elif isinstance(msg.result, SchedulerStats):
+            future.set_result(msg.result.as_dict())
+        else:
+            future.set_result(msg.result)
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every waiter ends with a 503 naming why."""

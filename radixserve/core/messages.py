@@ -1,0 +1,101 @@
+"""Messages to and from the scheduler loop, the same for both transports (ZMQ between the
+server's processes, in-memory queues for the Engine): tagged msgspec Structs, grouped by
+direction. The transport moves them and knows nothing of their content.
+
+    edge ──GenerateReq / AbortReq / ControlReq──► scheduler loop
+    scheduler loop ──ReqOutput batches, Rejected, ControlReply, SchedulerState──► edge
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from radixserve.core.errors import RejectionKind
+from radixserve.core.output import SchedulerStats
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+
+
+class Message(msgspec.Struct, tag=True):
+    pass
+
+
+# -- edge → scheduler ---------------------------------------------------------------------
+class GenerateReq(Message):
+    """One sequence to run (a native call with a batch or `n` > 1 sends several)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    priority: int = 0
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False  # the detokenizer sends partial results only for streams
+
+    @classmethod
+    def from_req(
+        cls, req: Req, return_text_in_logprobs: bool = False, stream: bool = False
+    ) -> GenerateReq:
+        return cls(
+            req.rid,
+            req.input_ids,
+            req.params,
+            req.seed,
+            req.priority,
+            req.return_logprob,
+            req.logprob_start_len,
+            req.top_logprobs_num,
+            return_text_in_logprobs,
+            stream,
+        )
+
+    def to_req(self) -> Req:
+        return Req(
+            self.rid,
+            self.input_ids,
+            self.params,
+            seed=self.seed,
+            priority=self.priority,
+            return_logprob=self.return_logprob,
+            logprob_start_len=self.logprob_start_len,
+            top_logprobs_num=self.top_logprobs_num,
+        )
+
+
+class AbortReq(Message):
+    rid: str | None  # None: every request
+    message: str = "aborted"
+
+
+ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting"]
+
+
+class ControlReq(Message):
+    call_id: int
+    op: ControlOp
+
+
+# -- scheduler → edge ---------------------------------------------------------------------
+class Rejected(Message):
+    """The scheduler refused a request (see core/errors.py for the kinds)."""
+
+    rid: str
+    kind: RejectionKind
+    message: str
+
+
+class ControlReply(Message):
+    call_id: int
+    result: bool | SchedulerStats | None = None
+    error: str | None = None  # the op failed (e.g. the KV accounting check)
+
+
+class SchedulerState(Message):
+    """Published after steps (at most a few times a second) for gauges and health."""
+
+    stats: SchedulerStats

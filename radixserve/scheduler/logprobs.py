@@ -1,0 +1,55 @@
+"""Logprob bookkeeping, in one place: prompt-token logprobs from a prefill's logits, and the
+sampled token's logprob (with the top alternatives) after each step."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.core.output import LogprobEntry
+from radixserve.core.req import Req
+from radixserve.model.sampler import SampleOutput
+
+
+def wants_prompt_logits(req: Req) -> bool:
+    """Whether the prefill must return the logits of every new token of `req`."""
+    return req.wants_input_logprobs and not req.input_logprobs
+
+
+def record_input_logprobs(req: Req, logits: torch.Tensor, start: int) -> None:
+    """Logprobs of prompt tokens start+1..start+len(logits) (each from the logits of the
+    position before it); the first prompt token has none."""
+    ids = req.input_ids
+    lp_all = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    if start == 0 and not req.input_logprobs and req.logprob_start_len == 0:
+        req.input_logprobs.append((None, ids[0]))
+        req.input_top_logprobs.append([])
+    targets = [p + 1 for p in range(start, start + len(logits))]
+    keep = [(i, t) for i, t in enumerate(targets) if req.logprob_start_len <= t < len(ids)]
+    if not keep:
+        return
+    rows = torch.tensor([i for i, _ in keep])
+    tokens = torch.tensor([ids[t] for _, t in keep])
+    chosen = lp_all[rows, tokens].tolist()
+    req.input_logprobs += [(lp, ids[t]) for lp, (_, t) in zip(chosen, keep)]
+    if req.top_logprobs_num:
+        top_lp, top_ids = lp_all[rows].topk(req.top_logprobs_num, dim=-1)
+        req.input_top_logprobs += [
+            list(zip(lps, tids)) for lps, tids in zip(top_lp.tolist(), top_ids.tolist())
+        ]
+
+
+def record_output_logprobs(
+    req: Req, out: SampleOutput, row: int
+) -> tuple[list[LogprobEntry], list[list[LogprobEntry]]]:
+    """Record the logprob of `req`'s latest sampled token (row `row` of the sampler's
+    output); returns the new entries (a delta for the step's output)."""
+    if not req.return_logprob or out.logprobs is None:
+        return [], []
+    entry = (float(out.logprobs[row]), req.output_ids[-1])
+    req.output_logprobs.append(entry)
+    top: list[list[LogprobEntry]] = []
+    if req.top_logprobs_num and out.top_logprobs is not None and out.top_ids is not None:
+        k = req.top_logprobs_num
+        top = [list(zip(out.top_logprobs[row, :k].tolist(), out.top_ids[row, :k].tolist()))]
+        req.output_top_logprobs += top
+    return [entry], top

@@ -1,0 +1,143 @@
+"""The scheduler loop, one for both transports: receive messages, admit or refuse new
+requests, run a step, send its outputs, publish the state now and then.
+
+The transport is injected: ZMQ sockets in the server's scheduler process
+(`server/scheduler_process.py`), in-memory queues on the Engine's thread (`engine.py`).
+The rules on incoming requests — the queue bound, unique rids, what can run at all — are
+applied here and nowhere else, as typed errors (`core/errors.py`) sent back as `Rejected`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Protocol
+
+from radixserve.core.errors import DuplicateRid, InvalidRequest, QueueFull, RequestRejected
+from radixserve.core.messages import (
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    GenerateReq,
+    Message,
+    Rejected,
+    SchedulerState,
+)
+from radixserve.core.output import ReqOutput, SchedulerStats
+from radixserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle loop waits for a message before checking `alive`
+STATE_INTERVAL_S = 0.2  # most frequent SchedulerState publication
+
+
+class Transport(Protocol):
+    def receive(self, timeout_s: float) -> list[Message]:
+        """Every message already queued; when none is, wait up to `timeout_s` for one."""
+        ...
+
+    def send_outputs(self, outputs: list[ReqOutput]) -> None: ...
+
+    def accepted(self, msg: GenerateReq) -> None:
+        """The request was queued (before any of its outputs is sent)."""
+        ...
+
+    def reply(self, msg: Rejected | ControlReply | SchedulerState) -> None: ...
+
+    def alive(self) -> bool:
+        """False once the loop must stop (the parent died, the Engine shut down)."""
+        ...
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, transport: Transport, max_queued: int) -> None:
+        self.scheduler = scheduler
+        self.transport = transport
+        self.max_queued = max_queued
+        self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
+        self._last_state: SchedulerStats | None = None
+        self._last_state_time = 0.0
+
+    def run(self) -> None:
+        while self.transport.alive():
+            self.run_once()
+
+    def run_once(self) -> None:
+        scheduler = self.scheduler
+        messages = self.transport.receive(0.0 if scheduler.has_work else IDLE_WAIT_S)
+        start = time.perf_counter()
+        for msg in messages:
+            self.handle(msg)
+        if scheduler.has_work:
+            step_start = time.perf_counter()
+            outputs = scheduler.step()
+            decoded = scheduler.last_step == "decode"
+            if decoded:  # where decode time goes, for the benchmarks
+                scheduler.stats.decode_step_seconds += time.perf_counter() - step_start
+            if outputs:
+                self.transport.send_outputs(outputs)
+            if decoded:
+                self.decode_loop_seconds += time.perf_counter() - start
+        self.publish_state()
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, GenerateReq):
+            self.add(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.message)
+        elif isinstance(msg, ControlReq):
+            self.transport.reply(self.control(msg))
+        else:
+            raise TypeError(f"the scheduler got an unexpected message {type(msg).__name__}")
+
+    def add(self, msg: GenerateReq) -> None:
+        try:
+            self.admit(msg)
+        except RequestRejected as e:
+            self.transport.reply(Rejected(msg.rid, e.kind, str(e)))
+            return
+        self.transport.accepted(msg)
+
+    def admit(self, msg: GenerateReq) -> None:
+        """Queue the request, or raise the typed error that refuses it."""
+        scheduler = self.scheduler
+        if len(scheduler.waiting) >= self.max_queued:
+            raise QueueFull(
+                f"the server is overloaded: {self.max_queued} requests are already waiting "
+                "(--max-queued-requests); retry later"
+            )
+        if any(req.rid == msg.rid for req in scheduler.live()):
+            raise DuplicateRid(f"a request with rid {msg.rid!r} is already running")
+        try:
+            scheduler.add_request(msg.to_req())
+        except ValueError as e:  # the request can never run here (GrammarError included)
+            raise InvalidRequest(str(e)) from e
+
+    def control(self, msg: ControlReq) -> ControlReply:
+        if msg.op == "flush_cache":
+            return ControlReply(msg.call_id, self.scheduler.flush_cache())
+        if msg.op == "get_state":
+            return ControlReply(msg.call_id, self.state())
+        try:
+            self.scheduler.check_kv_accounting()
+        except AssertionError as e:
+            return ControlReply(msg.call_id, error=str(e))
+        return ControlReply(msg.call_id, None)
+
+    def state(self) -> SchedulerStats:
+        stats = self.scheduler.state()
+        stats.decode_loop_seconds = self.decode_loop_seconds
+        stats.pid = os.getpid()
+        return stats
+
+    def publish_state(self) -> None:
+        now = time.monotonic()
+        if now - self._last_state_time < STATE_INTERVAL_S:
+            return
+        state = self.state()
+        if state != self._last_state:
+            self.transport.reply(SchedulerState(state))
+            self._last_state = state
+        self._last_state_time = now

@@ -1,0 +1,153 @@
+"""After a forward: sample the next token of every request, let its grammar accept it (and
+jump forward), record logprobs, check stop rules, and describe what changed as a
+`ReqOutput`.
+
+A fault confined to one request — its sampling parameters, its grammar, its logprobs, its
+stop check — ends that request alone with an "error" finish reason and a log line naming
+its rid; the batch's other requests carry on. (Faults in the forward pass or the KV pool
+are not confined to a request and stop the engine, as they should.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.constrained import Grammars
+from radixserve.constrained.grammars import MaskJob
+from radixserve.core.output import (
+    FinishReason,
+    LogprobEntry,
+    ModelInfo,
+    ReqOutput,
+    SchedulerStats,
+)
+from radixserve.core.req import Req
+from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
+from radixserve.scheduler.logprobs import record_output_logprobs
+from radixserve.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """One request's step: the tokens it gained (and their logprobs)."""
+
+    req: Req
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[LogprobEntry] = field(default_factory=list)
+    new_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+
+
+def fail_request(req: Req, stats: SchedulerStats, what: str, error: Exception) -> None:
+    """End `req` alone after a fault in its own processing."""
+    logger.exception("request %s failed in %s: %r", req.rid, what, error)
+    stats.request_errors += 1
+    req.finish_reason = FinishReason.error(f"internal error in {what}: {error!r}")
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        grammars: Grammars,
+        stops: StopChecker,
+        info: ModelInfo,
+        device: torch.device,
+        stats: SchedulerStats,
+    ) -> None:
+        self.sampler = Sampler()
+        self.grammars = grammars
+        self.stops = stops
+        self.vocab_size = info.vocab_size
+        self.device = device
+        self.stats = stats
+
+    def process(self, reqs: list[Req], logits: torch.Tensor, masks: MaskJob) -> list[Update]:
+        """Sample one token per row of `logits` (B, V) and update each request with it."""
+        sampled = self._sample(reqs, logits, masks)
+        updates = []
+        for req, (out, row) in zip(reqs, sampled):
+            update = Update(req)
+            if out is not None:
+                try:  # a fault confined to this request (see the module docstring)
+                    self._update(update, out, row)
+                except Exception as e:
+                    fail_request(req, self.stats, "its grammar, logprobs or stop check", e)
+            updates.append(update)
+        return updates
+
+    def _update(self, update: Update, out: SampleOutput, row: int) -> None:
+        req = update.req
+        new = self._accept(req, int(out.next_ids[row]))
+        req.output_ids += new
+        self.stats.generated_tokens += len(new)
+        update.new_ids = new
+        if new:
+            update.new_logprobs, update.new_top_logprobs = record_output_logprobs(req, out, row)
+            req.finish_reason = self.stops.check(req, len(new))
+
+    def _sample(
+        self, reqs: list[Req], logits: torch.Tensor, masks: MaskJob
+    ) -> list[tuple[SampleOutput | None, int]]:
+        """(sampler output, its row) per request: one call for the batch; if it fails, one
+        call per request, so that only the requests whose own sampling fails are ended."""
+        try:  # a fault in sampling is confined to the rows that cause it: isolate them
+            out = self._sample_rows(reqs, logits, masks.result())
+            return [(out, i) for i in range(len(reqs))]
+        except Exception:
+            logger.warning("sampling a batch of %d failed; sampling each request alone", len(reqs))
+        sampled: list[tuple[SampleOutput | None, int]] = []
+        for i, req in enumerate(reqs):
+            try:
+                allowed = self.grammars.start_masks([req]).result()
+                sampled.append((self._sample_rows([req], logits[i : i + 1], allowed), 0))
+            except Exception as e:
+                fail_request(req, self.stats, "sampling", e)
+                sampled.append((None, 0))
+        return sampled
+
+    def _sample_rows(
+        self, reqs: list[Req], logits: torch.Tensor, allowed: torch.Tensor | None
+    ) -> SampleOutput:
+        want_lp = any(r.return_logprob for r in reqs)
+        top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        batch = SamplingBatch.for_requests(reqs, self.stops.eos_ids, self.vocab_size, self.device)
+        batch.allowed = allowed
+        return self.sampler(logits, batch, want_lp, top_n)
+
+    def _accept(self, req: Req, token: int) -> list[int]:
+        """The tokens a sampled token becomes: itself, or with jump-forward the forced text
+        after it; [] (and the request aborted) if its grammar refuses the token."""
+        if req.grammar is None:
+            return [token]
+        room = min(
+            req.params.max_new_tokens - len(req.output_ids),
+            self.stops.context_len - len(req.input_ids) - len(req.output_ids),
+        )
+        new = self.grammars.accept(req, token, room)
+        if new is None:  # only when every allowed token was banned (e.g. by logit_bias)
+            req.finish_reason = FinishReason.abort("no token the grammar allows")
+            return []
+        return new
+
+
+def make_output(req: Req, update: Update | None = None) -> ReqOutput:
+    """What changed for `req` this step; its prompt logprobs ride on its first output."""
+    update = update or Update(req)
+    first = len(req.output_ids) <= len(update.new_ids) or req.finished
+    with_prompt = first and req.return_logprob
+    return ReqOutput(
+        rid=req.rid,
+        new_ids=list(update.new_ids),
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.input_ids),
+        cached_tokens=req.cached_tokens,
+        completion_tokens=len(req.output_ids),
+        new_logprobs=list(update.new_logprobs),
+        new_top_logprobs=list(update.new_top_logprobs),
+        input_logprobs=list(req.input_logprobs) if with_prompt else None,
+        input_top_logprobs=list(req.input_top_logprobs) if with_prompt else None,
+    )

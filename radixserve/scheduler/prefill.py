@@ -1,0 +1,169 @@
+"""Admission: which waiting requests join the next prefill (extend) batch, and by how many
+tokens each extends.
+
+`PrefillAdder` holds the step's two budgets and applies the rules one request at a time:
+- the token budget: at most --max-prefill-tokens new tokens per batch, at most one chunk
+  (--chunked-prefill-size) when chunking is on, less the running requests' decode tokens
+  when they ride in the same batch (mixed chunks);
+- the KV budget: what is free or evictable, less the output reserve of every running
+  request; each admitted request is charged its uncached tokens plus its own reserve.
+Rules, each a method below: a lone request may exceed the KV budget (nothing else could
+run, and it is retracted if decode runs out); a request that shares an uncached prefix with
+one admitted this round waits a round to reuse it; a prompt longer than the token budget
+is cut into a chunk (the adder's `chunked`), which ends the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from radixserve.config import SchedulerConfig
+from radixserve.core.req import Req
+from radixserve.scheduler.kv_manager import KVManager
+
+IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one round
+NEW_TOKEN_RESERVE_CAP = 4096  # at most this many future tokens reserved per request
+RATIO_DECAY = 0.001  # per decode step that needed no retraction
+RATIO_BUMP = 0.1  # per retraction
+
+
+class OutputReserve:
+    """The share of a request's remaining max_new_tokens held back in KV for its future
+    output: it starts high, decays while decoding runs smoothly, and rises on retraction."""
+
+    def __init__(self, initial: float, floor: float) -> None:
+        self.ratio = initial
+        self.floor = floor
+
+    def of(self, req: Req) -> int:
+        left = req.params.max_new_tokens - len(req.output_ids)
+        return int(min(left, NEW_TOKEN_RESERVE_CAP) * self.ratio)
+
+    def decay(self) -> None:
+        self.ratio = max(self.floor, self.ratio - RATIO_DECAY)
+
+    def bump(self) -> None:
+        self.ratio = min(1.0, self.ratio + RATIO_BUMP)
+
+
+class Admission(enum.Enum):
+    ADDED = "added"
+    SKIPPED = "skipped"  # not now, but later requests may still fit
+    STOP = "stop"  # nothing more joins this batch
+
+
+@dataclass
+class PrefillAdder:
+    kv: KVManager
+    reserve: OutputReserve
+    token_budget: int  # new tokens this batch may still take
+    kv_budget: int  # KV slots admitted requests may still be charged
+    chunk_size: int | None  # None: prompts are never cut
+    page_size: int
+    rows_left: int  # requests that may still start running
+    decode_tokens: int = 0  # the running requests' tokens in the same batch (mixed step)
+    has_running: bool = False
+    reqs: list[Req] = field(default_factory=list)
+    extends: list[list[int]] = field(default_factory=list)
+    chunked: Req | None = None  # the request whose prompt this batch only starts
+
+    @classmethod
+    def for_step(
+        cls,
+        config: SchedulerConfig,
+        kv: KVManager,
+        reserve: OutputReserve,
+        page_size: int,
+        max_running: int,
+        running: list[Req],
+        decode_tokens: int = 0,
+    ) -> PrefillAdder:
+        """The adder of one step, its budgets taken from the config and the KV state."""
+        budget = min(config.max_prefill_tokens, config.chunk_size or config.max_prefill_tokens)
+        return cls(
+            kv,
+            reserve,
+            token_budget=max(budget - decode_tokens, 1),
+            kv_budget=kv.available - sum(map(reserve.of, running)),
+            chunk_size=config.chunk_size,
+            page_size=page_size,
+            rows_left=max_running - len(running),
+            decode_tokens=decode_tokens,
+            has_running=bool(running),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of the batch, the decode tokens riding in it included."""
+        return self.decode_tokens + sum(map(len, self.extends))
+
+    def add_chunked(self, req: Req) -> None:
+        """A prompt being prefilled in chunks continues before anything new is admitted."""
+        self._admit(req)
+
+    def try_add(self, req: Req) -> Admission:
+        """Admit `req` (its prefix matched and locked, its extend recorded) if the budgets
+        allow; else leave it untouched."""
+        if self.chunked is not None or self.token_budget <= 0 or self.rows_left <= 0:
+            return Admission.STOP
+        if self._shares_uncached_prefix(req):
+            return Admission.SKIPPED
+        if not self.kv.has_free_row:
+            return Admission.STOP
+        self.kv.match(req)
+        remaining = len(req.all_ids) - req.kv_len
+        fits = self._fits(remaining + self.reserve.of(req), remaining)
+        if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, self.token_budget)):
+            self.kv.unmatch(req)
+            return Admission.STOP
+        self._admit(req)
+        return Admission.ADDED
+
+    def _fits(self, charge: int, remaining: int) -> bool:
+        """Within the KV budget, and within the token budget unless it can be chunked; a
+        lone request (nothing admitted, nothing running) always fits."""
+        if not self.reqs and not self.has_running:
+            return True
+        too_long = remaining > self.token_budget and self.chunk_size is None
+        return charge <= self.kv_budget and not too_long
+
+    def _admit(self, req: Req) -> None:
+        piece = self._take(req)
+        self.reqs.append(req)
+        self.extends.append(piece)
+        self.token_budget -= len(piece)
+        self.kv_budget -= len(piece) + self.reserve.of(req)
+        self.rows_left -= 1
+
+    def _take(self, req: Req) -> list[int]:
+        """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which
+        makes it the batch's chunked request)."""
+        rest = req.all_ids[req.kv_len :]
+        budget = self.token_budget
+        if self.chunk_size is not None and len(rest) > budget:
+            self.chunked = req
+            return rest[: max(budget - budget % self.page_size, 1)]
+        return rest
+
+    def _shares_uncached_prefix(self, req: Req) -> bool:
+        """True if a request admitted this round will compute a prefix `req` could reuse
+        (at least IN_BATCH_PREFIX_MIN tokens past what the tree holds): it waits a round."""
+        if self.kv.tree is None or not self.reqs:
+            return False
+        ids = req.all_ids
+        cached = self.kv.peek_prefix_len(ids, req)
+        return any(
+            _common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_PREFIX_MIN
+            for other in self.reqs
+        )
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,132 @@
+"""The scheduler loop's rules and its fault barrier, through the in-process Engine (the same
+loop the server's scheduler process runs over ZMQ)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from radixserve.config import Config
+from radixserve.core.errors import DuplicateRid, QueueFull, rejection
+from radixserve.core.messages import GenerateReq, Rejected
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.model.runner import ModelRunner
+from radixserve.model.sampler import Sampler
+from radixserve.scheduler.loop import SchedulerLoop
+from radixserve.scheduler.scheduler import Scheduler
+from tests.conftest import FP32
+from tests.test_engine import PROMPTS, finish, greedy, make_engine
+
+POISON_TEMPERATURE = 0.625  # the faulty sampler fails every batch holding this temperature
+
+
+class FaultySampler(Sampler):
+    """A sampler with a bug that only one request's parameters trigger."""
+
+    def __call__(self, logits, batch, return_logprob=False, top_logprobs_num=0):
+        if bool((batch.temperatures == POISON_TEMPERATURE).any()):
+            raise RuntimeError("injected sampling fault")
+        return super().__call__(logits, batch, return_logprob, top_logprobs_num)
+
+
+def test_a_sampling_fault_fails_that_request_only(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    clean = engine.generate(input_ids=PROMPTS[:2], sampling_params=greedy(12))
+    engine.scheduler.post.sampler = FaultySampler()
+    poisoned = {"temperature": POISON_TEMPERATURE, "max_new_tokens": 12}
+    results = engine.generate(input_ids=PROMPTS[:3], sampling_params=[greedy(12)] * 2 + [poisoned])
+    assert [r["output_ids"] for r in results[:2]] == [r["output_ids"] for r in clean]
+    reason = results[2]["meta_info"]["finish_reason"]
+    assert reason["type"] == "error" and "injected sampling fault" in reason["message"]
+    assert engine.get_server_info()["internal_states"][0]["request_errors"] == 1
+    # the engine goes on serving, and nothing leaked
+    again = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(12))
+    assert again["output_ids"] == clean[0]["output_ids"]
+    finish(engine)
+
+
+def test_a_stop_check_fault_fails_that_request_only(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    stops = engine.scheduler.post.stops
+    real_check = stops.check
+
+    def check(req, num_new=1):
+        if req.rid == "victim":
+            raise KeyError("injected stop-check fault")
+        return real_check(req, num_new)
+
+    stops.check = check
+    victim = threading.Thread(
+        target=lambda: out.append(
+            engine.generate(input_ids=PROMPTS[1], sampling_params=greedy(8), rid="victim")
+        )
+    )
+    out: list[dict] = []
+    victim.start()
+    other = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(8))
+    victim.join(30)
+    assert len(other["output_ids"]) == 8
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "error"
+    assert len(out[0]["output_ids"]) == 1  # the token sampled before the faulty check
+    finish(engine)
+
+
+class RecordingTransport:
+    """A transport that keeps what the loop sends."""
+
+    def __init__(self) -> None:
+        self.accepted_rids: list[str] = []
+        self.replies: list[object] = []
+        self.outputs: list[object] = []
+
+    def receive(self, timeout_s: float) -> list:
+        return []
+
+    def send_outputs(self, outputs) -> None:
+        self.outputs += outputs
+
+    def accepted(self, msg) -> None:
+        self.accepted_rids.append(msg.rid)
+
+    def reply(self, msg) -> None:
+        self.replies.append(msg)
+
+    def alive(self) -> bool:
+        return True
+
+
+def test_queue_bound_and_duplicate_rids_are_typed_refusals(tiny_model_dirs):
+    cfg = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=4096, dtype=FP32
+    )
+    scheduler = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler)
+    transport = RecordingTransport()
+    loop = SchedulerLoop(scheduler, transport, max_queued=2)
+    params = SamplingParams.from_dict(greedy(4))
+    for rid in ("a", "a", "b", "c"):
+        loop.handle(GenerateReq(rid, PROMPTS[2], params, seed=0))
+    loop.handle(GenerateReq("d", [10**9], params, seed=0))
+    assert transport.accepted_rids == ["a", "b"]
+    kinds = [(r.rid, r.kind) for r in transport.replies if isinstance(r, Rejected)]
+    assert kinds == [("a", "duplicate_rid"), ("c", "queue_full"), ("d", "queue_full")]
+    assert isinstance(rejection("queue_full", "x"), QueueFull)
+    assert isinstance(rejection("duplicate_rid", "x"), DuplicateRid)
+    while scheduler.has_work:
+        loop.run_once()
+    loop.handle(GenerateReq("d", [10**9], params, seed=0))  # room now: refused as invalid
+    assert transport.replies[-1].kind == "invalid" and "token ids" in transport.replies[-1].message
+    assert {o.rid for o in transport.outputs if o.finished} == {"a", "b"}
+    scheduler.check_kv_accounting()
+
+
+def test_a_failed_accounting_check_is_an_error_not_a_hang(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=512)
+    engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(4))
+    leaked = engine.scheduler.kv.allocator.alloc(3)  # slots nobody accounts for
+    with pytest.raises(AssertionError, match="KV accounting broken"):
+        engine.check_kv_accounting()
+    engine.scheduler.kv.allocator.free(leaked)
+    assert torch.is_tensor(leaked)
+    finish(engine)
