@@ -723,7 +723,11 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
-    result = bench.result
+    return report(args, bench.result, cpu, dtypes, folder, env)
+
+
+def report(args: argparse.Namespace, result, cpu, dtypes, folder: Path, env) -> int:
+    """Print the comparison (and write it as JSON when asked); 1 if any request failed."""
     summaries = summarize(result.results)
     print(
         f"\nradixserve vs vLLM {VLLM_VERSION} (CPU), /v1/completions, {args.max_concurrency} "

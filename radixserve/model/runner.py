@@ -77,12 +77,27 @@ class ModelRunner:
         self.context_len = int(self.hf_config.max_position_embeddings)
 
         self.max_total_tokens = self._kv_pool_size()
-        num_kv_heads = self.hf_config.num_key_value_heads
+        self._build_kv_memory(config)
+        logger.info(
+            "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
+            self.model_folder,
+            type(self.model).__name__,
+            self.device,
+            self.dtype,
+            time.perf_counter() - start,
+            self.max_total_tokens,
+            self.kv_dtype,
+            self.kernels,
+        )
+
+    def _build_kv_memory(self, config: Config) -> None:
+        """The KV pool, its slot allocator, the request→token table and the attention
+        backend reading them."""
         head_dim = head_dim_of(self.hf_config)
         self.kv_pool = KVPool(
             self.max_total_tokens,
             self.hf_config.num_hidden_layers,
-            num_kv_heads,
+            self.hf_config.num_key_value_heads,
             head_dim,
             self.kv_dtype,
             self.device,
@@ -98,17 +113,6 @@ class ModelRunner:
             self.hf_config.num_attention_heads,
             use_kernel=self.kernels.decode_attention,
             kernel_dir=config.model.cache_dir / "kernels",
-        )
-        logger.info(
-            "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
-            self.model_folder,
-            type(self.model).__name__,
-            self.device,
-            self.dtype,
-            time.perf_counter() - start,
-            self.max_total_tokens,
-            self.kv_dtype,
-            self.kernels,
         )
 
     def model_info(self) -> ModelInfo:
