@@ -2,7 +2,7 @@
 
     main ──GenerateReq/AbortReq/ControlReq──► scheduler
     scheduler ──GenerateReq (accepted), TokenOutBatch──► detokenizer
-    detokenizer ──StrOutBatch──► main
+    detokenizer ──StrOutBatch (text deltas)──► main
     scheduler ──Ready/Failed, Rejected, ControlReply, SchedulerState──► main
 
 Every message is a tagged msgspec Struct; the transport (`ipc`) only moves bytes.
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from radixserve.core.output import ReqOutput
+from radixserve.core.output import ReqOutput, StrOut
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 
@@ -82,14 +82,10 @@ class TokenOutBatch(Message):
 
 
 # -- detokenizer → main ---------------------------------------------------------------------
-class StrOut(Message):
-    rid: str
-    completion_tokens: int
-    finished: bool
-    result: dict[str, Any] | None  # the cumulative native result; None for non-streams until done
-
-
 class StrOutBatch(Message):
+    """Per request, only what is new since its previous StrOut (`StrOut` lives beside
+    `ReqOutput` in core/output.py): a stream's step costs the same bytes at any length."""
+
     outputs: list[StrOut]
 
 
