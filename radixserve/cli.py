@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         server_vs_engine,
         serving,
         step_breakdown,
+        streaming,
         vs_vllm,
     )
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "step-breakdown": step_breakdown,
         "json": json_schema,
         "perplexity": perplexity,
+        "streaming": streaming,
     }
     for name, module in benches.items():
         module.add_args(bench_kinds.add_parser(name, help=module.__doc__))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,16 @@ FORBIDDEN = {
     "scheduler": ("server", "engine", "native", "bench"),
     "server": ("engine", "bench", "cli"),
 }
+# the root modules, by file
+ROOT_FORBIDDEN = {
+    "config.py": ("cache", "core", "model", "constrained", "scheduler", "server", "engine",
+                  "hardware", "output", "native", "bench"),
+    "output.py": ("cache", "model", "constrained", "scheduler", "server", "engine", "bench"),
+    "native.py": ("cache", "model", "constrained", "scheduler", "server", "engine", "bench"),
+    "tokenizer.py": ("cache", "model", "constrained", "scheduler", "server", "engine", "bench"),
+    "engine.py": ("server", "bench", "cli"),
+    "hardware.py": ("cache", "model", "scheduler", "server", "engine", "output", "bench"),
+}  # fmt: skip
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -59,3 +71,44 @@ def test_only_the_launch_module_knows_every_process():
         file.name for file in sorted(PACKAGE.rglob("*.py")) if roles & imported_modules(file)
     ]
     assert knowers == ["launch.py"], knowers
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_FORBIDDEN))
+def test_root_modules_import_only_what_they_may(name):
+    file = PACKAGE / name
+    if not file.exists():
+        pytest.skip(f"radixserve/{name} does not exist")
+    for module in imported_modules(file):
+        parts = module.split(".")
+        if parts[0] == "radixserve" and len(parts) > 1:
+            assert parts[1].removesuffix(".py") not in ROOT_FORBIDDEN[name], (
+                f"radixserve/{name} imports {module}"
+            )
+
+
+def loaded_after_import(*modules: str) -> set[str]:
+    """The radixserve modules and torch that importing `modules` loads, in a fresh
+    interpreter."""
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(' '.join(m for m in sys.modules if m.startswith('radixserve') or m == 'torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_the_http_and_detokenizer_processes_load_no_model_or_scheduler_code():
+    loaded = loaded_after_import(
+        "radixserve.server.detokenizer",
+        "radixserve.server.messages",
+        "radixserve.server.tokenizer_manager",
+        "radixserve.server.http",
+    )
+    heavy = sorted(m for m in loaded if m.startswith(("radixserve.model", "radixserve.scheduler")))
+    assert not heavy, heavy
+
+
+def test_the_config_and_the_cli_import_no_torch():
+    """`radixserve --help` is instant."""
+    assert "torch" not in loaded_after_import("radixserve.config", "radixserve.cli")

@@ -1,6 +1,7 @@
 """What the engine reports, as plain typed data every process can import: why a request
-finished, what one step changed for it, what the loaded model allows, and the scheduler's
-counters. msgspec Structs, so they cross processes as they are (no string-keyed dicts)."""
+finished, what one step changed for it (its new ids, then its new text), what the loaded
+model allows, and the scheduler's counters. msgspec Structs, so they cross processes as
+they are (no string-keyed dicts)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,34 @@ class ReqOutput(msgspec.Struct):
     new_top_logprobs: list[list[LogprobEntry]] = msgspec.field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
     input_top_logprobs: list[list[LogprobEntry]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+LogprobTriple = tuple[float | None, int, str | None]  # (logprob, token id, its text or None)
+
+
+class StrOut(msgspec.Struct, tag=True, array_like=True):
+    """What one request's native result gained since the previous StrOut for it: its new
+    text (stop strings trimmed, partial stops and incomplete characters held back), new token
+    ids and logprob triples, the counts so far, and on the last one the finish reason.
+    Sent once per stream and step, so encoded as an array: no field names on the wire."""
+
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    new_logprobs: list[LogprobTriple] = msgspec.field(default_factory=list)
+    new_top_logprobs: list[list[LogprobTriple]] = msgspec.field(default_factory=list)
+    input_logprobs: list[LogprobTriple] | None = None  # once, with the first delta
+    input_top_logprobs: list[list[LogprobTriple]] | None = None
+    text_cut: int | None = None  # the text so far is first cut to this length (rare: a stop
+    # string's first occurrence in text already sent, see text_stream.TextStream._trim_at)
 
     @property
     def finished(self) -> bool:

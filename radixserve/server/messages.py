@@ -2,7 +2,7 @@
 
     main ──GenerateReq/AbortReq/ControlReq──► scheduler
     scheduler ──GenerateReq (accepted), TokenOutBatch──► detokenizer
-    detokenizer ──StrOutBatch──► main
+    detokenizer ──StrOutBatch (text deltas)──► main
     scheduler ──Ready/Failed, Rejected, ControlReply, SchedulerState──► main
 
 Every message is a tagged msgspec Struct; the transport (`ipc`) only moves bytes. The
@@ -11,8 +11,6 @@ too); the ones below are the server's own.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import msgspec
 
@@ -25,7 +23,7 @@ from radixserve.core.messages import (
     Rejected,
     SchedulerState,
 )
-from radixserve.core.output import ModelInfo, ReqOutput
+from radixserve.core.output import ModelInfo, ReqOutput, StrOut
 
 
 # -- scheduler → detokenizer ----------------------------------------------------------------
@@ -34,14 +32,10 @@ class TokenOutBatch(Message):
 
 
 # -- detokenizer → main ---------------------------------------------------------------------
-class StrOut(Message):
-    rid: str
-    completion_tokens: int
-    finished: bool
-    result: dict[str, Any] | None  # the cumulative native result; None for non-streams until done
-
-
 class StrOutBatch(Message):
+    """Per request, only what is new since its previous StrOut (`StrOut` lives beside
+    `ReqOutput` in core/output.py): a stream's step costs the same bytes at any length."""
+
     outputs: list[StrOut]
 
 

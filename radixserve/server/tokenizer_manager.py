@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.core.output import ModelInfo, SchedulerStats
+from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
+from radixserve.output import ResultAccumulator, ResultUpdate
 from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
 from radixserve.server.ipc import AsyncReceiver, Sender
 from radixserve.server.messages import (
@@ -29,7 +30,6 @@ from radixserve.server.messages import (
     Ready,
     Rejected,
     SchedulerState,
-    StrOut,
     StrOutBatch,
 )
 from radixserve.server.metrics import Metrics
@@ -43,21 +43,23 @@ class _Track:
 
     call: Call
     index: int
+    results: ResultAccumulator
     start: float = field(default_factory=time.perf_counter)
     last: float | None = None  # when its latest tokens arrived
     tokens: int = 0
 
 
 class Call:
-    """The sequences of one HTTP request; results arrive on one queue as (index, StrOut)."""
+    """The sequences of one HTTP request; results arrive on one queue as (index, update):
+    each update carries its `text_delta` and the cumulative native `result` as of it."""
 
     def __init__(self, manager: TokenizerManager, reqs: list[Req]) -> None:
         self.manager = manager
         self.reqs = reqs
-        self.queue: asyncio.Queue[tuple[int, StrOut] | APIError] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, ResultUpdate] | APIError] = asyncio.Queue()
         self.unfinished = {req.rid for req in reqs}
 
-    async def stream(self) -> AsyncIterator[tuple[int, StrOut]]:
+    async def stream(self) -> AsyncIterator[tuple[int, ResultUpdate]]:
         """(index, output) as they come, until every sequence has finished."""
         while self.unfinished:
             item = await self.queue.get()
@@ -139,7 +141,8 @@ class TokenizerManager:
                 raise bad_request(f"a request with rid {req.rid!r} is already running", "rid")
         call = Call(self, reqs)
         for index, req in enumerate(reqs):
-            self.pending[req.rid] = _Track(call, index)
+            results = ResultAccumulator(req.rid, req.return_logprob, req.top_logprobs_num)
+            self.pending[req.rid] = _Track(call, index, results)
             self.to_scheduler.send(GenerateReq.from_req(req, return_text_in_logprobs, stream))
         return call
 
@@ -191,24 +194,38 @@ class TokenizerManager:
         if track is None:  # aborted by its client; the scheduler's last word on it
             return
         now = time.perf_counter()
-        new = out.completion_tokens - track.tokens
-        if new > 0:
-            if track.last is None:
-                self.metrics.ttft.observe(now - track.start)
-            else:
-                for _ in range(new):
-                    self.metrics.itl.observe((now - track.last) / new)
-            self.metrics.generated_tokens.inc(new)
-            track.tokens, track.last = out.completion_tokens, now
-        if out.finished:
-            del self.pending[out.rid]
-            meta = out.result["meta_info"]
-            meta["e2e_latency"] = now - track.start
-            self.metrics.e2e.observe(now - track.start)
-            self.metrics.prompt_tokens.inc(meta["prompt_tokens"])
-            self.metrics.cached_tokens.inc(meta["cached_tokens"])
-            self.metrics.requests.labels(meta["finish_reason"]["type"]).inc()
-        track.call.queue.put_nowait((track.index, out))
+        self._observe_tokens(track, out.completion_tokens, now)
+        if out.finish_reason is None:
+            track.call.queue.put_nowait((track.index, track.results.add(out)))
+            return
+        del self.pending[out.rid]
+        self.metrics.requests.labels(out.finish_reason.type).inc()
+        if out.finish_reason.type == "error":
+            self._on_error(out.rid, track, out.finish_reason.message or "internal error")
+            return
+        self.metrics.e2e.observe(now - track.start)
+        self.metrics.prompt_tokens.inc(out.prompt_tokens)
+        self.metrics.cached_tokens.inc(out.cached_tokens)
+        track.call.queue.put_nowait((track.index, track.results.add(out, now - track.start)))
+
+    def _observe_tokens(self, track: _Track, completion_tokens: int, now: float) -> None:
+        new = completion_tokens - track.tokens
+        if new <= 0:
+            return
+        if track.last is None:
+            self.metrics.ttft.observe(now - track.start)
+        else:
+            for _ in range(new):
+                self.metrics.itl.observe((now - track.last) / new)
+        self.metrics.generated_tokens.inc(new)
+        track.tokens, track.last = completion_tokens, now
+
+    def _on_error(self, rid: str, track: _Track, message: str) -> None:
+        """An error confined to one request (its detokenization failed): its call ends with
+        a 500; the abort frees its KV if the scheduler still runs it (a no-op otherwise)."""
+        logger.error("request %s failed: %s", rid, message)
+        self.send_abort(rid, message)
+        track.call.queue.put_nowait(APIError(500, message))
 
     def _on_rejected(self, msg: Rejected) -> None:
         track = self.pending.pop(msg.rid, None)

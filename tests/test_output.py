@@ -1,0 +1,301 @@
+"""The incremental detokenizer (radixserve/text_stream.py, radixserve/output.py) against a
+full decode of every id at every step, which is what radixserve did before: the text shown
+while running (incomplete characters and partial stop strings held back) and the final text
+(a stop token left out, a stop string trimmed at its first occurrence) must be the same.
+Also: logprob triples, the deltas' wire size, and a detokenization fault confined to one
+request, in the detokenizer and in the main process."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from radixserve.core.output import FinishReason, ReqOutput, StrOut
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.output import Detokenizer, RequestState, ResultAccumulator
+from radixserve.server.errors import APIError
+from radixserve.server.messages import StrOutBatch, decode, encode
+from radixserve.server.metrics import Metrics
+from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.text_stream import REPLACEMENT, partial_stop_len
+from tests.conftest import TINY_TOKENIZER
+
+TOKENIZER = AutoTokenizer.from_pretrained(TINY_TOKENIZER)  # byte-level BPE, 512 ids
+EOS = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+SPECIAL = sorted(TOKENIZER.all_special_ids) + [TOKENIZER.convert_tokens_to_ids("<|im_start|>")]
+SAMPLES = ["héllo", " €", " 😀", " 中文", " naïve", "STOP", "\n\n", " the end", "«»"]
+PIECES = [TOKENIZER.encode(s) for s in SAMPLES]  # multi-byte characters span several ids
+
+
+# -- the reference: a full decode of everything at every step -------------------------------
+def full_text(ids: list[int], params: SamplingParams, reason: FinishReason | None) -> str:
+    matched = reason.matched if reason else None
+    if isinstance(matched, int) and not params.no_stop_trim and ids:
+        ids = ids[:-1]
+    text = TOKENIZER.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    if isinstance(matched, str):
+        if not params.no_stop_trim and matched in text:
+            text = text[: text.find(matched)]
+        return text
+    if reason is None:
+        text = text.rstrip(REPLACEMENT)
+        text = text[: len(text) - partial_stop_len(text, params.stop)]
+    return text
+
+
+def run(
+    steps: list[list[int]], params: SamplingParams, reason: FinishReason, **kwargs: Any
+) -> list[tuple[str, str]]:
+    """(cumulative text, reference text) after every step, through the wire and back."""
+    state = RequestState("r", params, TOKENIZER, **kwargs)
+    results = ResultAccumulator("r", state.return_logprob, state.top_logprobs_num)
+    seen: list[int] = []
+    pairs = []
+    for i, ids in enumerate(steps):
+        seen += ids
+        last = reason if i == len(steps) - 1 else None
+        state.update(ReqOutput("r", ids, last, 5, 0, len(seen)))
+        delta = roundtrip(state.take_delta())
+        update = results.add(delta)
+        assert update.result["output_ids"] == seen
+        pairs.append((update.result["text"], full_text(seen, params, last)))
+    return pairs
+
+
+def roundtrip(delta: StrOut) -> StrOut:
+    batch = decode(encode(StrOutBatch([delta])))
+    assert isinstance(batch, StrOutBatch)
+    return batch.outputs[0]
+
+
+# -- hypothesis: random ids, split into random steps ----------------------------------------
+token = st.one_of(
+    st.integers(3, len(TOKENIZER) - 1),  # any ordinary id, lone bytes of characters included
+    st.sampled_from(SPECIAL),
+)
+chunk = st.one_of(st.lists(token, min_size=1, max_size=3), st.sampled_from(PIECES))
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[list[list[int]], SamplingParams, FinishReason]:
+    pieces = draw(st.lists(chunk, min_size=1, max_size=12))
+    ids = [i for piece in pieces for i in piece]
+    cuts: list[int] = []
+    if len(ids) > 1:  # where the stream's steps begin, after the first
+        cuts = sorted(draw(st.sets(st.integers(1, len(ids) - 1), max_size=len(ids))))
+    steps = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    text = TOKENIZER.decode(ids)
+    stops = draw(st.lists(st.sampled_from(["STOP", "€ 😀", "\n", " the", "o"]), max_size=2))
+    if len(text) > 1:  # a stop string that spans tokens: a slice of the text itself
+        a = draw(st.integers(0, len(text) - 2))
+        stops.append(text[a : a + draw(st.integers(2, 6))])
+    kinds = ["length", "abort", "stop token", "stop string"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "stop token":
+        steps[-1] = [*steps[-1], EOS]
+        reason = FinishReason.stop(EOS)
+    elif kind == "stop string":
+        reason = FinishReason.stop(draw(st.sampled_from(stops or ["o"])))
+    elif kind == "length":
+        reason = FinishReason.of_length(len(ids))
+    else:
+        reason = FinishReason.abort("aborted")
+    params = SamplingParams(
+        stop=[s for s in stops if s],
+        skip_special_tokens=draw(st.booleans()),
+        no_stop_trim=draw(st.booleans()),
+    )
+    return steps, params, reason
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams())
+def test_incremental_text_equals_a_full_decode_at_every_step(case):
+    steps, params, reason = case
+    for got, want in run(steps, params, reason):
+        assert got == want
+
+
+# -- the cases worth naming -----------------------------------------------------------------
+def one_id_per_step(text: str) -> list[list[int]]:
+    return [[i] for i in TOKENIZER.encode(text)]
+
+
+def test_a_character_split_across_tokens_waits_for_its_last_byte():
+    steps = one_id_per_step("a😀b")
+    assert len(steps) > 3  # the emoji is four single-byte tokens
+    texts = [got for got, _ in run(steps, SamplingParams(), FinishReason.of_length(6))]
+    assert texts == ["a", "a", "a", "a", "a😀", "a😀b"]
+
+
+def test_a_partial_stop_string_is_held_back_then_released():
+    steps = one_id_per_step("x STOx")
+    texts = [got for got, _ in run(steps, SamplingParams(stop=["STOP"]), FinishReason.of_length(6))]
+    assert texts == ["x", "x ", "x ", "x ", "x ", "x STOx"]
+
+
+def test_a_stop_string_spanning_tokens_is_trimmed_or_kept():
+    steps = one_id_per_step("ab STOP")
+    for no_trim, final in [(False, "ab "), (True, "ab STOP")]:
+        params = SamplingParams(stop=["STOP"], no_stop_trim=no_trim)
+        pairs = run(steps, params, FinishReason.stop("STOP"))
+        assert pairs[-1] == (final, final)
+        assert all(got == want for got, want in pairs)
+
+
+def test_a_stop_string_already_shown_is_cut_back_at_the_end():
+    """min_new_tokens lets a stop string pass; the final text ends before its first use."""
+    steps = one_id_per_step("a STOP b STOP")
+    pairs = run(steps, SamplingParams(stop=["STOP"]), FinishReason.stop("STOP"))
+    assert "STOP" in pairs[-2][0]  # shown while running
+    assert pairs[-1] == ("a ", "a ")
+
+
+@pytest.mark.parametrize("no_stop_trim", [False, True])
+def test_a_stop_token_is_left_out_of_the_text_unless_no_stop_trim(no_stop_trim):
+    steps = [*one_id_per_step("hi"), [EOS]]
+    params = SamplingParams(skip_special_tokens=False, no_stop_trim=no_stop_trim)
+    text, want = run(steps, params, FinishReason.stop(EOS))[-1]
+    assert text == want == ("hi<|im_end|>" if no_stop_trim else "hi")
+
+
+def test_special_tokens_skipped_or_shown():
+    steps = [[TOKENIZER.encode("a")[0]], [SPECIAL[0]], [TOKENIZER.encode("b")[0]]]
+    for skip, final in [(True, "ab"), (False, "a<|endoftext|>b")]:
+        params = SamplingParams(skip_special_tokens=skip)
+        assert run(steps, params, FinishReason.of_length(3))[-1] == (final, final)
+
+
+def test_logprob_triples_carry_each_tokens_text():
+    ids = TOKENIZER.encode("ok")
+    state = RequestState("r", SamplingParams(), TOKENIZER, True, 1, True)
+    results = ResultAccumulator("r", True, 1)
+    for i, tid in enumerate(ids):
+        out = ReqOutput("r", [tid], None, 2, 0, i + 1, [(-0.5, tid)], [[(-0.5, tid)]])
+        if i == 0:
+            out.input_logprobs, out.input_top_logprobs = [(None, 7), (-1.0, 8)], [[], []]
+        state.update(out)
+        meta = results.add(roundtrip(state.take_delta())).result["meta_info"]
+    texts = [TOKENIZER.decode([t]) for t in ids]
+    assert [list(e) for e in meta["output_token_logprobs"]] == [
+        [-0.5, t, s] for t, s in zip(ids, texts)
+    ]
+    assert len(meta["output_top_logprobs"]) == len(ids)
+    assert [e[1] for e in meta["input_token_logprobs"]] == [7, 8]
+    assert meta["input_token_logprobs"][0][0] is None
+
+
+def test_an_earlier_update_keeps_its_result():
+    state = RequestState("r", SamplingParams(), TOKENIZER)
+    results = ResultAccumulator("r", False, 0)
+    updates = []
+    for i, ids in enumerate(one_id_per_step("abc")):
+        state.update(ReqOutput("r", ids, None, 1, 0, i + 1))
+        updates.append(results.add(state.take_delta()))
+    assert [u.result["text"] for u in updates] == ["a", "ab", "abc"]
+    assert [u.text_delta for u in updates] == ["a", "b", "c"]
+
+
+def test_a_steps_wire_size_does_not_grow_with_the_output():
+    state = RequestState("r", SamplingParams(), TOKENIZER)
+    sizes = []
+    for i in range(600):
+        state.update(ReqOutput("r", [TOKENIZER.encode(" x")[0]], None, 1, 0, i + 1))
+        sizes.append(len(encode(StrOutBatch([state.take_delta()]))))
+    assert max(sizes[-100:]) <= max(sizes[:100]) + 2  # counts gain a byte past 127, 255...
+
+
+def test_a_non_stream_sends_counts_then_everything_at_the_end():
+    detok = Detokenizer()
+    detok.register(RequestState("r", SamplingParams(), TOKENIZER), stream=False)
+    ids = TOKENIZER.encode("hello")
+    steps = [detok.process([ReqOutput("r", [t], None, 1, 0, i + 1)]) for i, t in enumerate(ids)]
+    assert all(d.text_delta == "" and not d.new_ids for [d] in steps)
+    [final] = detok.process([ReqOutput("r", [], FinishReason.of_length(5), 1, 0, len(ids))])
+    assert (final.text_delta, final.new_ids) == ("hello", ids)
+    assert detok.states == {}
+
+
+# -- faults ---------------------------------------------------------------------------------
+class FailingTokenizer:
+    """The real tokenizer, except that decoding `BAD` raises (as a Rust panic would)."""
+
+    BAD = 300
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        if self.BAD in ids:
+            raise OverflowError("out of range integral type conversion attempted")
+        return TOKENIZER.decode(ids, **kwargs)
+
+
+def test_a_detokenization_fault_ends_one_request_while_another_completes(caplog):
+    detok = Detokenizer()
+    for rid in ("bad", "good"):
+        detok.register(RequestState(rid, SamplingParams(), FailingTokenizer()), stream=True)
+    ok = TOKENIZER.encode("fine")
+
+    def step(bad_id: int, good_id: int, reason: FinishReason | None = None) -> list[StrOut]:
+        outs = [
+            ReqOutput("bad", [bad_id], reason, 1, 0, 1),
+            ReqOutput("good", [good_id], reason, 1, 0, 1),
+        ]
+        return detok.process(outs)
+
+    first = step(FailingTokenizer.BAD, ok[0])
+    assert [d.rid for d in first] == ["bad", "good"]
+    assert first[0].finish_reason.type == "error"
+    assert "OverflowError" in first[0].finish_reason.message
+    assert "bad" in caplog.text  # the log line names the request
+    texts = [first[1].text_delta]
+    for tid in ok[1:-1]:
+        later = step(ok[0], tid)  # the scheduler still runs "bad": its outputs are dropped
+        assert [d.rid for d in later] == ["good"]
+        texts.append(later[0].text_delta)
+    final = step(ok[0], ok[-1], FinishReason.of_length(len(ok)))
+    assert [d.rid for d in final] == ["good"] and final[0].finished
+    assert "".join(texts) + final[0].text_delta == "fine"
+    assert detok.states == {} and detok.failed == set()
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def test_the_main_process_turns_an_error_result_into_a_500():
+    async def scenario() -> None:
+        sender = RecordingSender()
+        manager = TokenizerManager(sender, Metrics())  # type: ignore[arg-type]
+        manager.tokenizer, manager.starting = TOKENIZER, set()
+        manager.model_info = {"context_length": 2048, "max_total_num_tokens": 4096}
+        reqs = [Req("a", [1, 2], SamplingParams()), Req("b", [1, 2], SamplingParams())]
+        call = manager.submit(reqs, stream=True)
+        manager._on_output(StrOut("b", "hi", [5], None, 2, 0, 1))
+        error = FinishReason.error("detokenizing the output failed: boom")
+        manager._on_output(StrOut("a", "", [], error, 2, 0, 1))
+        seen = []
+        with pytest.raises(APIError) as raised:
+            async for index, out in call.stream():
+                seen.append((index, out.text_delta, out.result["text"]))
+        assert seen == [(1, "hi", "hi")]
+        assert raised.value.status == 500 and "boom" in raised.value.message
+        assert "a" not in manager.pending
+        assert any(getattr(m, "rid", None) == "a" for m in sender.sent[2:])  # its abort
+        call.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_one_token_delta_is_a_few_dozen_bytes():
+    delta = msgspec.msgpack.encode(StrOut("r", "x", [1234], None, 100, 0, 99))
+    assert len(delta) < 32, delta  # an array: no field names on the wire
