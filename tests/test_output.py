@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from radixserve.core.output import FinishReason, ReqOutput, StrOut
+from radixserve.core.output import FinishReason, ModelInfo, ReqOutput, StrOut
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.output import Detokenizer, RequestState, ResultAccumulator
 from radixserve.server.errors import APIError
-from radixserve.server.messages import StrOutBatch, decode, encode
+from radixserve.server.messages import Ready, StrOutBatch, decode, encode
 from radixserve.server.metrics import Metrics
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.text_stream import REPLACEMENT, partial_stop_len
@@ -277,7 +277,9 @@ def test_the_main_process_turns_an_error_result_into_a_500():
         sender = RecordingSender()
         manager = TokenizerManager(sender, Metrics())  # type: ignore[arg-type]
         manager.tokenizer, manager.starting = TOKENIZER, set()
-        manager.model_info = {"context_length": 2048, "max_total_num_tokens": 4096}
+        manager.on_ready(
+            Ready("scheduler", ModelInfo("m", 4096, 8, 2048, 49152, "float32", "float32", 0))
+        )
         reqs = [Req("a", [1, 2], SamplingParams()), Req("b", [1, 2], SamplingParams())]
         call = manager.submit(reqs, stream=True)
         manager._on_output(StrOut("b", "hi", [5], None, 2, 0, 1))
