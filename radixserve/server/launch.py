@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -29,19 +28,33 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import Config
-from radixserve.model.loader import ModelLoadError, resolve_model_folder
-from radixserve.model.runner import load_config_and_tokenizer
-from radixserve.server.detokenizer import run_detokenizer
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
 from radixserve.server.metrics import Metrics
-from radixserve.server.scheduler_process import run_scheduler
 from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.tokenizer import TokenizerLoadError, load_tokenizer
 
 logger = logging.getLogger("radixserve.server")
 
 WATCH_INTERVAL_S = 0.2
 CHILD_STOP_TIMEOUT_S = 5.0
+
+
+def _scheduler_main(*args: object) -> None:
+    """The scheduler process's entry; imported there only, so this (HTTP) process never
+    loads the model code."""
+    from radixserve.server.scheduler_process import run_scheduler
+
+    run_scheduler(*args)  # type: ignore[arg-type]
+
+
+def _detokenizer_main(*args: object) -> None:
+    from radixserve.server.detokenizer import run_detokenizer
+
+    run_detokenizer(*args)  # type: ignore[arg-type]
+
+
+CHILD_MAINS = {"scheduler": _scheduler_main, "detokenizer": _detokenizer_main}
 
 
 class _Server(uvicorn.Server):
@@ -133,36 +146,28 @@ class Launcher:
         return self.exit_code
 
     async def start(self) -> None:
-        """Convert the model if needed, start the children, load the tokenizer; all while
-        HTTP already answers (503 "starting")."""
-        config = self.config
+        """Start the scheduler (it finds or converts the model, then loads it), then, once
+        it names the model's folder, the detokenizer and the tokenizer; all while HTTP
+        already answers (503 "starting")."""
+        self.start_child("scheduler", self.config)
+        folder = await self.manager.model_folder
+        self.start_child("detokenizer", folder)
         try:
-            folder = await asyncio.to_thread(
-                resolve_model_folder, config.model.model_path, config.model.cache_dir
-            )
-            child_config = dataclasses.replace(
-                config, model=dataclasses.replace(config.model, model_path=str(folder))
-            )
-            spawn = multiprocessing.get_context("spawn")
-            parent = os.getpid()
-            roles = {
-                "scheduler": (run_scheduler, child_config),
-                "detokenizer": (run_detokenizer, folder),
-            }
-            for role, (target, first_arg) in roles.items():
-                child = spawn.Process(
-                    target=target,
-                    args=(first_arg, self.endpoints, self.log_level, parent),
-                    name=f"radixserve-{role}",
-                    daemon=True,
-                )
-                child.start()
-                self.children[role] = child
-            _, tokenizer = await asyncio.to_thread(load_config_and_tokenizer, folder)
-        except (ModelLoadError, ValueError, OSError) as e:
+            tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+        except TokenizerLoadError as e:
             self.fail(f"cannot start: {e}")
             return
         self.manager.tokenizer = tokenizer
+
+    def start_child(self, role: str, first_arg: object) -> None:
+        child = multiprocessing.get_context("spawn").Process(
+            target=CHILD_MAINS[role],
+            args=(first_arg, self.endpoints, self.log_level, os.getpid()),
+            name=f"radixserve-{role}",
+            daemon=True,
+        )
+        child.start()
+        self.children[role] = child
 
     async def watch(self) -> None:
         """Announce readiness once; end everything if a child dies."""

@@ -3,7 +3,7 @@
     main ──GenerateReq/AbortReq/ControlReq──► scheduler
     scheduler ──GenerateReq (accepted), TokenOutBatch──► detokenizer
     detokenizer ──StrOutBatch (text deltas)──► main
-    scheduler ──Ready/Failed, Rejected, ControlReply, SchedulerState──► main
+    scheduler ──ModelFolder, Ready/Failed, Rejected, ControlReply, SchedulerState──► main
 
 Every message is a tagged msgspec Struct; the transport (`ipc`) only moves bytes. The
 messages of the scheduler loop itself live in `core/messages.py` (the Engine uses them
@@ -45,6 +45,13 @@ class Ready(Message):
     info: ModelInfo | None = None  # the scheduler's: the model and its derived limits
 
 
+class ModelFolder(Message):
+    """The scheduler found (or converted) the model's folder and now loads it; the main
+    process starts the detokenizer and loads the tokenizer from it meanwhile."""
+
+    folder: str
+
+
 class Failed(Message):
     role: str
     message: str
@@ -57,6 +64,7 @@ AnyMessage = (
     | TokenOutBatch
     | StrOutBatch
     | Ready
+    | ModelFolder
     | Failed
     | Rejected
     | ControlReply

@@ -1,9 +1,10 @@
-"""The scheduler process: owns the model runner and the scheduler, and runs the scheduler
-loop (`scheduler/loop.py`) over ZMQ: requests from the main process, each step's outputs
-to the detokenizer, replies and state back to the main process."""
+"""The scheduler process: finds (or converts) the model, owns the model runner and the
+scheduler, and runs the scheduler loop (`scheduler/loop.py`) over ZMQ: requests from the
+main process, each step's outputs to the detokenizer, replies and state to main."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import zmq
@@ -11,13 +12,13 @@ import zmq
 from radixserve.config import Config
 from radixserve.core.messages import ControlReply, GenerateReq, Message, Rejected, SchedulerState
 from radixserve.core.output import ReqOutput
-from radixserve.model.loader import ModelLoadError
+from radixserve.model.loader import ModelLoadError, resolve_model_folder
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
 from radixserve.server.ipc import Endpoints, Receiver, Sender
-from radixserve.server.messages import Failed, Ready, TokenOutBatch
+from radixserve.server.messages import Failed, ModelFolder, Ready, TokenOutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,10 @@ def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_p
     to_main = Sender(ctx, endpoints.main)
     try:
         inbox = Receiver(ctx, endpoints.scheduler)
-        runner = ModelRunner(config, progress=False)
+        folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
+        to_main.send(ModelFolder(str(folder)))
+        model = dataclasses.replace(config.model, model_path=str(folder))
+        runner = ModelRunner(dataclasses.replace(config, model=model), progress=False)
         scheduler = Scheduler(runner, config.scheduler, page_size=config.cache.page_size)
     except (ModelLoadError, ValueError, OSError, zmq.ZMQError) as e:
         to_main.send(Failed("scheduler", str(e)))

@@ -14,7 +14,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
@@ -27,6 +30,7 @@ from radixserve.server.messages import (
     ControlReq,
     Failed,
     GenerateReq,
+    ModelFolder,
     Ready,
     Rejected,
     SchedulerState,
@@ -89,6 +93,8 @@ class Call:
 class TokenizerManager:
     def __init__(self, to_scheduler: Sender, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
+        # where the scheduler found the model, before it loads it (the launcher waits on it)
+        self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
         self.model_info: dict[str, Any] = {}  # the same, as /get_server_info reports it
         self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
@@ -172,7 +178,11 @@ class TokenizerManager:
     # -- results --------------------------------------------------------------------------
     async def receive_loop(self, receiver: AsyncReceiver) -> None:
         while True:
-            msg = await receiver.recv()
+            try:
+                msg = await receiver.recv()
+            except msgspec.DecodeError as e:  # a bug in a peer: say so, keep serving
+                logger.error("dropping a message that does not decode: %s", e)
+                continue
             if isinstance(msg, StrOutBatch):
                 for out in msg.outputs:
                     self._on_output(out)
@@ -182,6 +192,8 @@ class TokenizerManager:
                 self._on_control_reply(msg)
             elif isinstance(msg, Ready):
                 self.on_ready(msg)
+            elif isinstance(msg, ModelFolder):
+                self.model_folder.set_result(Path(msg.folder))
             elif isinstance(msg, Failed):
                 self.fail_all(f"the {msg.role} failed to start: {msg.message}")
             elif isinstance(msg, SchedulerState):
