@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         perplexity,
         server_vs_engine,
         serving,
+        soak,
         step_breakdown,
         vs_vllm,
     )
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "step-breakdown": step_breakdown,
         "json": json_schema,
         "perplexity": perplexity,
+        "soak": soak,
     }
     for name, module in benches.items():
         module.add_args(bench_kinds.add_parser(name, help=module.__doc__))
