@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         perplexity,
         server_vs_engine,
         serving,
+        soak,
         step_breakdown,
         streaming,
         vs_vllm,
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "json": json_schema,
         "perplexity": perplexity,
         "streaming": streaming,
+        "soak": soak,
     }
     for name, module in benches.items():
         module.add_args(bench_kinds.add_parser(name, help=module.__doc__))

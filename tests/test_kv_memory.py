@@ -3,6 +3,9 @@ lost, and the padding slot is never allocated."""
 
 from __future__ import annotations
 
+import logging
+
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -63,3 +66,68 @@ def test_kv_pool_padding_slot_is_zero_and_writes_land():
     pool.write(1, torch.tensor([2, 4]), k, v)
     assert torch.equal(pool.k[1][[2, 4]], k) and torch.equal(pool.v[1][[2, 4]], v)
     assert KVPool.bytes_per_token(2, 3, 8, torch.float32) == 2 * 2 * 3 * 8 * 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=80))
+def test_allocator_hands_out_the_most_recently_freed_slots_first(ops):
+    """Against a plain list as the model of the free stack: every alloc returns exactly the
+    slots the model predicts (the last freed first, in the order they were freed)."""
+    alloc = SlotAllocator(POOL)
+    model = list(range(1, POOL + 1))  # free slots, the next to hand out first
+    held: list[list[int]] = []
+    for is_alloc, n in ops:
+        if is_alloc:
+            slots = alloc.alloc(n)
+            if n > len(model):
+                assert slots is None
+                continue
+            assert slots is not None and slots.dtype == torch.int64
+            assert slots.tolist() == model[:n]
+            held.append(model[:n])
+            del model[:n]
+        elif held:
+            slots = held.pop(n % len(held))
+            alloc.free(torch.tensor(slots))
+            model[:0] = slots
+        owned = [s for h in held for s in h]
+        assert sorted(owned + model) == list(range(1, POOL + 1)), "a slot was lost or doubled"
+        assert alloc.num_free == len(model)
+
+
+def test_allocator_reuses_freed_slots_and_never_aliases_them():
+    alloc = SlotAllocator(POOL)
+    first, second = alloc.alloc(4), alloc.alloc(3)
+    assert first.tolist() == [1, 2, 3, 4] and second.tolist() == [5, 6, 7]
+    alloc.free(first)
+    assert second.tolist() == [5, 6, 7], "an allocation must not change under its owner"
+    assert alloc.alloc(2).tolist() == [1, 2]
+    alloc.free(torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="only 5 are allocated"):
+        alloc.free(torch.arange(10, 16))
+    alloc.clear()
+    assert alloc.num_free == POOL and alloc.alloc(2).tolist() == [1, 2]
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_kv_pool_prefault_makes_the_pool_resident_at_once(prefault, caplog):
+    # each buffer (40 MiB) is above glibc's largest mmap threshold: fresh, untouched pages
+    layers, slots = 2, 40 * 2**20 // (64 * 4)
+    caplog.set_level(logging.INFO, logger="radixserve.cache.kv_pool")
+    before = _rss()
+    pool = KVPool(slots, layers, 1, 64, torch.float32, "cpu", prefault=prefault)
+    grown = _rss() - before
+    assert pool.nbytes == 2 * layers * (slots + 1) * 64 * 4
+    assert pool.prefaulted == prefault
+    if prefault:
+        assert grown > 0.9 * pool.nbytes
+    else:
+        assert grown < 0.5 * pool.nbytes
+    assert all(buf[PADDING_SLOT].abs().sum() == 0 for buf in (*pool.k, *pool.v))
+    message = caplog.records[-1].getMessage()
+    assert f"KV pool: {slots} tokens x {layers} layers, 0.16 GiB (float32)" in message
+    assert ("pre-faulted in" in message) == prefault

@@ -101,6 +101,7 @@ class ModelRunner:
             head_dim,
             self.kv_dtype,
             self.device,
+            prefault=config.cache.kv_prefault,
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
         # +1 row: the request being prefilled in chunks is not yet among the running ones
@@ -125,9 +126,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            kv_pool_bytes=sum(
-                t.numel() * t.element_size() for t in self.kv_pool.k + self.kv_pool.v
-            ),
+            kv_pool_bytes=self.kv_pool.nbytes,
             kernel_plan=asdict(self.kernels),
             cpu=cpu_info().as_dict(),
         )
