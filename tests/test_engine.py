@@ -37,6 +37,9 @@ def expected(reference) -> list[list[int]]:
 
 
 def make_engine(tiny_model_dirs, **config) -> Engine:
+    # a pool as large as these scenarios need: the default one (a quarter of RAM) would be
+    # pre-faulted by every engine
+    config.setdefault("max_total_tokens", 16384)
     return Engine(str(tiny_model_dirs["llama"]), progress=False, dtype=FP32, **config)
 
 

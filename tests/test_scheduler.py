@@ -22,6 +22,7 @@ SHARED = [(11 * i) % 300 + 40 for i in range(120)]
 
 
 def make_scheduler(tiny_model_dirs, **config) -> Scheduler:
+    config.setdefault("max_total_tokens", 16384)  # not the pre-faulted quarter of RAM
     cfg = Config.from_flat(model_path=str(tiny_model_dirs["llama"]), dtype=FP32, **config)
     return Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
 
