@@ -8,11 +8,22 @@ expand it here, so both name and seed the sequences the same way.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
+
+SEED_MASK = 2**63 - 1  # sample j of a seeded prompt draws with seed + j, kept non-negative
+
+
+class InvalidRequest(ValueError):
+    """A call that cannot run; `param` names the field at fault (text, input_ids, rid...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -31,32 +42,30 @@ def expand_request(
     top_logprobs_num: int | None = None,
     rid: str | list[str] | None = None,
     priority: int | None = None,
+    max_sequences: int | None = None,
 ) -> Expanded:
-    """Validated requests; a ValueError names what is wrong with the call."""
+    """Validated requests; a ValueError names what is wrong with the call. With
+    `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
+    prompt is tokenized."""
     if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of text (prompt) and input_ids")
+        raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
+    field = "text" if prompt is not None else "input_ids"
     if not prompt and not input_ids:
-        raise ValueError("the prompt is empty: give a non-empty text or input_ids")
+        raise InvalidRequest("the prompt is empty: give a non-empty text or input_ids", field)
+    _check_logprob_args(logprob_start_len, top_logprobs_num)
+    single = isinstance(prompt, str) if prompt is not None else isinstance(input_ids[0], int)
+    count = 1 if single else len(prompt if prompt is not None else input_ids)
+    params_list = _params_per_prompt(sampling_params, count)
+    _check_count(params_list, max_sequences, field)
+    rids = _rids(rid, count)
     if prompt is not None:
-        single = isinstance(prompt, str)
         id_lists = [tokenize(p) for p in ([prompt] if single else prompt)]
     else:
-        single = isinstance(input_ids[0], int)
         id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-    if isinstance(sampling_params, list):
-        if len(sampling_params) != len(id_lists):
-            raise ValueError("sampling_params: a list needs one entry per prompt")
-        params_list = [SamplingParams.from_dict(p) for p in sampling_params]
-    else:
-        params_list = [SamplingParams.from_dict(sampling_params)] * len(id_lists)
-    rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
-    if len(rids) != len(id_lists):
-        raise ValueError("rid: a list needs one entry per prompt")
     reqs = []
-    for i, (ids, params) in enumerate(zip(id_lists, params_list)):
-        base = rids[i] or uuid.uuid4().hex
-        if isinstance(rid, str) and len(id_lists) > 1:
-            base = f"{rid}_{i}"  # a str rid for a batch names each entry
+    for ids, params, base in zip(id_lists, params_list, rids):
+        if not ids:
+            raise InvalidRequest("a prompt of the batch is empty", field)
         for j in range(params.n):
             seed = params.sampling_seed
             reqs.append(
@@ -64,11 +73,61 @@ def expand_request(
                     base if params.n == 1 else f"{base}_{j}",
                     ids,
                     params,
-                    seed=-1 if seed is None else seed + j,
+                    seed=-1 if seed is None else (seed + j) & SEED_MASK,
                     priority=priority or 0,
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                     top_logprobs_num=top_logprobs_num or 0,
                 )
             )
+    _check_unique([req.rid for req in reqs])
     return Expanded(reqs, single and len(reqs) == 1)
+
+
+def _check_logprob_args(logprob_start_len: int | None, top_logprobs_num: int | None) -> None:
+    if logprob_start_len is not None and logprob_start_len < -1:
+        message = f"logprob_start_len must be >= -1 (-1: output only), got {logprob_start_len}"
+        raise InvalidRequest(message, "logprob_start_len")
+    if top_logprobs_num is not None and top_logprobs_num < 0:
+        message = f"top_logprobs_num must be >= 0, got {top_logprobs_num}"
+        raise InvalidRequest(message, "top_logprobs_num")
+
+
+def _params_per_prompt(sampling_params: dict | list[dict] | None, count: int) -> list:
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != count:
+            raise InvalidRequest(
+                "sampling_params: a list needs one entry per prompt", "sampling_params"
+            )
+        return [SamplingParams.from_dict(p) for p in sampling_params]
+    return [SamplingParams.from_dict(sampling_params)] * count
+
+
+def _check_count(params_list: list[SamplingParams], limit: int | None, field: str) -> None:
+    total = sum(p.n for p in params_list)
+    if limit is None or total <= limit:
+        return
+    prompts = len(params_list)
+    raise InvalidRequest(
+        f"this request asks for {total} sequences ({prompts} prompt(s) × n); at most "
+        f"{limit} may be sent at once: send fewer prompts or a smaller n",
+        "n" if prompts == 1 else field,
+    )
+
+
+def _rids(rid: str | list[str] | None, count: int) -> list[str]:
+    """One base rid per prompt: given, or `{rid}_{i}` for a str rid of a batch, or new."""
+    if isinstance(rid, list):
+        if len(rid) != count:
+            raise InvalidRequest("rid: a list needs one entry per prompt", "rid")
+        return [r or uuid.uuid4().hex for r in rid]
+    if isinstance(rid, str) and rid and count > 1:
+        return [f"{rid}_{i}" for i in range(count)]  # a str rid for a batch names each entry
+    return [rid or uuid.uuid4().hex for _ in range(count)]
+
+
+def _check_unique(rids: list[str]) -> None:
+    counts = Counter(rids)
+    if len(counts) != len(rids):
+        duplicate = next(r for r, c in counts.items() if c > 1)
+        raise InvalidRequest(f"rid {duplicate!r} names two sequences of this request", "rid")

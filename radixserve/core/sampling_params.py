@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +17,28 @@ import msgspec
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
 CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
+MAX_N = 128  # samples per prompt (OpenAI's cap on n)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range, [-100, 100])
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter that cannot be honoured; `field` names it (None: several)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _token_key(key: Any) -> Any:
-    return int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+    """A logit_bias key as a token id: JSON object keys arrive as strings."""
+    return int(key) if isinstance(key, str) and key.removeprefix("-").isdecimal() else key
+
+
+def _msgspec_field(message: str) -> str | None:
+    """The top-level field a msgspec error names ("... - at `$.top_k`")."""
+    match = re.search(r"`\$\.([A-Za-z_]+)", message)
+    return match.group(1) if match else None
 
 
 @dataclass
@@ -63,7 +82,8 @@ class SamplingParams:
         if params is None:
             params = {}
         if not isinstance(params, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
+            kind = type(params).__name__
+            raise SamplingParamsError(f"sampling_params must be an object, got {kind}")
         params = {k: v for k, v in params.items() if v is not None}
         for key in set(CONSTRAINTS) & set(params):  # empty means "no constraint"
             if not params[key]:
@@ -71,9 +91,10 @@ class SamplingParams:
         if isinstance(params.get("json_schema"), dict):  # a schema object: accept it as is
             params["json_schema"] = json.dumps(params["json_schema"])
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(set(params) - known, key=str)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            names = ", ".join(map(str, unknown))
+            raise SamplingParamsError(f"unknown sampling parameter(s): {names}", str(unknown[0]))
         for key in ("stop", "stop_regex"):
             if isinstance(params.get(key), str):
                 params[key] = [params[key]]
@@ -82,18 +103,34 @@ class SamplingParams:
         try:
             return msgspec.convert(params, cls)
         except msgspec.ValidationError as e:
+            if isinstance(e.__cause__, SamplingParamsError):  # raised by verify()
+                raise e.__cause__ from None
+            field = _msgspec_field(str(e))
             message = str(e).replace("`$.", "`sampling_params.")
-            raise ValueError(f"invalid sampling parameter: {message}") from None
+            raise SamplingParamsError(f"invalid sampling parameter: {message}", field) from None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
     def verify(self) -> None:
-        def check(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        """Every range the engine can honour; a SamplingParamsError names the field."""
+        self._verify_lengths()
+        self._verify_sampling()
+        self._verify_stops()
+        given = [name for name in CONSTRAINTS if getattr(self, name)]
+        if len(given) > 1:
+            raise SamplingParamsError(
+                f"at most one of json_schema, regex, ebnf may be given, got {', '.join(given)}",
+                given[1],
+            )
 
+    def _check(self, ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            raise SamplingParamsError(f"{name} {rule}, got {getattr(self, name)!r}", name)
+
+    def _verify_lengths(self) -> None:
+        check = self._check
         check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
         check(0 <= self.min_new_tokens, "min_new_tokens", "must be >= 0")
         check(
@@ -101,25 +138,36 @@ class SamplingParams:
             "min_new_tokens",
             f"must be <= max_new_tokens ({self.max_new_tokens})",
         )
-        check(self.temperature >= 0, "temperature", "must be >= 0")
+        check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+
+    def _verify_sampling(self) -> None:
+        check = self._check
+        check(0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0")
         check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (all) or >= 1")
         check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]")
-        check(self.n >= 1, "n", "must be >= 1")
+        low, high = SEED_RANGE
+        seed = self.sampling_seed
+        check(seed is None or low <= seed <= high, "sampling_seed", "must be a 64-bit integer")
+        check(
+            all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+            "logit_bias",
+            f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+
+    def _verify_stops(self) -> None:
+        check = self._check
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for pattern in self.stop_regex:
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}") from None
-        given = [name for name in CONSTRAINTS if getattr(self, name)]
-        if len(given) > 1:
-            raise ValueError(
-                f"at most one of json_schema, regex, ebnf may be given, got {', '.join(given)}"
-            )
+                raise SamplingParamsError(
+                    f"stop_regex {pattern!r} is not a valid regex: {e}", "stop_regex"
+                ) from None
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -131,6 +179,7 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(
-                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad}"
+                raise SamplingParamsError(
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}",
+                    name,
                 )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 
 class APIError(Exception):
     def __init__(
@@ -54,3 +56,26 @@ class EngineUnavailable(APIError):
 
     def __init__(self, message: str) -> None:
         super().__init__(503, message)
+
+
+class _ErrorFields(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer, as OpenAPI documents it."""
+
+    error: _ErrorFields
+
+
+# Every route's documented error answers (FastAPI would document its own 422 instead).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {
+        "model": ErrorBody,
+        "description": "Invalid request (400), bad API key (401), unknown route or model (404)",
+    },
+    503: {"model": ErrorBody, "description": "The engine is starting, down, draining or full"},
+}

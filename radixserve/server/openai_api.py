@@ -11,10 +11,18 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Any, Literal
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixserve.core.req import Req
+from radixserve.core.sampling_params import MAX_N
 from radixserve.native import expand_request
+from radixserve.server.checks import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MAX_SEQUENCES_PER_REQUEST,
+    call_error,
+)
 from radixserve.server.errors import bad_request
 
 
@@ -58,7 +66,7 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -193,9 +201,10 @@ def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]])
             top_logprobs_num=lp or 0,
             rid=body.rid,
             priority=body.priority,
+            max_sequences=MAX_SEQUENCES_PER_REQUEST,
         ).reqs
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise call_error(e, COMPLETION_FIELDS) from None
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -206,12 +215,15 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions")
     last_is_assistant = messages[-1]["role"] == "assistant" and body.continue_final_message
-    text = tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=not last_is_assistant,
-        continue_final_message=last_is_assistant,
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=not last_is_assistant,
+            continue_final_message=last_is_assistant,
+        )
+    except (TemplateError, ValueError) as e:  # e.g. roles out of the template's order
+        raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -232,9 +244,10 @@ def chat_reqs(body: ChatCompletionRequest, tokenizer: Any, max_context: int) -> 
             top_logprobs_num=body.top_logprobs or 0,
             rid=body.rid,
             priority=body.priority,
+            max_sequences=MAX_SEQUENCES_PER_REQUEST,
         ).reqs
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise call_error(e, CHAT_FIELDS) from None
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""Request bodies: parsed strictly before FastAPI validates them against a route's model.
+
+FastAPI would accept JSON the engine cannot use (lone UTF-16 surrogates, integers of any
+size, nesting as deep as the interpreter's stack) and would answer a model mismatch with
+its own 422. Here every body is checked once at the edge and every problem is a 400 in the
+OpenAI error shape naming the field, so no such value ever reaches the tokenizer or the
+scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+
+from radixserve.server.errors import APIError, bad_request
+
+MAX_JSON_DEPTH = 64  # containers nested in a body; real clients send 5 or fewer
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer of a body fits in 64 bits
+_SURROGATE = re.compile("[\ud800-\udfff]")  # only lone ones survive json.loads
+
+Path = Sequence[str | int]
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number"}
+_JSON_KINDS |= {bool: "a boolean", type(None): "null"}
+
+
+def field_name(path: Path) -> str | None:
+    """`sampling_params.stop.0` for the path (sampling_params, stop, 0); None at the top."""
+    return ".".join(str(p) for p in path) or None
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object whose every value the engine can take; else a 400."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise _too_deep(None) from None
+    except ValueError as e:  # bad JSON or UTF-8, NaN/Infinity, an integer of > 4300 digits
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {_JSON_KINDS[type(data)]}")
+    check_value(data, [], depth=1)
+    return data
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _too_deep(path: Path | None) -> APIError:
+    where = field_name(path) if path else None
+    at = f"{where}: " if where else "the body "
+    return bad_request(f"{at}nests deeper than {MAX_JSON_DEPTH} levels", param=where)
+
+
+def check_value(value: Any, path: list[str | int], depth: int) -> None:
+    """Raise a 400 naming the field of the first value out of range: a container nested
+    deeper than MAX_JSON_DEPTH, a string with a lone surrogate, an integer outside 64 bits,
+    or a float that overflowed to infinity (1e400)."""
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            name = field_name(path)
+            raise bad_request(f"{name}: integer outside the 64-bit range", param=name)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            name = field_name(path)
+            raise bad_request(f"{name}: number too large (not a finite float)", param=name)
+    elif isinstance(value, (list, dict)):
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(path)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, [*path, key])
+            check_value(item, [*path, key], depth + 1)
+
+
+def _check_text(text: str, path: Path) -> None:
+    if not text.isascii() and _SURROGATE.search(text):
+        name = field_name(path)
+        raise bad_request(f"{name}: the string is not valid Unicode (a lone surrogate)", name)
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """FastAPI's 422 as the project's 400, naming the first field that failed."""
+    first = e.errors()[0]
+    loc = list(first["loc"])
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    field = field_name(loc)
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {field}"
+    else:
+        message = f"{field}: {first['msg']}" if field else first["msg"]
+    return bad_request(message, param=field)
+
+
+class JSONBodyRoute(APIRoute):
+    """A route whose body, when it declares one, is a JSON object checked by `load_body`
+    before FastAPI validates it against the declared model. The body is taken as JSON
+    whatever Content-Type the client sent (curl -d sends a form type), as before."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def parse_then_handle(request: Request) -> Response:
+            raw = await request.body()
+            return await handler(_ParsedRequest(request, raw, load_body(raw)))
+
+        return parse_then_handle
+
+
+class _ParsedRequest(Request):
+    """The request with its body already read and parsed (and said to be JSON)."""
+
+    def __init__(self, request: Request, raw: bytes, data: dict[str, Any]) -> None:
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        headers.append((b"content-type", b"application/json"))
+        super().__init__({**request.scope, "headers": headers}, request.receive)
+        self._raw = raw
+        self._data = data
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> Any:
+        return self._data

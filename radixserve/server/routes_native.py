@@ -1,0 +1,220 @@
+"""The SGLang-native routes: health, model and server information, cache and abort control,
+metrics, the tokenizer (lm-eval's discovery), and /generate (see the wire contract, §1)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
+
+from radixserve import __version__
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.native import expand_request
+from radixserve.server.body import JSONBodyRoute
+from radixserve.server.checks import (
+    MAX_SEQUENCES_PER_REQUEST,
+    call_error,
+    check_sequences,
+    native_fields,
+)
+from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.state import State
+from radixserve.server.streaming import sse, until_disconnect
+from radixserve.server.tokenizer_manager import Call
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
+
+
+def _sampling_params_schema() -> dict[str, Any]:
+    """The sampling fields as OpenAPI shows them (SamplingParams validates them itself)."""
+    _, components = msgspec.json.schema_components([SamplingParams])
+    schema = components["SamplingParams"]
+    return {**schema, "additionalProperties": False, "title": "SamplingParams"}
+
+
+SamplingParamsBody = Annotated[dict[str, Any], WithJsonSchema(_sampling_params_schema())]
+
+
+class GenerateRequest(BaseModel):
+    """The native /generate body (unknown top-level fields are ignored, as SGLang does)."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    priority: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str | None = None
+    abort_all: bool = False
+
+
+# -- health and information -----------------------------------------------------------------
+@router.get("/health")
+async def health(state: State) -> Response:
+    manager = state.manager
+    if manager.dead is not None or manager.draining or not manager.ready:
+        reason = manager.dead or ("shutting down" if manager.draining else "starting")
+        return JSONResponse(APIError(503, reason).body(), status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(state: State) -> Response:
+    manager = state.manager
+    ids = manager.tokenizer.encode("ping") or [0]
+    reqs = expand_request(manager.tokenizer.encode, None, {"max_new_tokens": 1}, ids).reqs
+    call = manager.submit(reqs)
+    try:
+        await asyncio.wait_for(call.results(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(503, "a 1-token generation did not finish in time") from None
+    finally:
+        call.close()
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(state: State) -> dict[str, Any]:
+    return {
+        "model_path": state.model.path,
+        "tokenizer_path": state.model.path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "served_model_name": state.model_name,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(state: State) -> dict[str, Any]:
+    scheduler_state = await state.manager.control("get_state")
+    return {
+        **state.config.to_flat(),
+        **state.model.fields,
+        "served_model_name": state.model_name,
+        "version": __version__,
+        "internal_states": [scheduler_state],
+    }
+
+
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache_post")
+async def flush_cache(state: State) -> Response:
+    if await state.manager.control("flush_cache"):
+        return PlainTextResponse("Cache flushed.\n")
+    return PlainTextResponse(
+        "Cache not flushed: requests are still running; retry when the server is idle.\n",
+        status_code=400,
+    )
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, state: State) -> Response:
+    if not body.abort_all and body.rid is None:
+        raise bad_request("give rid or abort_all: true", param="rid")
+    state.manager.send_abort(None if body.abort_all else body.rid)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    registry = state.manager.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- tokenizer ------------------------------------------------------------------------------
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
+    encode = state.manager.tokenizer.encode
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    tokens = [encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    out = tokens[0] if isinstance(body.prompt, str) else tokens
+    return {"tokens": out, "count": sum(map(len, tokens)), "max_model_len": state.model.max_seq_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
+    vocab = state.model.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        message = f"tokens outside the vocabulary [0, {vocab}): {bad[:8]}"
+        raise bad_request(message, param="tokens")
+    return {"prompt": state.manager.tokenizer.decode(body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: State) -> dict[str, Any]:
+    tokenizer = state.manager.tokenizer
+    return {
+        "eos_token": tokenizer.eos_token,
+        "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "chat_template": tokenizer.chat_template,
+        "vocab_size": state.model.vocab_size,
+    }
+
+
+# -- generation -----------------------------------------------------------------------------
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, state: State) -> Response:
+    if body.token_ids_logprob:
+        raise bad_request("token_ids_logprob is not supported yet", "token_ids_logprob")
+    fields = native_fields("input_ids" if body.input_ids is not None else "text")
+    try:
+        expanded = expand_request(
+            state.manager.encode,
+            body.text,
+            body.sampling_params,
+            body.input_ids,
+            body.return_logprob,
+            body.logprob_start_len,
+            body.top_logprobs_num,
+            body.rid,
+            body.priority,
+            max_sequences=MAX_SEQUENCES_PER_REQUEST,
+        )
+    except ValueError as e:
+        raise call_error(e, fields) from None
+    check_sequences(expanded.reqs, state, fields)
+    call = state.manager.submit(expanded.reqs, body.return_text_in_logprobs, body.stream)
+    if body.stream:
+        return await sse(request, _native_chunks(call, batch=not expanded.single), call)
+    results = await until_disconnect(request, call, call.results())
+    return JSONResponse(results[0] if expanded.single else results)
+
+
+async def _native_chunks(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:
+    """Each output as it comes: the cumulative result, with its index in a batch."""
+    async for index, out in call.stream():
+        yield {**out.result, "index": index} if batch else out.result

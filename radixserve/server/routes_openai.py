@@ -1,0 +1,219 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions and /v1/chat/completions.
+
+Both generation routes run the same way (`_serve`): submit, then either one JSON response
+or a stream of chunks built by one builder (`_chunks`). What differs between them, the
+shape of a choice, is one small `_Shape` per endpoint."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.core.req import Req
+from radixserve.server import openai_api as oai
+from radixserve.server.body import JSONBodyRoute
+from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
+from radixserve.server.errors import ERROR_RESPONSES, APIError
+from radixserve.server.state import ServerState, State
+from radixserve.server.streaming import sse, until_disconnect
+from radixserve.server.tokenizer_manager import Call
+
+router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
+
+
+# -- models ---------------------------------------------------------------------------------
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "radixserve",
+        "root": state.model.path,
+        "max_model_len": state.model.max_seq_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(state: State) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, state: State) -> dict[str, Any]:
+    if model_id != state.model_name:
+        message = f"The model {model_id!r} does not exist"
+        raise APIError(404, message, param="model", code="model_not_found")
+    return _model_card(state)
+
+
+# -- generation -----------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(body: oai.CompletionRequest, request: Request, state: State) -> Response:
+    reqs = oai.completion_reqs(body, state.manager.encode)
+    check_sequences(reqs, state, COMPLETION_FIELDS)
+    return await _serve(request, state, body, reqs, _Completion(body, _decoder(state)))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: oai.ChatCompletionRequest, request: Request, state: State
+) -> Response:
+    reqs = oai.chat_reqs(body, state.manager.tokenizer, state.model.max_seq_len)
+    check_sequences(reqs, state, CHAT_FIELDS)
+    return await _serve(request, state, body, reqs, _Chat(body, _decoder(state)))
+
+
+def _decoder(state: ServerState) -> Callable[[list[int]], str]:
+    return state.manager.tokenizer.decode
+
+
+async def _serve(
+    request: Request, state: ServerState, body: Any, reqs: list[Req], shape: _Shape
+) -> Response:
+    call = state.manager.submit(reqs, return_text_in_logprobs=False, stream=body.stream)
+    head = {"id": oai.new_id(shape.id_prefix), "object": shape.object, "created": oai.now()}
+    head["model"] = body.model or state.model_name
+    if body.stream:
+        head["object"] = shape.chunk_object
+        return await sse(request, _chunks(call, body, shape, head), call)
+    results = await until_disconnect(request, call, call.results())
+    choices = [
+        {"index": i, **shape.choice(req, result), **oai.finish_fields(result["meta_info"])}
+        for i, (req, result) in enumerate(zip(reqs, results))
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": oai.usage(results, body.n)})
+
+
+async def _chunks(
+    call: Call, body: Any, shape: _Shape, head: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """The stream of either endpoint: per sequence only what is new, exactly one chunk
+    with a finish_reason per index, then the usage chunk when asked."""
+    sent = _Sent(len(call.reqs))
+    finals: list[dict[str, Any]] = [{}] * len(call.reqs)
+    opened = False
+    async for index, out in call.stream():
+        if not opened:  # after the first output, so a refused call gets its status
+            opened = True
+            for choice in shape.opening(len(call.reqs)):
+                yield {**head, "choices": [choice]}
+        delta = sent.advance(index, out.result, shape.wants_logprobs, shape.echo)
+        if delta is None:
+            continue
+        meta = out.result["meta_info"]
+        if out.finished:
+            finals[index] = out.result
+        choice = shape.chunk_choice(call.reqs[index], delta, meta)
+        yield {**head, "choices": [{"index": index, **choice, **oai.finish_fields(meta)}]}
+    if body.include_usage:
+        yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
+
+
+# -- what differs between the two endpoints -------------------------------------------------
+@dataclass
+class _Delta:
+    text: str  # new text since the last chunk of this sequence
+    logprob_start: int  # its first output-logprob entry not sent yet
+    first: bool  # the sequence's first chunk
+
+
+class _Shape(Protocol):
+    id_prefix: str
+    object: str  # of the whole response
+    chunk_object: str  # of a stream chunk
+    wants_logprobs: bool
+    echo: bool
+
+    def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
+        """A response choice's own fields (index and finish fields are added)."""
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        """Choices streamed once, before any output."""
+
+    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
+        """A stream chunk choice's own fields for this news."""
+
+
+class _Completion:
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, body: oai.CompletionRequest, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.wants_logprobs = body.logprobs is not None
+        self.echo = body.echo
+
+    def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
+        return self._fields(req, result["text"], result["meta_info"], self.echo, 0)
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
+        echo = self.echo and delta.first
+        return self._fields(req, delta.text, meta, echo, delta.logprob_start)
+
+    def _fields(
+        self, req: Req, text: str, meta: dict[str, Any], echo: bool, start: int
+    ) -> dict[str, Any]:
+        if echo:
+            text = self.decode(req.input_ids) + text
+        logprobs = None
+        if self.wants_logprobs:
+            logprobs = oai.completion_logprobs(meta, self.decode, echo, start)
+        return {"text": text, "logprobs": logprobs}
+
+
+class _Chat:
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    echo = False
+
+    def __init__(self, body: oai.ChatCompletionRequest, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.wants_logprobs = body.logprobs
+
+    def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": result["text"]}
+        return {"message": message, "logprobs": self._logprobs(result["meta_info"], 0)}
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            {"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)
+        ]
+
+    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
+        content = {"content": delta.text} if delta.text else {}
+        return {"delta": content, "logprobs": self._logprobs(meta, delta.logprob_start)}
+
+    def _logprobs(self, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
+        return oai.chat_logprobs(meta, self.decode, start) if self.wants_logprobs else None
+
+
+class _Sent:
+    """What an OpenAI stream has sent of each sequence, so each chunk carries only news: new
+    text (the growth of the cumulative text, so held-back stop prefixes never leak) and new
+    logprob entries (sent even when their text is still held back)."""
+
+    def __init__(self, n: int) -> None:
+        self.text = [0] * n
+        self.logprobs = [0] * n
+        self.started = [False] * n
+
+    def advance(
+        self, index: int, result: dict[str, Any], logprobs: bool, echo: bool
+    ) -> _Delta | None:
+        meta = result["meta_info"]
+        text = result["text"][self.text[index] :]
+        start = self.logprobs[index]
+        end = len(meta.get("output_token_logprobs", ())) if logprobs else start
+        first = not self.started[index]
+        if not (text or end > start or meta["finish_reason"] is not None or (echo and first)):
+            return None
+        self.text[index] = len(result["text"])
+        self.logprobs[index] = end
+        self.started[index] = True
+        return _Delta(text, start, first)

@@ -1,0 +1,47 @@
+"""What every route needs: the tokenizer manager, the configuration, the served model's name,
+and the facts about the loaded model, handed to the routers as a FastAPI dependency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from radixserve.config import Config
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+
+@dataclass(frozen=True)
+class ServerState:
+    manager: TokenizerManager
+    config: Config
+    model_name: str  # the id /v1/models reports
+    started: int  # unix time the server started (the model card's `created`)
+
+    @property
+    def model(self) -> ServedModel:
+        return served_model(self.manager)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The loaded model as the routes see it."""
+
+    path: str
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_seq_len: int  # the longest prompt + output one request may have
+    fields: dict[str, Any]  # everything known about it, as /get_server_info reports it
+
+
+def served_model(manager: TokenizerManager) -> ServedModel:
+    """The one place that reads the scheduler's model description."""
+    info = manager.model_info
+    return ServedModel(info["model_path"], info["vocab_size"], manager.context_len, dict(info))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(_state)]

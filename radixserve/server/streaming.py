@@ -1,0 +1,68 @@
+"""Waiting on a call while watching the client: a disconnect aborts the call (its KV is
+freed), and a stream goes out as server-sent events ending with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from radixserve.server.errors import APIError
+from radixserve.server.tokenizer_manager import Call
+
+
+async def until_disconnect(request: Request, call: Call | None, work: Awaitable[Any]) -> Any:
+    """Await `work`; if the client goes away first, abort the call (its KV is freed). The
+    call is closed when done, unless None is given (the caller keeps it open).
+
+    The body has been read, so the next ASGI message can only be `http.disconnect`: waiting
+    for it costs nothing, where polling `is_disconnected()` woke the loop per request."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "the client disconnected")
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        if call is not None:
+            call.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Call) -> Response:
+    """Server-sent events. The first chunk is awaited before the response starts, so a
+    request refused by the scheduler (full queue, too long) still gets its 4xx/503 status."""
+    try:
+        first = await until_disconnect(request, None, anext(chunks))
+    except BaseException:
+        call.close()
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield _event(first)
+            async for chunk in chunks:
+                yield _event(chunk)
+        except APIError as e:
+            yield _event(e.body())
+        finally:
+            call.close()  # a disconnect cancels this generator: abort what still runs
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
