@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from radixserve.config import (
     CacheConfig,
@@ -41,7 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     add_config_args(gen, RUNNER_PARTS)
 
-    bench = commands.add_parser("bench", help="benchmarks")
+    argv = sys.argv[1:] if argv is None else argv
+    bench = commands.add_parser("bench", help="benchmarks (radixserve bench --help lists them)")
+    # the benchmark modules import torch: only a bench command loads them, so that
+    # `radixserve --help` and `radixserve serve --help` answer at once
+    benches = _add_bench_parsers(bench) if "bench" in argv else {}
+    args = parser.parse_args(argv)
+    level = args.log_level or ("info" if args.command == "serve" else "warning")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "serve":
+        return _serve(args, level)
+    if args.command == "generate":
+        return _generate(args)
+    return benches[args.bench].run(args)
+
+
+def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
+    """`radixserve bench <name>`: one subcommand per benchmark module."""
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
         http_shared_prefix,
@@ -71,18 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         "soak": soak,
     }
     for name, module in benches.items():
-        module.add_args(bench_kinds.add_parser(name, help=module.__doc__))
-
-    args = parser.parse_args(argv)
-    level = args.log_level or ("info" if args.command == "serve" else "warning")
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if args.command == "serve":
-        return _serve(args, level)
-    if args.command == "generate":
-        return _generate(args)
-    return benches[args.bench].run(args)
+        module.add_args(
+            bench_kinds.add_parser(name, help=(module.__doc__ or "").replace("%", "%%"))
+        )
+    return benches
 
 
 def _serve(args: argparse.Namespace, log_level: str) -> int:

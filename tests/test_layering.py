@@ -110,6 +110,16 @@ def test_the_http_and_detokenizer_processes_load_no_model_or_scheduler_code():
     assert not heavy, heavy
 
 
-def test_the_config_and_the_cli_import_no_torch():
-    """`radixserve --help` is instant."""
+def test_the_config_and_the_cli_help_import_no_torch():
+    """`radixserve --help` and `radixserve serve --help` are instant."""
     assert "torch" not in loaded_after_import("radixserve.config", "radixserve.cli")
+    code = (
+        "import sys, contextlib, io\n"
+        "from radixserve.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -36,8 +36,9 @@ class ServedModel:
 
 def served_model(manager: TokenizerManager) -> ServedModel:
     """The one place that reads the scheduler's model description."""
-    info = manager.model_info
-    return ServedModel(info["model_path"], info["vocab_size"], manager.context_len, dict(info))
+    info = manager.info
+    assert info is not None, "the scheduler has not reported ready"
+    return ServedModel(info.model_path, info.vocab_size, info.max_seq_len, info.as_dict())
 
 
 def _state(request: Request) -> ServerState:

@@ -96,7 +96,6 @@ class TokenizerManager:
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
-        self.model_info: dict[str, Any] = {}  # the same, as /get_server_info reports it
         self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
         self.to_scheduler = to_scheduler
         self.metrics = metrics
@@ -119,7 +118,6 @@ class TokenizerManager:
     def on_ready(self, msg: Ready) -> None:
         if msg.role == "scheduler" and msg.info is not None:
             self.info = msg.info
-            self.model_info = msg.info.as_dict()
         self.starting.discard(msg.role)
 
     # -- requests -------------------------------------------------------------------------
