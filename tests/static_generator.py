@@ -11,7 +11,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixserve.core.output import FinishReason
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
@@ -22,7 +21,7 @@ from radixserve.scheduler.batch_builder import BatchBuilder
 @dataclass
 class GenerateResult:
     output_ids: list[int]
-    finish_reason: FinishReason
+    finish_reason: str  # "stop" or "length"
     logprobs: list[float]
     top_logprobs: list[list[tuple[float, int]]]
 
@@ -53,32 +52,32 @@ class StaticGenerator:
                     f"exceeds the context length {self.runner.context_len}"
                 )
             reqs.append(Req(f"static-{next(self._rids)}", list(prompt), p))
+        # why each request ended, by rid (kept here, not in Req.finish_reason, so that this
+        # runner-level path needs no msgspec: the GPU check runs it where msgspec is missing)
+        reasons = {r.rid: "length" for r in reqs if r.params.max_new_tokens == 0}
         try:
-            self._run(reqs, return_logprob, top_logprobs_num)
+            self._run(reqs, reasons, return_logprob, top_logprobs_num)
         finally:
             for req in reqs:
                 self.builder.release(req)
         return [
-            GenerateResult(r.output_ids, r.finish_reason, r.output_logprobs, r.output_top_logprobs)
+            GenerateResult(r.output_ids, reasons[r.rid], r.output_logprobs, r.output_top_logprobs)
             for r in reqs
         ]
 
-    def _run(self, reqs: list[Req], return_logprob: bool, top_n: int) -> None:
-        for req in reqs:
-            if req.params.max_new_tokens == 0:
-                req.finish_reason = FinishReason.of_length(0)
-        active = [r for r in reqs if not r.finished]
+    def _run(self, reqs: list[Req], reasons: dict[str, str], return_logprob: bool, top_n: int):
+        active = [r for r in reqs if r.rid not in reasons]
         if not active:
             return
         batch = self.builder.extend(active, [r.input_ids for r in active])
         while active:
             logits = self.runner.forward(batch).logits
             out = self.sampler(logits, self._sampling_batch(active), return_logprob, top_n)
-            self._append(active, out)
+            self._append(active, out, reasons)
             for req in active:
-                if req.finished:
+                if req.rid in reasons:
                     self.builder.release(req)
-            active = [r for r in active if not r.finished]
+            active = [r for r in active if r.rid not in reasons]
             if active:
                 batch = self.builder.decode(active)
 
@@ -87,7 +86,7 @@ class StaticGenerator:
             reqs, self.eos_ids, self.runner.vocab_size, self.runner.device
         )
 
-    def _append(self, reqs: list[Req], out: SampleOutput) -> None:
+    def _append(self, reqs: list[Req], out: SampleOutput, reasons: dict[str, str]) -> None:
         next_ids = out.next_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         tops = None
@@ -103,6 +102,6 @@ class StaticGenerator:
             if tops is not None:
                 req.output_top_logprobs.append(tops[i])
             if token in req.stop_ids(self.eos_ids):  # banned until min_new_tokens is reached
-                req.finish_reason = FinishReason.stop(token)
+                reasons[req.rid] = "stop"
             elif len(req.output_ids) >= req.params.max_new_tokens:
-                req.finish_reason = FinishReason.of_length(len(req.output_ids))
+                reasons[req.rid] = "length"

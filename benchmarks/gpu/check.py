@@ -20,7 +20,7 @@ after every part so that a run cut short still leaves what it measured. Parts (a
 batch sizes) still to run once --budget-s has passed are skipped.
 
 Only the runner level of radixserve is imported (model, cache, core, scheduler.batch_builder,
-scheduler.static_generator, bench.one_batch): it needs torch and transformers, plus msgspec,
+tests' static_generator, bench.one_batch): it needs torch and transformers, plus msgspec,
 which radixserve.core.sampling_params imports for request parsing only. The GPU image has no
 msgspec, so where it is missing a stand-in that fails on use takes its place
 (`provide_missing_modules`); the JSON lists it under "stand_ins".
@@ -255,8 +255,8 @@ def fidelity_case(folder: Path, device: torch.device, dtype: str, steps: int) ->
 
     from radixserve.config import Config
     from radixserve.model.runner import ModelRunner
-    from radixserve.scheduler.static_generator import StaticGenerator
     from tests.reference import reference_logits
+    from tests.static_generator import StaticGenerator
     from tests.test_fidelity import ATOL, TEXTS, encode, greedy
 
     config = Config.from_flat(
@@ -350,11 +350,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) -> dict[str, Any]:
     from radixserve.bench.one_batch import Figure, RunnerWorkload, TransformersWorkload
-    from radixserve.config import DTYPES, Config
+    from radixserve.config import Config
     from radixserve.model.runner import ModelRunner
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    folder = build_smollm2_shaped(work / "smollm2-shape", sizes.layers, DTYPES[dtype])
+    folder = build_smollm2_shaped(work / "smollm2-shape", sizes.layers, getattr(torch, dtype))
     config = Config.from_flat(
         model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=sizes.kv_tokens
     )

@@ -6,10 +6,12 @@ import random
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
 from radixserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the runner level (Req, BatchBuilder) needs no msgspec
+    from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
 
 
 @dataclass

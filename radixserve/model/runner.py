@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -18,7 +19,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
 from radixserve.config import Config
 from radixserve.core.batch import ForwardBatch
-from radixserve.core.output import ModelInfo
 from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
@@ -35,6 +35,9 @@ from radixserve.model.quantization import (
     check_int8_supported,
     quantize_model_int8,
 )
+
+if TYPE_CHECKING:
+    from radixserve.core.output import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,8 @@ class ModelRunner:
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
+        from radixserve.core.output import ModelInfo  # msgspec: not needed below this call
+
         return ModelInfo(
             model_path=str(self.model_folder),
             max_total_num_tokens=self.max_total_tokens,
