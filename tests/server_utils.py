@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -83,3 +84,15 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def tiny_model_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A module fixture's body: one server over the tests' tiny model, stopped afterwards."""
+    log = log_dir / "server.log"
+    proc = ServerProcess(
+        "--model-path", str(model_dir), "--max-total-tokens", "8192", *flags, log=log
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()

@@ -13,7 +13,7 @@ import requests
 
 from radixserve.server.body import MAX_JSON_DEPTH
 from radixserve.server.checks import MAX_SEQUENCES_PER_REQUEST, MAX_TOP_LOGPROBS
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, tiny_model_server
 
 VOCAB = 512  # the tiny model's
 CONTEXT = 2048  # its max_position_embeddings
@@ -23,13 +23,9 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hostile-server") / "server.log"
-    model = str(tiny_model_dirs["llama"])
-    proc = ServerProcess("--model-path", model, "--max-total-tokens", "8192", log=log)
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    yield from tiny_model_server(
+        tiny_model_dirs["llama"], tmp_path_factory.mktemp("hostile-server")
+    )
 
 
 def post_raw(server: ServerProcess, path: str, data: bytes) -> requests.Response:

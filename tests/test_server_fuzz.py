@@ -21,7 +21,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, tiny_model_server
 
 VOCAB = 512  # the tiny model's (tests/conftest.py TINY_SHAPE)
 CONTEXT = 2048  # its max_position_embeddings
@@ -47,13 +47,7 @@ def fuzz_settings(examples: int) -> settings:
 # -- the server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    model = str(tiny_model_dirs["llama"])
-    proc = ServerProcess("--model-path", model, "--max-total-tokens", "8192", log=log)
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    yield from tiny_model_server(tiny_model_dirs["llama"], tmp_path_factory.mktemp("fuzz-server"))
 
 
 def send(server: ServerProcess, method: str, path: str, body: Any = None) -> requests.Response:
