@@ -100,6 +100,27 @@ def test_bytes_that_are_not_utf8_are_400(server):
     assert "utf-8" in r.json()["error"]["message"].lower()
 
 
+def test_a_body_over_the_size_cap_is_413_and_the_server_goes_on(server):
+    from radixserve.server.body import MAX_BODY_BYTES
+
+    padding = "x" * (MAX_BODY_BYTES + 1)
+    raw = json.dumps({"prompt": "hi", "max_tokens": 1, "user": padding}).encode()
+    r = post_raw(server, "/v1/completions", raw)
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+    error = r.json()["error"]
+    assert "MiB" in error["message"] and error["code"] == "request_too_large", error
+
+    def chunked():  # no Content-Length: the cap applies while the body streams in
+        yield b'{"text": "hi", "sampling_params": {"max_new_tokens": 1}, "x": "'
+        for _ in range(MAX_BODY_BYTES >> 20):
+            yield b"y" * (1 << 20)
+        yield b'yy"}'
+
+    r = requests.post(server.url + "/generate", data=chunked(), timeout=TIMEOUT_S)
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 # -- numbers out of range -------------------------------------------------------------------
 @pytest.mark.parametrize(
     "path, raw, field",

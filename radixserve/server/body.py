@@ -22,6 +22,9 @@ from fastapi.routing import APIRoute
 from radixserve.server.errors import APIError, bad_request
 
 MAX_JSON_DEPTH = 64  # containers nested in a body; real clients send 5 or fewer
+# The largest body a route reads: 256 sequences (checks.MAX_SEQUENCES_PER_REQUEST) of a
+# 32k-token prompt as JSON ids fit; past it a 413 comes before the body is read in full.
+MAX_BODY_BYTES = 64 << 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer of a body fits in 64 bits
 _SURROGATE = re.compile("[\ud800-\udfff]")  # only lone ones survive json.loads
 
@@ -116,10 +119,34 @@ class JSONBodyRoute(APIRoute):
             return handler
 
         async def parse_then_handle(request: Request) -> Response:
-            raw = await request.body()
+            raw = await read_bounded(request)
             return await handler(_ParsedRequest(request, raw, load_body(raw)))
 
         return parse_then_handle
+
+
+def _too_large() -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB",
+        code="request_too_large",
+    )
+
+
+async def read_bounded(request: Request) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed MAX_BODY_BYTES (from its
+    Content-Length, else while it streams in)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _ParsedRequest(Request):
