@@ -99,41 +99,44 @@ class RadixCache:
     # -- lookup ---------------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], extra_key: Hashable = None) -> MatchResult:
         node = self._root(extra_key)
-        tokens = tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
-        parts: list[torch.Tensor] = []
         now = next(self._clock)
         node.last_access = now
-        pos = 0
-        while pos < len(tokens):
-            child = node.children.get(self._child_key(tokens[pos:]))
-            if child is None:
-                break
-            n = self._common_len(child.key, tokens[pos:])
+        parts: list[torch.Tensor] = []
+        for child, n in self._edges(node, self._aligned(tokens)):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
             parts.append(child.value)
-            node, pos = child, pos + n
+            node = child
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return MatchResult(slots, node)
 
     def peek_prefix(self, tokens: Sequence[int], extra_key: Hashable = None) -> PeekResult:
         """The cached length of `tokens` and the deepest node reached; splits no node and
         touches no access time."""
-        node = self.roots.get(extra_key)
-        if node is None:
-            return PeekResult(0, self._root(extra_key))
-        tokens = tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
+        node = self._root(extra_key)
+        length = 0
+        for child, n in self._edges(node, self._aligned(tokens)):
+            node, length = child, length + n
+        return PeekResult(length, node)
+
+    def _edges(self, node: TreeNode, tokens: tuple[int, ...]):
+        """The edges `tokens` follows down from `node`, as (child, tokens of its edge
+        matched); only the last may be matched in part (the caller may split it)."""
         pos = 0
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens[pos:]))
             if child is None:
-                break
+                return
             n = self._common_len(child.key, tokens[pos:])
+            partial = n < len(child.key)  # decided before the caller splits the edge
+            yield child, n
+            if partial:
+                return
             node, pos = child, pos + n
-            if n < len(child.key):
-                break
-        return PeekResult(pos, node)
+
+    def _aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
 
     # -- update ---------------------------------------------------------------------------
     def insert(
