@@ -12,12 +12,13 @@ from radixserve.config import (
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     add_config_args,
     config_from_args,
 )
 
 RUNNER_PARTS = (ModelConfig, CacheConfig)
-SERVER_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)
+SERVER_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ServerConfig)
 
 
 def main(argv: list[str] | None = None) -> int:

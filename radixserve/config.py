@@ -202,6 +202,61 @@ class SchedulerConfig:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
 
+SPECULATIVE_ALGORITHMS = ("none", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_algorithm: str = _opt(
+        "none",
+        "Speculative decoding: ngram drafts each running request's next tokens from its own "
+        "prompt and output and from finished requests' sequences, and verifies them in the "
+        "decode step (outputs unchanged; see radixserve/spec/). none: off.",
+        choices=SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = _opt(
+        8, "Most drafted tokens verified per request and step (the controller picks fewer)."
+    )
+    speculative_ngram_min_match_window_size: int = _opt(
+        2, "Fewest trailing tokens that must match for an n-gram draft."
+    )
+    speculative_ngram_max_match_window_size: int = _opt(
+        8, "Most trailing tokens compared when choosing among n-gram matches."
+    )
+    speculative_ngram_capacity: int = _opt(
+        1_000_000, "Tokens of finished requests' sequences kept in the shared n-gram index."
+    )
+
+    def __post_init__(self) -> None:
+        algorithm = self.speculative_algorithm.lower()
+        if algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                f"got {self.speculative_algorithm!r}"
+            )
+        object.__setattr__(self, "speculative_algorithm", algorithm)  # NGRAM as SGLang spells it
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ValueError(
+                "speculative_num_draft_tokens must be in 1..64, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_match_window_size <= "
+                f"speculative_ngram_max_match_window_size, got {low} and {high}"
+            )
+        if self.speculative_ngram_capacity < 0:
+            raise ValueError(
+                f"speculative_ngram_capacity must be >= 0, got {self.speculative_ngram_capacity}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm != "none"
+
+
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
@@ -243,6 +298,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def to_flat(self) -> dict[str, Any]:
@@ -281,9 +337,10 @@ def add_config_args(parser: argparse.ArgumentParser, parts: tuple[type, ...]) ->
     for part in parts:
         for f in dataclasses.fields(part):
             kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), "default": None}
+            kind = str(f.type)
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-            kind = str(f.type)
+                kwargs["type"] = str.lower  # NGRAM as SGLang's flags spell it
             if kind.startswith("bool"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif kind.startswith("int"):

@@ -164,9 +164,7 @@ class Engine:
         self.config = Config.from_flat(model_path=model_path, **config)
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
-        self.scheduler = Scheduler(
-            self.runner, self.config.scheduler, page_size=self.config.cache.page_size
-        )
+        self.scheduler = Scheduler.from_config(self.runner, self.config)
         self._transport = InProcessTransport()
         self._loop = SchedulerLoop(
             self.scheduler, self._transport, self.config.server.max_queued_requests

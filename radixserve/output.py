@@ -94,6 +94,7 @@ class RequestState:
             last.prompt_tokens,
             last.cached_tokens,
             last.completion_tokens,
+            spec=last.spec,
         )
 
     def _add_logprobs(self, delta: StrOut) -> None:
@@ -209,6 +210,8 @@ class ResultAccumulator:
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
         }
+        if out.spec is not None:
+            meta.update(out.spec.meta_info())
         if update.e2e_latency is not None:
             meta["e2e_latency"] = update.e2e_latency
         if self.return_logprob:

@@ -60,10 +60,34 @@ class ReqOutput(msgspec.Struct):
     new_top_logprobs: list[list[LogprobEntry]] = msgspec.field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
     input_top_logprobs: list[list[LogprobEntry]] | None = None
+    spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SpecCounts(msgspec.Struct, array_like=True):
+    """One request's speculative decoding so far: decode steps that verified a draft, the
+    drafted tokens verified, and those accepted."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens committed per verified step (accepted drafts plus the step's own token)."""
+        return (self.accepted_tokens + self.verify_ct) / self.verify_ct if self.verify_ct else 0.0
+
+    def meta_info(self) -> dict[str, Any]:
+        """The keys SGLang reports per request, and the counts behind them."""
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": self.accept_length,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+        }
 
 
 LogprobTriple = tuple[float | None, int, str | None]  # (logprob, token id, its text or None)
@@ -88,6 +112,7 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     input_top_logprobs: list[list[LogprobTriple]] | None = None
     text_cut: int | None = None  # the text so far is first cut to this length (rare: a stop
     # string's first occurrence in text already sent, see text_stream.TextStream._trim_at)
+    spec: SpecCounts | None = None
 
     @property
     def finished(self) -> bool:
@@ -147,10 +172,25 @@ class SchedulerStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     grammar: dict[str, float] = msgspec.field(default_factory=dict)
+    # speculative decoding: request-steps that verified a draft, drafted tokens verified and
+    # accepted, and both by draft position (index 0: the first drafted token)
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_by_position: list[int] = msgspec.field(default_factory=list)
+    spec_accepted_by_position: list[int] = msgspec.field(default_factory=list)
+    spec_cost_model: list[float] = msgspec.field(default_factory=list)  # [a, b] seconds
     pid: int = 0
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Tokens committed per request-step that verified a draft (SGLang's key)."""
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Flat, as reported: grammar counters as `grammar_<name>`."""
         flat = msgspec.structs.asdict(self)
         grammar = flat.pop("grammar")
+        flat["avg_spec_accept_length"] = self.avg_spec_accept_length
         return {**flat, **{f"grammar_{k}": v for k, v in grammar.items()}}

@@ -27,6 +27,7 @@ class Req:
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
+    spec: Any = None  # the speculator's state for this request (scheduler/speculative.py)
 
     # KV state, owned by the scheduler
     row: int | None = None  # request→token table row while it holds KV

@@ -82,6 +82,63 @@ class BatchBuilder:
             req.kv_len += 1
         return batch
 
+    def verify(
+        self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]
+    ) -> tuple[ForwardBatch, list[int]]:
+        """A decode step in which requests may carry drafted tokens after their pending one.
+
+        A request with a draft runs each of its tokens as a one-token row on its own table
+        row: row j attends to the first kv_len + j + 1 positions, which is causal attention
+        over the pool, so the decode kernel verifies drafts; its logits are returned for
+        every row. A request with several pending tokens (after a jump-forward) runs them as
+        one extend row. Returns the batch and each request's first logits row.
+        """
+        news = [r.all_ids[r.kv_len :] + list(d) for r, d in zip(reqs, drafts, strict=True)]
+        positions = [r.kv_len + j for r, new in zip(reqs, news) for j in range(len(new))]
+        slots = self._alloc(sum(map(len, news)))
+        rows: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        logits_at: list[int] = []
+        first_rows: list[int] = []
+        offset = 0
+        for req, new, draft in zip(reqs, news, drafts):
+            n = len(new)
+            self.req_to_token.write(req.row, req.kv_len, slots[offset : offset + n])
+            first_rows.append(len(logits_at))
+            if draft or n == 1:
+                rows += [req.row] * n
+                prefix_lens += range(req.kv_len, req.kv_len + n)
+                extend_lens += [1] * n
+                logits_at += range(offset, offset + n)
+            else:
+                rows.append(req.row)
+                prefix_lens.append(req.kv_len)
+                extend_lens.append(n)
+                logits_at.append(offset + n - 1)
+            offset += n
+        single = all(n == 1 for n in extend_lens)
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE if single else ForwardMode.EXTEND,
+            input_ids=self._tensor([t for new in news for t in new]),
+            positions=self._tensor(positions),
+            out_slots=slots,
+            req_rows=self._tensor(rows),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            logits_indices=self._tensor(logits_at),
+        )
+        for req, new in zip(reqs, news):
+            req.kv_len += len(new)
+        return batch, first_rows
+
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Drop the request's KV from position `kv_len` on (rejected drafted tokens)."""
+        assert req.row is not None and req.tree_len <= kv_len <= req.kv_len
+        if kv_len < req.kv_len:
+            self.allocator.free(self.req_to_token.slots(req.row, kv_len, req.kv_len).clone())
+            req.kv_len = kv_len
+
     def attach_prefix(self, req: Req, slots: torch.Tensor) -> None:
         """Give a request with no KV yet the cached slots of its first len(slots) tokens."""
         assert req.kv_len == 0

@@ -127,6 +127,25 @@ class KVManager:
     def decode_batch(self, reqs: Sequence[Req]) -> ForwardBatch:
         return self.builder.decode(reqs)
 
+    def verify_batch(
+        self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]
+    ) -> tuple[ForwardBatch, list[int]]:
+        """A decode step with drafted tokens (see BatchBuilder.verify)."""
+        return self.builder.verify(reqs, drafts)
+
+    def keep_verified(self, req: Req, start: int, ran: Sequence[int]) -> None:
+        """After a verified step: `ran` are the tokens the step ran from position `start`;
+        keep the KV of those that the request's tokens now agree with, release the rest
+        (the rejected drafts), so only committed tokens ever reach the tree. A running
+        request keeps its last token pending, as a decode step needs."""
+        tokens = req.all_ids[start : start + len(ran)]
+        valid = 0
+        while valid < len(tokens) and tokens[valid] == ran[valid]:
+            valid += 1
+        tokens = req.all_ids
+        limit = len(tokens) if req.finished else len(tokens) - 1
+        self.builder.truncate(req, max(min(start + valid, limit), req.tree_len))
+
     # -- the whole pool -------------------------------------------------------------------
     def flush(self) -> None:
         """Empty the cache (only with no live request: the caller checks)."""

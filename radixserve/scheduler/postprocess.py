@@ -23,6 +23,7 @@ from radixserve.core.output import (
     ModelInfo,
     ReqOutput,
     SchedulerStats,
+    SpecCounts,
 )
 from radixserve.core.req import Req
 from radixserve.model.sampler import SampleOutput, Sampler, SamplingBatch
@@ -79,6 +80,44 @@ class OutputProcessor:
             updates.append(update)
         return updates
 
+    def verify(
+        self,
+        reqs: list[Req],
+        logits: torch.Tensor,
+        first_rows: list[int],
+        drafts: list[list[int]],
+        masks: MaskJob,
+    ) -> tuple[list[Update], list[int]]:
+        """A decode step whose requests may have verified drafted tokens: logits rows
+        first_rows[i] + j (j = 0 .. len(drafts[i])) follow request i's pending token and
+        its first j drafted tokens. Position by position ("waves" over the requests still
+        going), each request's next token is chosen exactly as a decode step would choose
+        it, from the same state (penalties, grammar, min_tokens) and the same draw counter;
+        a request goes on to its next row while the chosen token is its drafted one. So
+        outputs are those of decoding without drafts, token for token, greedy or sampled.
+        Returns each request's update (every token it gained) and its accepted drafts."""
+        updates = [Update(r) for r in reqs]
+        accepted = [0] * len(reqs)
+        going = list(range(len(reqs)))
+        j = 0
+        while going:
+            wave = [reqs[i] for i in going]
+            rows = logits[torch.tensor([first_rows[i] + j for i in going])]
+            wave_masks = masks if j == 0 else self.grammars.start_masks(wave)
+            nxt = []
+            for i, step in zip(going, self.process(wave, rows, wave_masks)):
+                update = updates[i]
+                update.new_ids += step.new_ids
+                update.new_logprobs += step.new_logprobs
+                update.new_top_logprobs += step.new_top_logprobs
+                draft = drafts[i]
+                if j < len(draft) and not reqs[i].finished and step.new_ids == [draft[j]]:
+                    accepted[i] += 1
+                    nxt.append(i)
+            going = nxt
+            j += 1
+        return updates, accepted
+
     def _update(self, update: Update, out: SampleOutput, row: int) -> None:
         req = update.req
         new = self._accept(req, int(out.next_ids[row]))
@@ -134,7 +173,9 @@ class OutputProcessor:
         return new
 
 
-def make_output(req: Req, update: Update | None = None) -> ReqOutput:
+def make_output(
+    req: Req, update: Update | None = None, spec: SpecCounts | None = None
+) -> ReqOutput:
     """What changed for `req` this step; its prompt logprobs ride on its first output."""
     update = update or Update(req)
     first = len(req.output_ids) <= len(update.new_ids) or req.finished
@@ -150,4 +191,5 @@ def make_output(req: Req, update: Update | None = None) -> ReqOutput:
         new_top_logprobs=list(update.new_top_logprobs),
         input_logprobs=list(req.input_logprobs) if with_prompt else None,
         input_top_logprobs=list(req.input_top_logprobs) if with_prompt else None,
+        spec=spec,
     )

@@ -3,6 +3,7 @@
     KVManager        slots, the request→token table and the radix tree (kv_manager.py)
     PrefillAdder     admission under the step's token and KV budgets (prefill.py)
     OutputProcessor  sampling, grammar, logprobs, stop checks, outputs (postprocess.py)
+    Speculator       n-gram drafts verified in the decode step, when on (speculative.py)
     order_waiting    the admission order policy (policy.py)
 
 Each `step()`: end aborted requests; then admit waiting requests into a prefill (extend)
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from radixserve.config import SchedulerConfig
+from radixserve.config import Config, SchedulerConfig, SpeculativeConfig
 from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
@@ -37,6 +38,7 @@ from radixserve.scheduler.logprobs import record_input_logprobs, wants_prompt_lo
 from radixserve.scheduler.policy import order_waiting
 from radixserve.scheduler.postprocess import OutputProcessor, Update, fail_request, make_output
 from radixserve.scheduler.prefill import Admission, OutputReserve, PrefillAdder
+from radixserve.scheduler.speculative import Speculator
 from radixserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,13 @@ Prefill = tuple[list[Req], list[list[int]]]  # requests and the tokens each exte
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, page_size: int = 1) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig,
+        page_size: int = 1,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.runner = runner
         self.config = config
         self.info = runner.model_info()
@@ -64,12 +72,19 @@ class Scheduler:
         stops = StopChecker(runner.tokenizer, runner.eos_token_ids, self.info, self.grammars)
         self.post = OutputProcessor(self.grammars, stops, self.info, runner.device, self.stats)
         self.reserve = OutputReserve(config.init_new_token_ratio, config.min_new_token_ratio)
+        self.spec: Speculator | None = None
+        if speculative is not None and speculative.enabled:
+            self.spec = Speculator(speculative, self.stats, self.info.context_length)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
         self.rng = random.Random(0)
         self._aborted: dict[str, str] = {}
         self.last_step: str | None = None  # "prefill", "mixed", "decode" or None (idle)
+
+    @classmethod
+    def from_config(cls, runner: ModelRunner, config: Config) -> Scheduler:
+        return cls(runner, config.scheduler, config.cache.page_size, config.speculative)
 
     # -- the transport's interface --------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -110,7 +125,11 @@ class Scheduler:
         stats.num_running = len(self.running) + (self.chunked is not None)
         stats.num_waiting = len(self.waiting)
         stats.grammar = self.grammars.stats.as_dict()
-        return msgspec.structs.replace(stats)  # a snapshot
+        return msgspec.structs.replace(  # a snapshot
+            stats,
+            spec_drafted_by_position=list(stats.spec_drafted_by_position),
+            spec_accepted_by_position=list(stats.spec_accepted_by_position),
+        )
 
     def check_kv_accounting(self) -> None:  # raises AssertionError on a leak
         self.kv.check(self.live())
@@ -221,31 +240,67 @@ class Scheduler:
         return last_rows, row
 
     def _run_decode(self) -> list[ReqOutput]:
-        """One token per running request; a request that jump-forward extended runs all its
-        forced tokens in the same pass (the batch is then an extend batch)."""
+        """One token per running request — more where a drafted continuation is verified
+        (speculative decoding), or where jump-forward appended forced tokens (those run in
+        the same pass: the batch is then an extend batch)."""
         self._make_room_for_decode()
         if not self.running:
             return []
         self.stats.decode_steps += 1
         reqs = self.running
+        pending = [_pending(r) for r in reqs]
+        drafts = self._drafts(reqs, pending)
         masks = self.grammars.start_masks(reqs)  # computed while the forward runs
-        if all(_pending(r) == 1 for r in reqs):
+        first_rows = None
+        if any(drafts):
+            ran = [(r.kv_len, r.all_ids[r.kv_len :] + d) for r, d in zip(reqs, drafts)]
+            batch, first_rows = self.kv.verify_batch(reqs, drafts)
+        elif all(n == 1 for n in pending):
             batch = self.kv.decode_batch(reqs)
         else:
             batch = self.kv.extend_batch(reqs, [r.all_ids[r.kv_len :] for r in reqs])
         start = time.perf_counter()
         logits = self.runner.forward(batch).logits
-        self.stats.decode_forward_seconds += time.perf_counter() - start
-        outputs = self._updates(reqs, logits, masks)
+        seconds = time.perf_counter() - start
+        self.stats.decode_forward_seconds += seconds
+        if self.spec is not None:
+            self.spec.observe_forward(batch.input_ids.numel(), seconds)
+        if first_rows is None:
+            outputs = self._updates(reqs, logits, masks)
+        else:
+            outputs = self._verified(reqs, drafts, ran, logits, first_rows, masks)
         self.running = [r for r in reqs if not r.finished]
         self.reserve.decay()
         return outputs
 
+    def _drafts(self, reqs: list[Req], pending: list[int]) -> list[list[int]]:
+        """Each request's drafted tokens to verify (none without speculation), within the
+        KV a step may take beyond its pending tokens (free or evictable, never retracting)."""
+        if self.spec is None:
+            return [[] for _ in reqs]
+        drafts = self.spec.propose(reqs, pending, self.kv.available - sum(pending))
+        if not self.kv.ensure_free(sum(pending) + sum(map(len, drafts))):
+            return [[] for _ in reqs]
+        return drafts
+
+    def _verified(self, reqs, drafts, ran, logits, first_rows, masks) -> list[ReqOutput]:
+        """After a step with drafts: keep what a decode step would have produced, release
+        the KV of the tokens that were not (see OutputProcessor.verify); `ran` holds each
+        request's first position and the tokens the step ran from there."""
+        assert self.spec is not None
+        updates, accepted = self.post.verify(reqs, logits, first_rows, drafts, masks)
+        for req, draft, kept, (start, tokens) in zip(reqs, drafts, accepted, ran):
+            self.kv.keep_verified(req, start, tokens)
+            self.spec.record(req, len(draft), kept)
+        return self._report(updates)
+
     def _updates(self, reqs: list[Req], logits: torch.Tensor, masks) -> list[ReqOutput]:
         """Sample and update `reqs`; finished ones give their KV to the tree."""
-        updates = self.post.process(reqs, logits, masks)
+        return self._report(self.post.process(reqs, logits, masks))
+
+    def _report(self, updates: list[Update]) -> list[ReqOutput]:
         return [
-            self._finish(u.req, u) if u.req.finished else make_output(u.req, u) for u in updates
+            self._finish(u.req, u) if u.req.finished else self._output(u.req, u) for u in updates
         ]
 
     def _make_room_for_decode(self) -> None:
@@ -270,9 +325,15 @@ class Scheduler:
             self.waiting.insert(0, req)
 
     # -- ending requests ------------------------------------------------------------------
+    def _output(self, req: Req, update: Update | None = None) -> ReqOutput:
+        return make_output(req, update, self.spec.counts(req) if self.spec else None)
+
     def _finish(self, req: Req, update: Update | None = None) -> ReqOutput:
         self.kv.release(req)
-        return make_output(req, update)
+        output = self._output(req, update)
+        if self.spec is not None:
+            self.spec.finished(req)
+        return output
 
     def _finish_aborted(self) -> list[ReqOutput]:
         outputs = []

@@ -63,7 +63,7 @@ def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_p
         to_main.send(ModelFolder(str(folder)))
         model = dataclasses.replace(config.model, model_path=str(folder))
         runner = ModelRunner(dataclasses.replace(config, model=model), progress=False)
-        scheduler = Scheduler(runner, config.scheduler, page_size=config.cache.page_size)
+        scheduler = Scheduler.from_config(runner, config)
     except (ModelLoadError, ValueError, OSError, zmq.ZMQError) as e:
         to_main.send(Failed("scheduler", str(e)))
         ctx.destroy(linger=1000)

@@ -1,0 +1,110 @@
+"""Speculative decoding in the decode step: drafts, the controller's choice of how many to
+verify, and the counters.
+
+    propose   each running request's n-gram draft (spec/ngram.py), cut to what the
+              controller expects to pay (spec/controller.py) and to the free KV
+    (forward) the drafted tokens run as extra one-token rows (BatchBuilder.verify)
+    (verify)  OutputProcessor.verify keeps the drafted tokens a decode step would have
+              produced; KVManager.keep_verified releases the KV of the others
+    record    acceptance per request (for the controller) and per draft position
+
+Requests with tokens pending after a jump-forward, or one token short of their limit, draft
+nothing that step; mixed prefill+decode steps do not speculate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from radixserve.config import SpeculativeConfig
+from radixserve.core.output import SchedulerStats, SpecCounts
+from radixserve.core.req import Req
+from radixserve.spec.controller import Acceptance, CostModel, plan
+from radixserve.spec.ngram import NgramDrafter, OwnTokens
+
+
+@dataclass
+class SpecState:
+    """What the speculator keeps per request (in `Req.spec`)."""
+
+    own: OwnTokens
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    counts: SpecCounts = field(default_factory=SpecCounts)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, stats: SchedulerStats, context_len: int):
+        self.max_draft = config.speculative_num_draft_tokens
+        self.drafter = NgramDrafter(
+            config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size,
+            config.speculative_ngram_capacity,
+        )
+        self.cost = CostModel()
+        self.stats = stats
+        self.context_len = context_len
+        stats.spec_drafted_by_position = [0] * self.max_draft
+        stats.spec_accepted_by_position = [0] * self.max_draft
+
+    def state(self, req: Req) -> SpecState:
+        if req.spec is None:
+            req.spec = SpecState(self.drafter.own_tokens())
+        return req.spec
+
+    def propose(self, reqs: list[Req], pending: list[int], free_slots: int) -> list[list[int]]:
+        """Drafted tokens to verify this step, per request (most often none)."""
+        found: list[list[int]] = []
+        for req, n in zip(reqs, pending, strict=True):
+            # the step's own token plus the drafts must stay within the request's limits
+            room = min(
+                req.params.max_new_tokens - len(req.output_ids),
+                self.context_len - len(req.input_ids) - len(req.output_ids),
+            )
+            limit = min(self.max_draft, room - 1)
+            draft = None
+            if n == 1 and limit > 0:
+                draft = self.drafter.propose(
+                    self.state(req).own, req.input_ids, req.output_ids, limit
+                )
+            found.append(draft.tokens if draft is not None else [])
+        if not any(found):
+            return found
+        rates = [self.state(r).acceptance.rate if d else 0.0 for r, d in zip(reqs, found)]
+        lengths = [len(d) for d in found]
+        take = plan(rates, lengths, sum(pending), self.cost.coefficients(), free_slots)
+        return [d[:k] for d, k in zip(found, take)]
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        self.cost.observe(tokens, seconds)
+        self.stats.spec_cost_model = list(self.cost.coefficients())
+
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
+        """Request `req` verified `drafted` tokens this step and `accepted` of them."""
+        state = self.state(req)
+        state.counts.verify_ct += drafted > 0
+        if not drafted:
+            return
+        state.acceptance.record(drafted, accepted)
+        state.counts.draft_tokens += drafted
+        state.counts.accepted_tokens += accepted
+        stats = self.stats
+        stats.spec_verify_steps += 1
+        stats.spec_draft_tokens += drafted
+        stats.spec_accepted_tokens += accepted
+        for j in range(drafted):
+            stats.spec_drafted_by_position[j] += 1
+        for j in range(accepted):
+            stats.spec_accepted_by_position[j] += 1
+
+    def counts(self, req: Req) -> SpecCounts:
+        """A copy of the request's counts (outputs may be read after the next step)."""
+        return msgspec.structs.replace(self.state(req).counts)
+
+    def finished(self, req: Req) -> None:
+        """A finished request's sequence joins the shared index."""
+        reason = req.finish_reason
+        if reason is not None and reason.type in ("stop", "length"):
+            self.drafter.finished(req.all_ids)
+        req.spec = None

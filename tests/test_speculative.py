@@ -1,0 +1,196 @@
+"""Speculative decoding (n-gram drafts verified in the decode step): outputs identical to
+decoding without it — greedy and seeded sampling, alone and batched, with the radix cache,
+chunked prefill, constrained decoding, retraction, stop rules and logprobs — KV accounting
+exact after every scenario (aborts in the middle of verified steps included), sampling
+drawing from the model's distribution, and the drafter and controller on their own."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from radixserve.config import SpeculativeConfig
+from radixserve.spec.controller import Acceptance, CostModel, plan
+from radixserve.spec.ngram import NgramDrafter, NgramIndex, SharedIndex
+from tests.conftest import FP32
+from tests.reference import reference_greedy
+from tests.test_constrained import DATE, NESTED, PERSON
+from tests.test_engine import PROMPTS, finish, greedy, make_engine
+
+STEPS = 40
+NGRAM = {"speculative_algorithm": "ngram"}
+# prompts whose greedy continuations repeat themselves now and then (the tiny random model
+# loops on them), and two that do not
+LOOPY = [[3] * 20, [7, 8] * 10, PROMPTS[2], PROMPTS[0]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(reference) -> list[list[int]]:
+    return [reference_greedy(reference, p, STEPS) for p in LOOPY]
+
+
+def accepted(engine) -> int:
+    return engine.get_server_info()["internal_states"][0]["spec_accepted_tokens"]
+
+
+# -- the drafter and the controller ------------------------------------------------------
+def test_index_continues_the_longest_earlier_match():
+    seq = [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7, 0, 3, 4]
+    index = NgramIndex(key_len=2, max_match=4)
+    index.add(seq, 0, len(seq))
+    # the suffix (3, 4) occurred twice; after (2, 3, 4) both times, after (9, 2, 3, 4) once
+    draft = index.lookup([8, 9, 2, 3, 4], 3, "self")
+    assert draft is not None and draft.tokens == [5, 6, 7] and draft.match_len == 4
+    recent = index.lookup([2, 3, 4], 2, "self")  # a tie in length: the most recent wins
+    assert recent is not None and recent.tokens == [5, 6]
+    assert index.lookup([7, 8], 3, "self") is None
+
+
+def test_own_tokens_grow_and_never_match_their_own_suffix():
+    drafter = NgramDrafter(min_match=2, max_match=4, capacity=100)
+    own = drafter.own_tokens()
+    prompt = [1, 2, 3, 1, 2]
+    draft = drafter.propose(own, prompt, [], 4)
+    assert draft is not None and draft.tokens == [3, 1, 2] and draft.source == "self"
+    draft = drafter.propose(own, prompt, [3, 7], 4)  # ... 3 7: nothing followed (3, 7)
+    assert draft is None and own.tokens == [1, 2, 3, 1, 2, 3, 7]
+
+
+def test_shared_index_serves_other_requests_and_forgets_the_oldest():
+    shared = SharedIndex(key_len=2, max_match=4, capacity=12)
+    shared.add([1, 2, 3, 4, 5, 6])
+    draft = shared.lookup([0, 2, 3], 3)
+    assert draft is not None and draft.tokens == [4, 5, 6] and draft.source == "shared"
+    shared.add([7, 8, 9, 10, 11, 12, 13])  # over capacity: the first sequence goes
+    assert shared.num_tokens == 7 and shared.lookup([2, 3], 3) is None
+    assert shared.lookup([8, 9], 2).tokens == [10, 11]
+
+
+def test_controller_drafts_only_what_pays():
+    a, b = 0.040, 0.003  # batch-1 decode on a CPU: verifying is nearly free
+    assert plan([0.9], [8], 1, (a, b), 100) == [8]
+    assert plan([0.05], [8], 1, (a, b), 100) == [0]  # a request whose drafts keep failing
+    assert plan([0.9], [8], 1, (a, b), 3) == [3]  # no more than the free KV slots
+    # 64 running: the fixed cost no longer dwarfs the per-token one, only sure drafts pay
+    few = plan([0.6] * 64, [8] * 64, 64, (a, b), 10_000)
+    assert sum(few) < sum(plan([0.6], [8], 1, (a, b), 100)) * 64 / 4
+    mixed = plan([0.95, 0.3], [4, 4], 2, (a, b), 100)
+    assert mixed[0] == 4 and mixed[1] < 4  # the better request gets more
+
+
+def test_cost_model_fits_the_measured_steps():
+    cost = CostModel()
+    for tokens in (1, 2, 4, 8, 1, 9, 3, 5, 1, 16):
+        cost.observe(tokens, 0.040 + 0.003 * tokens)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.040, rel=1e-6) and b == pytest.approx(0.003, rel=1e-6)
+    rate = Acceptance()
+    assert rate.rate == 0.5
+    for _ in range(10):
+        rate.record(drafted=4, accepted=0)
+    assert rate.rate < 0.15
+
+
+def test_flags_are_checked():
+    assert SpeculativeConfig(speculative_algorithm="NGRAM").enabled
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        SpeculativeConfig(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="min_match_window"):
+        SpeculativeConfig(
+            speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2
+        )
+
+
+# -- outputs unchanged -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"chunked_prefill_size": 7},
+        {"disable_radix_cache": True},
+        {"page_size": 4},
+        {"enable_mixed_chunk": False},
+        {"speculative_num_draft_tokens": 1},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default",
+)
+def test_greedy_identical_with_speculation(tiny_model_dirs, expected, config):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **NGRAM, **config)
+    alone = [engine.generate(input_ids=p, sampling_params=greedy(STEPS)) for p in LOOPY]
+    batched = engine.generate(input_ids=LOOPY, sampling_params=greedy(STEPS))
+    for i, want in enumerate(expected):
+        assert alone[i]["output_ids"] == want, f"prompt {i} alone"
+        assert batched[i]["output_ids"] == want, f"prompt {i} batched"
+    assert accepted(engine) > 0, "the scenario should verify drafts"
+    # the second time, each prompt's first output is in the shared index: long drafts
+    metas = [r["meta_info"] for r in batched]
+    assert all(m["spec_verify_ct"] > 0 for m in metas)
+    if config.get("speculative_num_draft_tokens") != 1:
+        assert min(m["spec_accept_length"] for m in metas) > 2, metas
+    finish(engine)
+
+
+def test_forced_retraction_with_speculation(tiny_model_dirs, reference):
+    engine = make_engine(
+        tiny_model_dirs,
+        max_total_tokens=200,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio=0.01,
+        chunked_prefill_size=16,
+        **NGRAM,
+    )
+    prompts = [LOOPY[i % 2][: 20 + i] for i in range(6)]
+    results = engine.generate(input_ids=prompts, sampling_params=greedy(STEPS))
+    assert engine.scheduler.stats.retractions > 0, "the scenario should force a retraction"
+    assert accepted(engine) > 0
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == reference_greedy(reference, prompt, STEPS)
+    finish(engine)
+
+
+def run_both(tiny_model_dirs, prompts, params, **config) -> tuple[list[dict], list[dict]]:
+    """The same requests with speculation off, then on (outputs, in order)."""
+    results = []
+    for spec in ({}, NGRAM):
+        engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **spec, **config)
+        results.append(engine.generate(input_ids=prompts, sampling_params=params))
+        if spec:
+            assert accepted(engine) > 0, "the scenario should verify drafts"
+        finish(engine)
+    return results[0], results[1]
+
+
+def test_seeded_sampling_and_logprobs_identical(tiny_model_dirs):
+    params = [
+        {"temperature": 0.7, "sampling_seed": i, "max_new_tokens": STEPS, "ignore_eos": True}
+        for i in range(4)
+    ] + [greedy(STEPS, frequency_penalty=0.3), greedy(STEPS, min_new_tokens=30)]
+    prompts = (LOOPY * 2)[: len(params)]
+    off, on = run_both(tiny_model_dirs, prompts, params)
+    assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+    lp = {"return_logprob": True, "top_logprobs_num": 3}
+    off_lp = [make_lp(tiny_model_dirs, p, lp, {}) for p in LOOPY[:2]]
+    on_lp = [make_lp(tiny_model_dirs, p, lp, NGRAM) for p in LOOPY[:2]]
+    for a, b in zip(off_lp, on_lp):
+        assert [t for _, t, _ in a] == [t for _, t, _ in b]
+        assert [x for x, _, _ in a] == pytest.approx([x for x, _, _ in b], abs=1e-4)
+
+
+def make_lp(tiny_model_dirs, prompt, lp, spec) -> list:
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **spec)
+    out = engine.generate(input_ids=prompt, sampling_params=greedy(STEPS), **lp)
+    finish(engine)
+    return out["meta_info"]["output_token_logprobs"]
