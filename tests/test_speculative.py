@@ -194,3 +194,114 @@ def make_lp(tiny_model_dirs, prompt, lp, spec) -> list:
     out = engine.generate(input_ids=prompt, sampling_params=greedy(STEPS), **lp)
     finish(engine)
     return out["meta_info"]["output_token_logprobs"]
+
+
+def test_constrained_decoding_and_jump_forward_compose(tiny_model_dirs):
+    """Grammar masks follow the accepted tokens position by position; a drafted token the
+    grammar refuses ends the run; forced text still jumps forward. Each batch runs twice so
+    that the second pass drafts from the first one's outputs."""
+    params = [
+        greedy(96, json_schema=json.dumps(PERSON)),
+        greedy(96, json_schema=json.dumps(NESTED)),
+        {"temperature": 1.0, "sampling_seed": 3, "max_new_tokens": 64, "regex": DATE},
+        {"temperature": 0.8, "sampling_seed": 5, "max_new_tokens": 96, "json_schema": PERSON},
+    ]
+    prompts = LOOPY * 2
+    off, on = run_both(tiny_model_dirs, prompts, params * 2)
+    assert [o["text"] for o in on] == [o["text"] for o in off]
+    for out, p in zip(on, params * 2):
+        if "regex" in p:
+            assert re.fullmatch(DATE, out["text"])
+        else:
+            schema = p["json_schema"]
+            jsonschema.validate(
+                json.loads(out["text"]), json.loads(schema) if isinstance(schema, str) else schema
+            )
+
+
+def test_stop_rules_identical(tiny_model_dirs, expected):
+    want = expected[0]
+    params = [
+        greedy(STEPS, stop_token_ids=[want[7]]),
+        greedy(STEPS, min_new_tokens=30, stop_token_ids=[want[2]]),
+        greedy(13),
+        {"temperature": 0, "max_new_tokens": STEPS},  # eos ends it
+    ]
+    off, on = run_both(tiny_model_dirs, [LOOPY[0]] * len(params) * 2, params * 2)
+    assert [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in on] == [
+        (o["output_ids"], o["meta_info"]["finish_reason"]) for o in off
+    ]
+    assert on[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": want[7]}
+    assert on[2]["meta_info"]["finish_reason"] == {"type": "length", "length": 13}
+
+
+def test_stop_strings_identical(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    text = engine.generate(input_ids=LOOPY[0], sampling_params=greedy(STEPS))["text"]
+    finish(engine)
+    stop = text[len(text) // 2 :][:3]
+    params = [greedy(STEPS, stop=[stop]), greedy(STEPS, stop_regex=re.escape(stop))]
+    off, on = run_both(tiny_model_dirs, [LOOPY[0]] * 4, params * 2)
+    assert [o["text"] for o in on] == [o["text"] for o in off]
+    assert on[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_abort_during_speculation_leaks_nothing(tiny_model_dirs):
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **NGRAM)
+    engine.generate(input_ids=LOOPY[1], sampling_params=greedy(200))  # feeds the shared index
+    stream = engine.generate(
+        input_ids=LOOPY[1], sampling_params=greedy(200), stream=True, rid="victim"
+    )
+    for _, out in zip(range(3), stream):
+        assert out["meta_info"]["finish_reason"] is None
+    engine.abort("victim")
+    last = list(stream)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert accepted(engine) > 0
+    finish(engine)
+
+
+def test_sampling_with_speculation_draws_from_the_model(tiny_model_dirs, reference):
+    """Tokens reached through accepted drafts follow the model's conditional distribution:
+    at output position 3, each token's count over many seeds is within 4 sigma of the sum
+    of its probabilities given each sample's own first three tokens (transformers)."""
+    prompt, n = LOOPY[1], 300
+    engine = make_engine(tiny_model_dirs, max_total_tokens=8192, **NGRAM)
+    params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+    engine.generate(input_ids=prompt, sampling_params={**params, "sampling_seed": 10**6})
+    outs = engine.generate(
+        input_ids=[prompt] * n, sampling_params=[{**params, "sampling_seed": s} for s in range(n)]
+    )
+    assert accepted(engine) > 0
+    finish(engine)
+    samples = [o["output_ids"] for o in outs]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + s[:3] for s in samples])).logits[:, -1]
+    probs = torch.softmax(logits.double(), dim=-1)  # (n, V)
+    counts = Counter(s[3] for s in samples)
+    for token, _ in counts.most_common(5):
+        p = probs[:, token]
+        mean, sigma = float(p.sum()), math.sqrt(float((p * (1 - p)).sum()))
+        assert abs(counts[token] - mean) <= 4 * sigma + 1, (token, counts[token], mean, sigma)
+
+
+def test_copying_with_the_default_model_is_identical_and_accepts_drafts():
+    from radixserve import Engine
+
+    text = (
+        "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. "
+        "It is named after the engineer Gustave Eiffel, whose company designed and built it."
+    )
+    outs = {}
+    for spec in ("none", "ngram"):
+        with Engine(
+            None, progress=False, dtype=FP32, max_total_tokens=4096, speculative_algorithm=spec
+        ) as engine:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            outs[spec] = engine.generate(prompt, greedy(48))
+    assert outs["ngram"]["output_ids"] == outs["none"]["output_ids"]
+    assert outs["ngram"]["meta_info"]["spec_accept_length"] > 1.5
