@@ -72,6 +72,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         server_vs_engine,
         serving,
         soak,
+        speculative,
         step_breakdown,
         streaming,
         vs_vllm,
@@ -89,6 +90,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "perplexity": perplexity,
         "streaming": streaming,
         "soak": soak,
+        "speculative": speculative,
     }
     for name, module in benches.items():
         module.add_args(
