@@ -7,7 +7,10 @@ gauges come from its periodic `SchedulerState`. The cache hit rate is
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixserve.core.output import SchedulerStats
 
@@ -55,9 +58,52 @@ class Metrics:
         self.kv_usage = Gauge(
             "radixserve_kv_usage", "Share of the KV pool in use (0..1).", registry=r
         )
+        self.speculative = SpeculativeCollector()
+        r.register(self.speculative)
 
     def set_scheduler_state(self, state: SchedulerStats) -> None:
+        self.speculative.state = state
         self.running.set(state.num_running)
         self.waiting.set(state.num_waiting)
         total = state.kv_total
         self.kv_usage.set((total - state.kv_free) / total if total else 0.0)
+
+
+class SpeculativeCollector:
+    """Speculative decoding's counters, as the scheduler last reported them (nothing while
+    speculation is off)."""
+
+    def __init__(self) -> None:
+        self.state: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.state
+        if s is None or not s.spec_drafted_by_position:
+            return
+        for name, help_text, value in (
+            (
+                "spec_verify_steps",
+                "Request-steps that verified drafted tokens.",
+                s.spec_verify_steps,
+            ),
+            ("spec_draft_tokens", "Drafted tokens verified.", s.spec_draft_tokens),
+            ("spec_accepted_tokens", "Drafted tokens accepted.", s.spec_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"radixserve_{name}", help_text, value=value)
+        for name, values in (
+            ("drafted", s.spec_drafted_by_position),
+            ("accepted", s.spec_accepted_by_position),
+        ):
+            family = CounterMetricFamily(
+                f"radixserve_spec_{name}_tokens_by_position",
+                f"Drafted tokens {name} at each draft position (1 = the first).",
+                labels=["position"],
+            )
+            for position, value in enumerate(values, 1):
+                family.add_metric([str(position)], value)
+            yield family
+        yield GaugeMetricFamily(
+            "radixserve_spec_accept_length",
+            "Mean tokens committed per request-step that verified a draft.",
+            value=s.avg_spec_accept_length,
+        )
