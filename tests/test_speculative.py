@@ -98,10 +98,10 @@ def test_cost_model_fits_the_measured_steps():
     a, b = cost.coefficients()
     assert a == pytest.approx(0.040, rel=1e-6) and b == pytest.approx(0.003, rel=1e-6)
     rate = Acceptance()
-    assert rate.rate == 0.5
+    assert rate.rate() == 0.5
     for _ in range(10):
         rate.record(drafted=4, accepted=0)
-    assert rate.rate < 0.15
+    assert rate.rate() < 0.15 and rate.rate(prior=0.9) > rate.rate()
 
 
 def test_flags_are_checked():
@@ -265,19 +265,20 @@ def test_sampling_with_speculation_draws_from_the_model(tiny_model_dirs, referen
     """Tokens reached through accepted drafts follow the model's conditional distribution:
     at output position 3, each token's count over many seeds is within 4 sigma of the sum
     of its probabilities given each sample's own first three tokens (transformers)."""
-    prompt, n = LOOPY[1], 300
+    prompt, n, temperature = LOOPY[1], 300, 0.3
     engine = make_engine(tiny_model_dirs, max_total_tokens=8192, **NGRAM)
-    params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
-    engine.generate(input_ids=prompt, sampling_params={**params, "sampling_seed": 10**6})
-    outs = engine.generate(
-        input_ids=[prompt] * n, sampling_params=[{**params, "sampling_seed": s} for s in range(n)]
-    )
-    assert accepted(engine) > 0
+    params = {"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True}
+    samples = [  # one at a time: at batch 1 drafting pays whatever the controller measures
+        engine.generate(input_ids=prompt, sampling_params={**params, "sampling_seed": s})[
+            "output_ids"
+        ]
+        for s in range(n)
+    ]
+    assert accepted(engine) > 50
     finish(engine)
-    samples = [o["output_ids"] for o in outs]
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + s[:3] for s in samples])).logits[:, -1]
-    probs = torch.softmax(logits.double(), dim=-1)  # (n, V)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)  # (n, V)
     counts = Counter(s[3] for s in samples)
     for token, _ in counts.most_common(5):
         p = probs[:, token]

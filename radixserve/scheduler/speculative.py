@@ -21,8 +21,8 @@ import msgspec
 from radixserve.config import SpeculativeConfig
 from radixserve.core.output import SchedulerStats, SpecCounts
 from radixserve.core.req import Req
-from radixserve.spec.controller import Acceptance, CostModel, plan
-from radixserve.spec.ngram import NgramDrafter, OwnTokens
+from radixserve.spec.controller import Acceptance, CostModel, MatchStats, plan
+from radixserve.spec.ngram import Draft, NgramDrafter, OwnTokens
 
 
 @dataclass
@@ -32,6 +32,7 @@ class SpecState:
     own: OwnTokens
     acceptance: Acceptance = field(default_factory=Acceptance)
     counts: SpecCounts = field(default_factory=SpecCounts)
+    draft: Draft | None = None  # this step's draft, until it is recorded
 
 
 class Speculator:
@@ -43,6 +44,7 @@ class Speculator:
             config.speculative_ngram_capacity,
         )
         self.cost = CostModel()
+        self.matches = MatchStats()
         self.stats = stats
         self.context_len = context_len
         stats.spec_drafted_by_position = [0] * self.max_draft
@@ -55,7 +57,7 @@ class Speculator:
 
     def propose(self, reqs: list[Req], pending: list[int], free_slots: int) -> list[list[int]]:
         """Drafted tokens to verify this step, per request (most often none)."""
-        found: list[list[int]] = []
+        found: list[Draft | None] = []
         for req, n in zip(reqs, pending, strict=True):
             # the step's own token plus the drafts must stay within the request's limits
             room = min(
@@ -63,18 +65,20 @@ class Speculator:
                 self.context_len - len(req.input_ids) - len(req.output_ids),
             )
             limit = min(self.max_draft, room - 1)
-            draft = None
+            state = self.state(req)
+            state.draft = None
             if n == 1 and limit > 0:
-                draft = self.drafter.propose(
-                    self.state(req).own, req.input_ids, req.output_ids, limit
-                )
-            found.append(draft.tokens if draft is not None else [])
+                state.draft = self.drafter.propose(state.own, req.input_ids, req.output_ids, limit)
+            found.append(state.draft)
         if not any(found):
-            return found
-        rates = [self.state(r).acceptance.rate if d else 0.0 for r, d in zip(reqs, found)]
-        lengths = [len(d) for d in found]
+            return [[] for _ in reqs]
+        rates = [
+            0.0 if d is None else self.state(r).acceptance.rate(self.matches.rate(*_kind(d)))
+            for r, d in zip(reqs, found)
+        ]
+        lengths = [0 if d is None else len(d.tokens) for d in found]
         take = plan(rates, lengths, sum(pending), self.cost.coefficients(), free_slots)
-        return [d[:k] for d, k in zip(found, take)]
+        return [[] if d is None else d.tokens[:k] for d, k in zip(found, take)]
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -86,6 +90,8 @@ class Speculator:
         state.counts.verify_ct += drafted > 0
         if not drafted:
             return
+        assert state.draft is not None
+        self.matches.record(*_kind(state.draft), drafted, accepted)
         state.acceptance.record(drafted, accepted)
         state.counts.draft_tokens += drafted
         state.counts.accepted_tokens += accepted
@@ -108,3 +114,7 @@ class Speculator:
         if reason is not None and reason.type in ("stop", "length"):
             self.drafter.finished(req.all_ids)
         req.spec = None
+
+
+def _kind(draft: Draft) -> tuple[str, int]:
+    return draft.source, draft.match_len

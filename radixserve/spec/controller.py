@@ -4,9 +4,13 @@ A decode step's forward costs about `a + b * T` seconds for T tokens (on a CPU a
 batches `a`, reading the weights, dwarfs `b`; at large batches T dominates). `CostModel`
 fits a and b by least squares over the recent steps' measured (T, seconds).
 
-Each request carries an estimate q of the chance that its next drafted token is accepted
-given the previous one was (`Acceptance`: decayed counts with a Beta(1, 1) prior). Its j-th
-drafted token then adds q**j expected tokens. A step with E expected tokens over T forward
+Each draft gets an estimate q of the chance that each of its tokens is accepted given the
+previous one was: how drafts found the same way (own tokens or shared index, and how many
+trailing tokens matched) have fared across all requests (`MatchStats`) is the prior, and
+the request's own record (`Acceptance`: decayed counts) moves it. Measured on SmolLM2
+(copy-heavy and free-form tasks): the first drafted token was accepted 45% of the time
+after a 2-token match, 76% after 4-5, 91% after 8. Its j-th drafted token then adds q**j
+expected tokens. A step with E expected tokens over T forward
 tokens yields E / (a + b T) tokens per second; one more drafted token worth p raises that
 exactly when
 
@@ -56,22 +60,43 @@ class CostModel:
         return a, b
 
 
+PRIOR_WEIGHT = 2.0  # pseudo-observations the prior counts for against a request's own record
+GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all requests
+
+
 @dataclass
 class Acceptance:
-    """A request's chance that a drafted token is accepted after the previous one was."""
+    """Decayed counts of drafted tokens tried and accepted (a token counts as tried when
+    every token before it in its draft was accepted)."""
 
     accepted: float = 0.0
     tried: float = 0.0
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + 1.0) / (self.tried + 2.0)
+    def rate(self, prior: float = 0.5, weight: float = PRIOR_WEIGHT) -> float:
+        """The acceptance rate, `prior` counting for `weight` observations."""
+        return (self.accepted + weight * prior) / (self.tried + weight)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, decay: float = DECAY) -> None:
         """`accepted` of `drafted` tokens kept (a run of acceptances, then one rejection
         unless all were kept)."""
-        self.accepted = self.accepted * DECAY + accepted
-        self.tried = self.tried * DECAY + min(accepted + 1, drafted)
+        self.accepted = self.accepted * decay + accepted
+        self.tried = self.tried * decay + min(accepted + 1, drafted)
+
+
+class MatchStats:
+    """Acceptance of drafts by how they were found (source, trailing tokens matched),
+    over all requests: the prior of each request's estimate."""
+
+    def __init__(self) -> None:
+        self._by_kind: dict[tuple[str, int], Acceptance] = {}
+
+    def rate(self, source: str, match_len: int) -> float:
+        record = self._by_kind.get((source, match_len))
+        return 0.5 if record is None else record.rate()
+
+    def record(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
+        record = self._by_kind.setdefault((source, match_len), Acceptance())
+        record.record(drafted, accepted, GLOBAL_DECAY)
 
 
 def plan(
