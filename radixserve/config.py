@@ -209,10 +209,10 @@ SPECULATIVE_ALGORITHMS = ("none", "ngram")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_algorithm: str = _opt(
-        "none",
+        "ngram",
         "Speculative decoding: ngram drafts each running request's next tokens from its own "
-        "prompt and output and from finished requests' sequences, and verifies them in the "
-        "decode step (outputs unchanged; see radixserve/spec/). none: off.",
+        "prompt and output and from finished requests' sequences, and verifies those worth "
+        "it in the decode step (outputs unchanged; see radixserve/spec/). none: off.",
         choices=SPECULATIVE_ALGORITHMS,
     )
     speculative_num_draft_tokens: int = _opt(
@@ -225,7 +225,9 @@ class SpeculativeConfig:
         8, "Most trailing tokens compared when choosing among n-gram matches."
     )
     speculative_ngram_capacity: int = _opt(
-        1_000_000, "Tokens of finished requests' sequences kept in the shared n-gram index."
+        200_000,
+        "Tokens of finished requests' sequences kept in the shared n-gram index (about 260 "
+        "bytes each at most).",
     )
 
     def __post_init__(self) -> None:

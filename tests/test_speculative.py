@@ -25,7 +25,8 @@ from tests.test_constrained import DATE, NESTED, PERSON
 from tests.test_engine import PROMPTS, finish, greedy, make_engine
 
 STEPS = 40
-NGRAM = {"speculative_algorithm": "ngram"}
+NGRAM = {"speculative_algorithm": "ngram"}  # the default, named where it matters
+OFF = {"speculative_algorithm": "none"}
 # prompts whose greedy continuations repeat themselves now and then (the tiny random model
 # loops on them), and two that do not
 LOOPY = [[3] * 20, [7, 8] * 10, PROMPTS[2], PROMPTS[0]]
@@ -87,6 +88,8 @@ def test_controller_drafts_only_what_pays():
     # 64 running: the fixed cost no longer dwarfs the per-token one, only sure drafts pay
     few = plan([0.6] * 64, [8] * 64, 64, (a, b), 10_000)
     assert sum(few) < sum(plan([0.6], [8], 1, (a, b), 100)) * 64 / 4
+    # past T = a / b tokens a step is no longer almost free: a batch of 16 verifies nothing
+    assert plan([0.99] * 16, [8] * 16, 16, (0.045, 0.0045), 10_000) == [0] * 16
     mixed = plan([0.95, 0.3], [4, 4], 2, (a, b), 100)
     assert mixed[0] == 4 and mixed[1] < 4  # the better request gets more
 
@@ -164,10 +167,10 @@ def test_forced_retraction_with_speculation(tiny_model_dirs, reference):
 def run_both(tiny_model_dirs, prompts, params, **config) -> tuple[list[dict], list[dict]]:
     """The same requests with speculation off, then on (outputs, in order)."""
     results = []
-    for spec in ({}, NGRAM):
+    for spec in (OFF, NGRAM):
         engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **spec, **config)
         results.append(engine.generate(input_ids=prompts, sampling_params=params))
-        if spec:
+        if spec is NGRAM:
             assert accepted(engine) > 0, "the scenario should verify drafts"
         finish(engine)
     return results[0], results[1]
@@ -182,7 +185,7 @@ def test_seeded_sampling_and_logprobs_identical(tiny_model_dirs):
     off, on = run_both(tiny_model_dirs, prompts, params)
     assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
     lp = {"return_logprob": True, "top_logprobs_num": 3}
-    off_lp = [make_lp(tiny_model_dirs, p, lp, {}) for p in LOOPY[:2]]
+    off_lp = [make_lp(tiny_model_dirs, p, lp, OFF) for p in LOOPY[:2]]
     on_lp = [make_lp(tiny_model_dirs, p, lp, NGRAM) for p in LOOPY[:2]]
     for a, b in zip(off_lp, on_lp):
         assert [t for _, t, _ in a] == [t for _, t, _ in b]
@@ -236,7 +239,7 @@ def test_stop_rules_identical(tiny_model_dirs, expected):
 
 
 def test_stop_strings_identical(tiny_model_dirs):
-    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096, **OFF)
     text = engine.generate(input_ids=LOOPY[0], sampling_params=greedy(STEPS))["text"]
     finish(engine)
     stop = text[len(text) // 2 :][:3]

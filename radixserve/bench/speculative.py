@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     flags.append(f"--max-total-tokens={args.max_total_tokens}")
     spec = ["--speculative-algorithm=ngram"]
     spec.append(f"--speculative-num-draft-tokens={args.num_draft_tokens}")
-    with Server(flags) as off, Server([*flags, *spec]) as on:
+    with Server([*flags, "--speculative-algorithm=none"]) as off, Server([*flags, *spec]) as on:
         rows, positions = measure({"off": off, "on": on}, tokenizer, args)
     cost = [] if args.skip_cost else verify_cost(folder, args)
     print(f"CPU: {cpu_info().summary()}; dtype {args.dtype}; up to {args.max_new_tokens} tokens")
