@@ -27,8 +27,18 @@ FORBIDDEN = {
     # grammar backends see requests and configs, never the model or the scheduler
     "constrained": ("cache", "model", "scheduler", "server", "engine", "output", "native", "bench"),
     # speculative decoding's drafts and controller work on plain token lists and numbers
-    "spec": ("cache", "core", "model", "constrained", "scheduler", "server", "engine", "output",
-             "native", "bench"),
+    "spec": (
+        "cache",
+        "core",
+        "model",
+        "constrained",
+        "scheduler",
+        "server",
+        "engine",
+        "output",
+        "native",
+        "bench",
+    ),
     "scheduler": ("server", "engine", "native", "bench"),
     "server": ("engine", "bench", "cli"),
 }
