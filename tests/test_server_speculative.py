@@ -6,6 +6,7 @@ not. (Output fidelity itself is pinned by tests/test_speculative.py.)"""
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -47,13 +48,19 @@ def test_meta_info_server_info_and_metrics_report_speculation(server):
     assert state["avg_spec_accept_length"] > 1
     assert sum(state["spec_accepted_by_position"]) == state["spec_accepted_tokens"] > 0
 
-    metrics = requests.get(server.url + "/metrics", timeout=30).text
-    accepted = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("radixserve_spec_accepted_tokens_total")
-    ]
-    assert accepted and float(accepted[0].split()[-1]) > 0
+    # /metrics follows the state the scheduler publishes (within ~0.7 s of its last step)
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = requests.get(server.url + "/metrics", timeout=30).text
+        accepted = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("radixserve_spec_accepted_tokens_total")
+        ]
+        if (accepted and accepted[0] > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert accepted and accepted[0] > 0
     assert 'radixserve_spec_accepted_tokens_by_position_total{position="1"}' in metrics
 
 

@@ -24,11 +24,11 @@ That rule counts an accepted token as a token of progress, which holds while req
 behind the batch. When they do not, the step count of a batch is set by its longest request
 and a token accepted for another saves only its own row (b), no more than it cost to verify.
 So a step also stays where verification is almost free: its tokens cost at most its fixed
-part (T <= a / b). On the 2-core AVX2 EPYC, a ~ 45 ms and b ~ 4.5 ms for SmolLM2 in fp32:
-up to ~10 tokens a step, so a batch of 1 verifies up to 9 drafted tokens and a batch of 10
-or more verifies none (measured: 16 concurrent requests, drafts accepted 78% of the time
-and still 0.92x without this cap; with it, as fast as without speculation). On a GPU a / b
-is far larger and so is the batch where speculation stops.
+part (T <= a / b). On the 2-core AVX2 EPYC, a ~ 45-55 ms and b ~ 3-4.5 ms for SmolLM2 in
+fp32: up to 12-19 tokens a step, so a batch of 1 verifies all its drafted tokens and a batch
+of 12-19 or more verifies none (measured: 16 concurrent requests, drafts accepted 78% of the
+time and still 0.92x without this cap; with it, 1.00-1.03x). On a GPU a / b is far larger
+and so is the batch where speculation stops.
 """
 
 from __future__ import annotations
