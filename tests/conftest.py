@@ -60,6 +60,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def reference(tiny_model_dirs):
+    """transformers' own model on the tiny Llama's weights: the fidelity reference."""
+    path = tiny_model_dirs["llama"]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def model_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 

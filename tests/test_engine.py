@@ -10,7 +10,6 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixserve import Engine
 from tests.conftest import FP32
@@ -23,12 +22,6 @@ PROMPTS = [SHARED + [11, 12, 13], SHARED + [21, 22], [5, 6, 7, 8, 9], SHARED[:37
 
 def greedy(max_new_tokens: int = STEPS, **extra) -> dict:
     return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **extra}
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dirs):
-    path = tiny_model_dirs["llama"]
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

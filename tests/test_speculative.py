@@ -14,7 +14,6 @@ from collections import Counter
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from radixserve.config import SpeculativeConfig
 from radixserve.spec.controller import Acceptance, CostModel, plan
@@ -30,12 +29,6 @@ OFF = {"speculative_algorithm": "none"}
 # prompts whose greedy continuations repeat themselves now and then (the tiny random model
 # loops on them), and two that do not
 LOOPY = [[3] * 20, [7, 8] * 10, PROMPTS[2], PROMPTS[0]]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dirs):
-    path = tiny_model_dirs["llama"]
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,11 @@ class Req:
                 f"{info.max_total_num_tokens}"
             )
 
+    def tokens_left(self, context_len: int) -> int:
+        """Tokens the request may still gain: within max_new_tokens and the context."""
+        done = len(self.input_ids) + len(self.output_ids)
+        return min(self.params.max_new_tokens - len(self.output_ids), context_len - done)
+
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -133,16 +133,20 @@ class KVManager:
         """A decode step with drafted tokens (see BatchBuilder.verify)."""
         return self.builder.verify(reqs, drafts)
 
-    def keep_verified(self, req: Req, start: int, ran: Sequence[int]) -> None:
-        """After a verified step: `ran` are the tokens the step ran from position `start`;
-        keep the KV of those that the request's tokens now agree with, release the rest
-        (the rejected drafts), so only committed tokens ever reach the tree. A running
-        request keeps its last token pending, as a decode step needs."""
-        tokens = req.all_ids[start : start + len(ran)]
-        valid = 0
-        while valid < len(tokens) and tokens[valid] == ran[valid]:
-            valid += 1
+    def keep_verified(self, req: Req, draft: Sequence[int]) -> None:
+        """After a step that ran the request's pending token and then `draft`: keep the KV
+        of the drafted tokens its sequence now agrees with, release the rest (the rejected
+        ones), so only committed tokens ever reach the tree. A running request keeps its
+        last token pending, as a decode step needs."""
+        start = req.kv_len - len(draft)  # where the draft's KV begins
         tokens = req.all_ids
+        valid = 0
+        while (
+            valid < len(draft)
+            and start + valid < len(tokens)
+            and tokens[start + valid] == draft[valid]
+        ):
+            valid += 1
         limit = len(tokens) if req.finished else len(tokens) - 1
         self.builder.truncate(req, max(min(start + valid, limit), req.tree_len))
 

@@ -162,11 +162,7 @@ class OutputProcessor:
         after it; [] (and the request aborted) if its grammar refuses the token."""
         if req.grammar is None:
             return [token]
-        room = min(
-            req.params.max_new_tokens - len(req.output_ids),
-            self.stops.context_len - len(req.input_ids) - len(req.output_ids),
-        )
-        new = self.grammars.accept(req, token, room)
+        new = self.grammars.accept(req, token, req.tokens_left(self.stops.context_len))
         if new is None:  # only when every allowed token was banned (e.g. by logit_bias)
             req.finish_reason = FinishReason.abort("no token the grammar allows")
             return []

@@ -253,7 +253,6 @@ class Scheduler:
         masks = self.grammars.start_masks(reqs)  # computed while the forward runs
         first_rows = None
         if any(drafts):
-            ran = [(r.kv_len, r.all_ids[r.kv_len :] + d) for r, d in zip(reqs, drafts)]
             batch, first_rows = self.kv.verify_batch(reqs, drafts)
         elif all(n == 1 for n in pending):
             batch = self.kv.decode_batch(reqs)
@@ -268,7 +267,7 @@ class Scheduler:
         if first_rows is None:
             outputs = self._updates(reqs, logits, masks)
         else:
-            outputs = self._verified(reqs, drafts, ran, logits, first_rows, masks)
+            outputs = self._verified(reqs, drafts, logits, first_rows, masks)
         self.running = [r for r in reqs if not r.finished]
         self.reserve.decay()
         return outputs
@@ -283,14 +282,14 @@ class Scheduler:
             return [[] for _ in reqs]
         return drafts
 
-    def _verified(self, reqs, drafts, ran, logits, first_rows, masks) -> list[ReqOutput]:
+    def _verified(self, reqs, drafts, logits, first_rows, masks) -> list[ReqOutput]:
         """After a step with drafts: keep what a decode step would have produced, release
-        the KV of the tokens that were not (see OutputProcessor.verify); `ran` holds each
-        request's first position and the tokens the step ran from there."""
+        the KV of the drafted tokens that were not (see OutputProcessor.verify)."""
         assert self.spec is not None
         updates, accepted = self.post.verify(reqs, logits, first_rows, drafts, masks)
-        for req, draft, kept, (start, tokens) in zip(reqs, drafts, accepted, ran):
-            self.kv.keep_verified(req, start, tokens)
+        for req, draft, kept in zip(reqs, drafts, accepted):
+            if draft:
+                self.kv.keep_verified(req, draft)
             self.spec.record(req, len(draft), kept)
         return self._report(updates)
 

@@ -60,11 +60,7 @@ class Speculator:
         found: list[Draft | None] = []
         for req, n in zip(reqs, pending, strict=True):
             # the step's own token plus the drafts must stay within the request's limits
-            room = min(
-                req.params.max_new_tokens - len(req.output_ids),
-                self.context_len - len(req.input_ids) - len(req.output_ids),
-            )
-            limit = min(self.max_draft, room - 1)
+            limit = min(self.max_draft, req.tokens_left(self.context_len) - 1)
             state = self.state(req)
             state.draft = None
             if n == 1 and limit > 0:
@@ -73,7 +69,7 @@ class Speculator:
         if not any(found):
             return [[] for _ in reqs]
         rates = [
-            0.0 if d is None else self.state(r).acceptance.rate(self.matches.rate(*_kind(d)))
+            0.0 if d is None else r.spec.acceptance.rate(self.matches.rate(*_kind(d)))
             for r, d in zip(reqs, found)
         ]
         lengths = [0 if d is None else len(d.tokens) for d in found]
@@ -82,7 +78,7 @@ class Speculator:
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
-        self.stats.spec_cost_model = list(self.cost.coefficients())
+        self.stats.spec_cost_model = list(self.cost.coefficients())  # fitted once a step
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """Request `req` verified `drafted` tokens this step and `accepted` of them."""

@@ -45,12 +45,20 @@ DECAY = 0.9  # per verified step: older acceptance counts weigh less
 class CostModel:
     def __init__(self, window: int = 128) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         self._samples.append((tokens, seconds))
+        self._fit = None
 
     def coefficients(self) -> tuple[float, float]:
-        """(a, b): fixed seconds per step and seconds per token."""
+        """(a, b): fixed seconds per step and seconds per token (refitted after each new
+        observation only)."""
+        if self._fit is None:
+            self._fit = self._least_squares()
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float]:
         if not self._samples:
             return 1.0, PRIOR_SLOPE
         n = len(self._samples)

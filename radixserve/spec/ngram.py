@@ -85,9 +85,6 @@ class NgramIndex:
         tokens = list(seq[pos : pos + max_tokens])
         return Draft(tokens, m, source) if tokens else None
 
-    def __len__(self) -> int:
-        return len(self._where)
-
 
 @dataclass
 class OwnTokens:
