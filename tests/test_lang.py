@@ -1,0 +1,410 @@
+"""The frontend language end to end: SGLang-style programs through every backend — HTTP to a
+real `radixserve serve` (SmolLM2), the in-process Engine (SmolLM2), and the OpenAI backend
+against the server's OpenAI routes — with greedy outputs equal across backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+import radixserve.lang as sgl
+from radixserve.lang.backend.runtime_endpoint import RuntimeEndpoint
+from tests.server_utils import ServerProcess
+
+pytestmark = pytest.mark.smollm2
+
+GREEDY = {"temperature": 0}
+FEW_SHOT = (
+    "Answer each question with one word.\n\n"
+    "Q: What color is the sky on a clear day?\nA: Blue\n\n"
+    "Q: What animal says meow?\nA: Cat\n\n"
+    "Q: What is frozen water called?\nA: Ice\n\n"
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "What color is grass?",
+    "What do bees make?",
+    "What is the opposite of hot?",
+]
+
+
+# -- backends -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("lang-server") / "server.log"
+    proc = ServerProcess("--max-total-tokens", "20000", log=log)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from radixserve import Engine
+
+    with Engine(progress=False, max_total_tokens=20000, dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def http_backend(server):
+    backend = sgl.RuntimeEndpoint(server.url)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine_backend(engine):
+    return sgl.EngineBackend(engine)
+
+
+@pytest.fixture(params=["http", "engine"])
+def backend(request):
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    info = requests.get(server.url + "/get_model_info", timeout=30).json()
+    return AutoTokenizer.from_pretrained(info["model_path"])
+
+
+# -- programs -------------------------------------------------------------------------------
+@sgl.function
+def few_shot_qa(s, question):
+    s += FEW_SHOT + "Q: " + question + "\nA:"
+    s += sgl.gen("answer", max_tokens=4, stop="\n")
+
+
+@sgl.function
+def multi_turn(s, first, second):
+    s += sgl.system("You are a terse assistant.")
+    s += sgl.user(first)
+    s += sgl.assistant(sgl.gen("a1", max_tokens=12))
+    s += sgl.user(second)
+    s += sgl.assistant(sgl.gen("a2", max_tokens=12))
+
+
+@sgl.function
+def capital(s, method):
+    s += "The capital of France is"
+    s += sgl.select("city", choices=[" Paris", " London", " a banana"], choices_method=method)
+
+
+@sgl.function
+def short_prefix_select(s, method):
+    s += "I"  # one prompt token: the first prompt logprob is null
+    s += sgl.select("word", choices=[" am", " zebra"], choices_method=method)
+
+
+@sgl.function
+def typed(s):
+    s += "Q: How many legs does a dog have?\nA (a number): "
+    s += sgl.gen_int("legs")
+    s += "\nQ: Write the number pi with two decimals.\nA: "
+    s += sgl.gen("pi", dtype=float, max_tokens=8)
+
+
+@sgl.function
+def json_record(s):
+    s += "Write a JSON record of a person named Alice, aged 30.\n"
+    with s.var_scope("json"):
+        s += '{"name": "' + sgl.gen("name", regex=r"[A-Z][a-z]{1,12}", max_tokens=8)
+        s += '", "age": ' + sgl.gen("age", regex=r"[1-9][0-9]?", max_tokens=4) + "}"
+
+
+@sgl.function
+def tool_use(s):
+    s += "Write a Python expression that multiplies twelve by seven.\nExpression: "
+    s += sgl.gen("expr", regex=r"[0-9]{1,3} ?\* ?[0-9]{1,3}", max_tokens=12)
+    value = eval(s["expr"], {"__builtins__": {}})  # the regex admits only a product
+    s += f"\nResult: {value}\n"
+    s["value"] = value
+
+
+@sgl.function
+def skeleton_of_thought(s, topic):
+    s += f"Give five short tips about {topic}.\nTips:\n"
+    s += "1." + sgl.gen("skeleton", max_tokens=16, stop="\n")
+    forks = s.fork(5)
+    forks += lambda i: (
+        f"\nExpand tip {i + 1} in one sentence:" + sgl.gen("expansion", max_tokens=12, stop="\n")
+    )
+    forks.join()
+    s += "\nIn summary:" + sgl.gen("summary", max_tokens=12, stop="\n")
+
+
+@sgl.function
+def story(s):
+    s += sgl.user("Tell me a two-sentence story about a cat.")
+    s += sgl.assistant(sgl.gen("story", max_tokens=24))
+
+
+# -- tests ----------------------------------------------------------------------------------
+def test_few_shot_run_batch_matches_single_runs_and_hits_the_cache(backend):
+    states = few_shot_qa.run_batch([{"question": q} for q in QUESTIONS], backend=backend, **GREEDY)
+    answers = [s["answer"] for s in states]
+    assert all(isinstance(a, str) and a.strip() for a in answers), answers
+    # the constant few-shot prefix was cached once before the batch: every program hits it
+    prefix_tokens = few_shot_qa.cache(backend=backend)
+    assert prefix_tokens and prefix_tokens > 40
+    for state in states:
+        assert state.get_meta_info("answer")["cached_tokens"] >= prefix_tokens - 1
+    single = few_shot_qa.run(question=QUESTIONS[0], backend=backend, **GREEDY)
+    assert single["answer"] == answers[0]
+
+
+def test_trace_finds_the_constant_prefix(backend):
+    trace = few_shot_qa.trace(backend=backend)
+    assert trace.prefix == FEW_SHOT + "Q: "
+    assert "question" in trace.stopped_at
+
+
+def test_multi_turn_roles_follow_the_models_chat_template(backend, tokenizer):
+    state = multi_turn.run(first="Hi!", second="Name a color.", backend=backend, **GREEDY)
+    messages = state.messages()
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert messages[2]["content"] == state["a1"].lstrip()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert state.text() == rendered
+
+
+def test_default_system_prompt_comes_from_the_template(backend, tokenizer):
+    state = story.run(backend=backend, **GREEDY)
+    messages = state.messages()
+    assert messages[0]["role"] == "system"  # SmolLM2's template inserts its own
+    assert state.text() == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert backend.get_chat_template().name in ("server", "engine")
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        sgl.token_length_normalized,
+        sgl.greedy_token_selection,
+        sgl.unconditional_likelihood_normalized,
+    ],
+    ids=str,
+)
+def test_select_with_each_method(backend, method):
+    state = capital.run(method=method, backend=backend)
+    meta = state.get_meta_info("city")
+    key = (
+        "normalized_unconditional_prompt_logprobs"
+        if method is sgl.unconditional_likelihood_normalized
+        else "normalized_prompt_logprobs"
+    )
+    scores = meta[key]
+    assert len(scores) == 3 and all(isinstance(x, float) for x in scores)
+    if method is not sgl.greedy_token_selection:
+        assert state["city"] == [" Paris", " London", " a banana"][scores.index(max(scores))]
+    assert state["city"] == " Paris"
+    assert state.text() == "The capital of France is Paris"
+    short = short_prefix_select.run(method=method, backend=backend)
+    assert short["word"] in (" am", " zebra")
+
+
+def test_select_scores_match_prompt_logprobs(server, http_backend):
+    """The batched score of a choice is its tokens' logprobs as /generate reports them."""
+    prefix = "The capital of France is"
+    scores = http_backend.score_choices(prefix, [" Paris", " a banana"], unconditional=False)
+    for choice, score in zip([" Paris", " a banana"], scores):
+        body = {
+            "text": prefix + choice,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        out = requests.post(server.url + "/generate", json=body, timeout=60).json()
+        triples = out["meta_info"]["input_token_logprobs"][-len(score.token_ids) :]
+        assert [t[1] for t in triples] == score.token_ids
+        assert [t[0] for t in triples] == pytest.approx(score.logprobs, abs=1e-4)
+
+
+def test_typed_generation(backend):
+    state = typed.run(backend=backend, **GREEDY)
+    assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", state["legs"])
+    int(state["legs"])
+    assert re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+[ \n]*", state["pi"]), state["pi"]
+    float(state["pi"])
+
+
+def test_regex_and_json_regex_in_a_var_scope(backend):
+    state = json_record.run(backend=backend, **GREEDY)
+    record = json.loads(state["json"])
+    assert re.fullmatch(r"[A-Z][a-z]{1,12}", record["name"]) and record["name"] == state["name"]
+    assert record["age"] == int(state["age"])
+    assert state.text().endswith(state["json"])
+
+
+def test_tool_use_evaluates_the_generated_expression(backend):
+    state = tool_use.run(backend=backend, **GREEDY)
+    assert state["value"] == eval(state["expr"], {"__builtins__": {}})
+    assert state.text().endswith(f"Result: {state['value']}\n")
+
+
+def test_skeleton_of_thought_fork_and_join(backend):
+    state = skeleton_of_thought.run(topic="sleeping well", backend=backend, **GREEDY)
+    expansions = state["expansion"]
+    assert isinstance(expansions, list) and len(expansions) == 5
+    assert all(isinstance(e, str) for e in expansions)
+    assert "In summary:" in state.text()
+    assert "Expand tip" not in state.text()  # the branches' text stays in the branches
+
+
+def test_streaming_text_iter_and_async_iter(backend):
+    whole = story.run(backend=backend, **GREEDY)
+    streamed = story.run(backend=backend, stream=True, **GREEDY)
+    pieces = list(streamed.text_iter())
+    assert len(pieces) > 1 and "".join(pieces) == whole.text()
+    by_var = story.run(backend=backend, stream=True, **GREEDY)
+    assert "".join(by_var.text_iter("story")) == whole["story"]
+
+    async def collect():
+        state = story.run(backend=backend, stream=True, **GREEDY)
+        chunks = [c async for c in state.text_async_iter("story", return_meta_data=True)]
+        return chunks
+
+    chunks = asyncio.run(collect())
+    assert "".join(c for c, _ in chunks) == whole["story"]
+    assert chunks[-1][1]["completion_tokens"] > 0
+
+
+def test_min_tokens(backend):
+    @sgl.function
+    def terse(s, min_tokens):
+        s += sgl.system("You are a helpful AI assistant.")
+        s += sgl.user("What is the capital of France? Answer in one word.")
+        s += sgl.assistant(sgl.gen("r", max_tokens=20, min_tokens=min_tokens))
+
+    free = terse.run(min_tokens=0, backend=backend, **GREEDY)
+    forced = terse.run(min_tokens=12, backend=backend, **GREEDY)
+    assert free.get_meta_info("r")["completion_tokens"] < 12
+    assert forced.get_meta_info("r")["completion_tokens"] >= 12
+
+
+def test_n_samples(backend):
+    @sgl.function
+    def two(s):
+        s += "Name an animal:" + sgl.gen("animal", max_tokens=4, n=2, temperature=1.0)
+
+    state = two.run(backend=backend)
+    assert isinstance(state["animal"], list) and len(state["animal"]) == 2
+    assert state.text() == "Name an animal:" + state["animal"][0]
+
+
+# -- errors never hang ----------------------------------------------------------------------
+@sgl.function
+def failing(s):
+    s += "Count: " + sgl.gen("a", max_tokens=2)
+    s += sgl.gen("bad", max_tokens=2, temperature=-1.0)  # the server refuses it
+    s += sgl.gen("after", max_tokens=2)
+
+
+def _within(seconds, fn):
+    """fn's result (or exception) within `seconds`, else the test fails: no hang."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "hung"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_a_failed_call_raises_from_run_and_every_read(backend):
+    with pytest.raises(sgl.ProgramError, match="temperature"):
+        _within(120, lambda: failing.run(backend=backend))
+
+    state = failing.run(backend=backend, stream=True)
+    with pytest.raises(sgl.ProgramError):
+        _within(120, lambda: state["after"])
+    with pytest.raises(sgl.ProgramError):
+        _within(120, state.text)
+    assert isinstance(_within(120, state.error), Exception)
+    assert _within(120, lambda: state["a"]) is not None  # made before the failure
+
+
+def test_run_batch_isolates_a_failing_program(backend):
+    @sgl.function
+    def maybe(s, temperature):
+        s += "Say hi:" + sgl.gen("x", max_tokens=3, temperature=temperature)
+
+    states = _within(
+        180, lambda: maybe.run_batch([{"temperature": 0}, {"temperature": -1}], backend=backend)
+    )
+    assert isinstance(states[0]["x"], str)
+    with pytest.raises(sgl.ProgramError):
+        states[1].text()
+
+
+# -- co-design ------------------------------------------------------------------------------
+class RecordingEndpoint(RuntimeEndpoint):
+    """The real HTTP backend, noting the prefixes it is asked to cache."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.cached: list[str] = []
+
+    def cache_prefix(self, prefix: str) -> int:
+        self.cached.append(prefix)
+        return super().cache_prefix(prefix)
+
+
+def test_fork_always_sends_the_prefix_hint_first(server):
+    backend = RecordingEndpoint(server.url)
+
+    @sgl.function
+    def branches(s, topic):
+        s += f"Three facts about {topic}:\n"  # still queued when fork() is called
+        forks = s.fork(3)
+        forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=6, stop="\n")
+        forks.join()
+
+    topics = ["owls", "rivers", "glass", "tea", "snow"]
+    states = [branches.run(topic=t, backend=backend, **GREEDY) for t in topics]
+    assert backend.cached == [f"Three facts about {t}:\n" for t in topics]
+    for state in states:
+        assert len(state["fact"]) == 3
+    backend.shutdown()
+
+
+def test_http_and_in_process_backends_agree(http_backend, engine_backend):
+    for program, kwargs in [
+        (multi_turn, {"first": "Hello!", "second": "What is 2+2?"}),
+        (skeleton_of_thought, {"topic": "learning"}),
+        (json_record, {}),
+        (capital, {"method": sgl.token_length_normalized}),
+    ]:
+        via_http = program.run(backend=http_backend, **kwargs, **GREEDY)
+        in_process = program.run(backend=engine_backend, **kwargs, **GREEDY)
+        assert via_http.text() == in_process.text(), program.func.__name__
+
+
+def test_set_default_backend_and_server_info(http_backend, engine):
+    sgl.set_default_backend(http_backend)
+    try:
+        assert "internal_states" in sgl.get_server_info()
+        assert few_shot_qa.run(question=QUESTIONS[1], **GREEDY)["answer"]
+    finally:
+        sgl.global_config.default_backend = None
+    sgl.set_default_backend(engine)  # an Engine is wrapped in-process
+    try:
+        assert isinstance(sgl.global_config.default_backend, sgl.EngineBackend)
+    finally:
+        sgl.global_config.default_backend = None
