@@ -40,6 +40,23 @@ FORBIDDEN = {
         "bench",
     ),
     "scheduler": ("server", "engine", "native", "bench"),
+    # the frontend language reaches engines through its backends only: HTTP, or the public
+    # in-process Engine API (radixserve.engine), never the engine's parts
+    "lang": (
+        "cache",
+        "core",
+        "model",
+        "constrained",
+        "scheduler",
+        "server",
+        "spec",
+        "output",
+        "native",
+        "bench",
+        "tokenizer",
+        "config",
+        "hardware",
+    ),
     "server": ("engine", "bench", "cli"),
 }
 # the root modules, by file
@@ -121,6 +138,13 @@ def test_the_http_and_detokenizer_processes_load_no_model_or_scheduler_code():
     )
     heavy = sorted(m for m in loaded if m.startswith(("radixserve.model", "radixserve.scheduler")))
     assert not heavy, heavy
+
+
+def test_the_frontend_language_loads_no_engine_code():
+    """A client machine runs programs over HTTP without torch or the engine."""
+    loaded = loaded_after_import("radixserve.lang")
+    assert "torch" not in loaded
+    assert {m for m in loaded if not m.startswith("radixserve.lang")} == {"radixserve"}
 
 
 def test_the_config_and_the_cli_help_import_no_torch():
