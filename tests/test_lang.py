@@ -408,3 +408,30 @@ def test_set_default_backend_and_server_info(http_backend, engine):
         assert isinstance(sgl.global_config.default_backend, sgl.EngineBackend)
     finally:
         sgl.global_config.default_backend = None
+
+
+class CountingEndpoint(RuntimeEndpoint):
+    """The real HTTP backend, counting its generate calls."""
+
+    calls = 0
+
+    def generate(self, s, params):
+        self.calls += 1
+        return super().generate(s, params)
+
+
+def test_api_speculative_execution_serves_later_gens_from_one_call(server):
+    backend = CountingEndpoint(server.url)
+
+    @sgl.function(num_api_spec_tokens=48)
+    def profile(s):
+        s += "Name: Alice\nAge: 30\nCity: Paris\n\nName: Bob\nAge: 41\nCity: Rome\n\n"
+        s += "Name: Carol\nAge:" + sgl.gen("age", stop="\n", max_tokens=8)
+        s += "\nCity:" + sgl.gen("city", stop="\n", max_tokens=8)
+
+    state = profile.run(backend=backend, **GREEDY)
+    assert state["age"].strip() and state["city"].strip()
+    assert "\n" not in state["age"] + state["city"]
+    assert state.text().endswith(f"Age:{state['age']}\nCity:{state['city']}")
+    assert backend.calls == 1  # the city came from the text generated ahead
+    backend.shutdown()

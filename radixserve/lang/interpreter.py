@@ -17,6 +17,7 @@ lists on the parent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import queue
@@ -84,6 +85,7 @@ class Executor:
         self.cur_role: str | None = None
         self.cur_role_begin_pos: int | None = None
         self.fork_start_text_pos: int | None = None
+        self.speculated_text = ""  # generated ahead by API speculative execution
         self.error_: BaseException | None = None
         self.finished = False  # the worker has run everything and exited
         self._ready: dict[str, threading.Event] = {}
@@ -270,8 +272,13 @@ class Executor:
             raise TypeError(f"cannot run {expr!r} in a program")
 
     def _fill(self, value: str) -> None:
+        value = str(value)
+        if self.speculated_text.startswith(value):
+            self.speculated_text = self.speculated_text[len(value) :]
+        else:
+            self.speculated_text = ""  # the program went another way than the speculation
         with self._changed:
-            self.text_ += str(value)
+            self.text_ += value
             self._changed.notify_all()
 
     def _set(self, name: str | None, value: Any, meta: Any) -> None:
@@ -288,9 +295,44 @@ class Executor:
         if self.stream:
             self._gen_stream(expr.name, params)
             return
-        comp, meta = self.backend.generate(self, params)
+        if self._speculates(params):
+            comp, meta = self._spec_gen(params)
+        else:
+            comp, meta = self.backend.generate(self, params)
         self._fill(comp[0] if isinstance(comp, list) else comp)
         self._set(expr.name, comp, meta)
+
+    def _speculates(self, params: SamplingParams) -> bool:
+        """API speculative execution (`function(num_api_spec_tokens=N)`) applies to plain
+        text gens on completion backends."""
+        plain = params.regex is None and params.json_schema is None and params.dtype is None
+        return (
+            self.num_api_spec_tokens is not None
+            and not self.backend.is_chat_model
+            and plain
+            and params.n in (None, 1)
+        )
+
+    def _spec_gen(self, params: SamplingParams) -> tuple[str, Any]:
+        """Serve this gen from text generated ahead: when none is left, one call generates
+        `num_api_spec_tokens` tokens (or the gen's own max, if larger) without stops, and
+        later gens and fills of the program consume it as long as it matches what they
+        expect. The gen takes the speculated text up to its first stop string."""
+        meta: Any = {"speculated": True}
+        if not self.speculated_text:
+            ahead = dataclasses.replace(
+                params,
+                max_new_tokens=max(params.max_new_tokens or 0, self.num_api_spec_tokens or 0),
+                stop=None,
+            )
+            text, meta = self.backend.generate(self, ahead)
+            self.speculated_text = text
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or ())
+        cut = min(
+            (i for i in (self.speculated_text.find(x) for x in stops if x) if i >= 0),
+            default=len(self.speculated_text),
+        )
+        return self.speculated_text[:cut], meta  # appending it consumes it (see _fill)
 
     def _gen_stream(self, name: str | None, params: SamplingParams) -> None:
         if params.n not in (None, 1):
