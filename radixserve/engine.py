@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve import __version__
+from radixserve.chat_roles import ChatRoles, derive_chat_roles
 from radixserve.config import Config
 from radixserve.core.errors import rejection
 from radixserve.core.messages import (
@@ -38,6 +39,7 @@ from radixserve.native import expand_request
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scoring import check_fits, plan_scoring
 
 Sink = Callable[[ReqOutput | BaseException], None]
 
@@ -179,6 +181,7 @@ class Engine:
     def _build(self, progress: bool) -> None:
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
+        self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)
         self.scheduler = Scheduler.from_config(self.runner, self.config)
         self._loop = SchedulerLoop(
             self.scheduler, self._transport, self.config.server.max_queued_requests
@@ -255,6 +258,29 @@ class Engine:
         results = [await self._acollect(state, q) for state, q in zip(states, queues)]
         return results[0] if single else results
 
+    def score_continuations(
+        self,
+        prompt: str | None = None,
+        continuations: Sequence[str] = (),
+        input_ids: list[int] | None = None,
+        unconditional: bool = False,
+        rid: str | None = None,
+    ) -> dict[str, Any]:
+        """Each continuation's token logprobs after the prefix (`prompt` or `input_ids`),
+        token healing included, from one batch of prefill-only requests: the answer of
+        `POST /score_continuations` (see radixserve/scoring.py). A ValueError
+        (native.InvalidRequest, its `param` naming the field) for an invalid call."""
+        plan = plan_scoring(self.tokenizer, continuations, prompt, input_ids, unconditional)
+        info = self.scheduler.info
+        field = "input_ids" if input_ids is not None else "text"
+        check_fits(plan, info.vocab_size, info.max_seq_len, field)
+        return plan.response(self._run_all(plan.requests(rid)))
+
+    def chat_roles(self) -> dict[str, Any] | None:
+        """The chat template's role markers (radixserve/chat_roles.py), as
+        `/get_model_info` reports them; None without a template they can be read from."""
+        return self._chat_roles.as_dict() if self._chat_roles is not None else None
+
     def abort(self, rid: str | None = None) -> None:
         """Abort a request by rid, or every request (None)."""
         self._transport.inbox.put(AbortReq(rid))
@@ -329,6 +355,14 @@ class Engine:
             for req in expanded.reqs
         ]
         return expanded.reqs, states, expanded.single
+
+    def _run_all(self, reqs: list[Req]) -> list[dict]:
+        """Submit every request at once (so they batch), then their native results."""
+        states = [RequestState(r.rid, r.params, self.tokenizer, r.return_logprob) for r in reqs]
+        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
+        for req, q in zip(reqs, queues):
+            self._submit(req, q.put)
+        return [self._collect(state, q) for state, q in zip(states, queues)]
 
     def _submit(self, req: Req, sink: Sink, return_text: bool = False) -> None:
         if self._error is not None or self._transport.stopped:

@@ -68,6 +68,9 @@ ROOT_FORBIDDEN = {
     "tokenizer.py": ("cache", "model", "constrained", "scheduler", "server", "engine", "bench"),
     "engine.py": ("server", "bench", "cli"),
     "hardware.py": ("cache", "model", "scheduler", "server", "engine", "output", "bench"),
+    "scoring.py": ("cache", "model", "constrained", "scheduler", "server", "engine", "bench"),
+    "chat_roles.py": ("cache", "core", "model", "constrained", "scheduler", "server", "engine",
+                      "output", "native", "bench"),
 }  # fmt: skip
 
 

@@ -352,6 +352,7 @@ POST_ROUTES = [
     "/tokenize",
     "/detokenize",
     "/abort_request",
+    "/score_continuations",
 ]
 raw_bodies = st.one_of(
     st.binary(max_size=40),

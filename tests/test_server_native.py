@@ -200,6 +200,11 @@ def test_get_model_info(url):
     assert "preferred_sampling_params" in info and info["preferred_sampling_params"] is None
     # the frontend picks its chat template by substring match on model_path
     assert "smollm" in info["model_path"].lower(), info
+    # or reads the markers off the model's own template (radixserve/chat_roles.py)
+    roles = info["chat_roles"]
+    assert roles["roles"]["assistant"] == ["<|im_start|>assistant\n", "<|im_end|>\n"], roles
+    assert roles["default_system_prompt"].startswith("You are a helpful AI assistant"), roles
+    assert roles["stop_str"] == ["<|im_end|>"], roles
 
 
 def test_get_server_info(url):
@@ -443,6 +448,25 @@ def test_input_logprobs_from_start(url):
         assert len(top) == 2, top
         assert top[0][0] >= top[1][0]
         assert triple[0] <= top[0][0] + 1e-5  # the best alternative is at least as likely
+
+
+def test_score_continuations_picks_paris_and_heals(url):
+    """/score_continuations does select's work in one call: SmolLM2 prefers " Paris", and a
+    continuation whose first character merges with the prefix's last token ("(" + "(1)" →
+    " ((") is scored from the merged token on."""
+    choices = [" Paris", " banana", " the moon"]
+    r = post(
+        url, "/score_continuations", {"text": "The capital of France is", "continuations": choices}
+    )
+    assert r.status_code == 200, r.text
+    means = [sum(c["logprobs"]) / len(c["logprobs"]) for c in r.json()["continuations"]]
+    assert choices[max(range(len(choices)), key=means.__getitem__)] == " Paris", means
+    r = post(url, "/score_continuations", {"text": "x = (", "continuations": ["(1)"]})
+    assert r.status_code == 200, r.text
+    entry = r.json()["continuations"][0]
+    prefix, ids = tokenize(url, "x = ("), tokenize(url, "x = ((1)")
+    assert entry["healed_tokens"] == 1, entry
+    assert entry["token_ids"] == ids[len(prefix) - 1 :], (entry, ids)
 
 
 # -- 4. fork and run_batch: the shared prefix comes from the radix cache ----------------------

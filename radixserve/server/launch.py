@@ -27,6 +27,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
@@ -157,6 +158,7 @@ class Launcher:
         except TokenizerLoadError as e:
             self.fail(f"cannot start: {e}")
             return
+        self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.tokenizer = tokenizer
 
     def start_child(self, role: str, first_arg: object) -> None:

@@ -1,5 +1,6 @@
 """The SGLang-native routes: health, model and server information, cache and abort control,
-metrics, the tokenizer (lm-eval's discovery), and /generate (see the wire contract, §1)."""
+metrics, the tokenizer (lm-eval's discovery), /generate (see the wire contract, §1), and
+/score_continuations (the frontend's select: several continuations of one prefix)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, WithJsonSchema
 from radixserve import __version__
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
+from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
 from radixserve.server.body import JSONBodyRoute
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -71,6 +73,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class ScoreContinuationsRequest(BaseModel):
+    """The /score_continuations body: a prefix (text or input_ids) and its continuations."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = None
+    continuations: list[str]
+    unconditional: bool = False  # also score each continuation's span on its own
+    rid: str | None = None
+
+
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str | None = None
@@ -111,6 +124,7 @@ async def get_model_info(state: State) -> dict[str, Any]:
         "preferred_sampling_params": None,
         "weight_version": "default",
         "served_model_name": state.model_name,
+        "chat_roles": roles.as_dict() if (roles := state.manager.chat_roles) else None,
     }
 
 
@@ -212,6 +226,33 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
         return await sse(request, _native_chunks(call, batch=not expanded.single), call)
     results = await until_disconnect(request, call, call.results())
     return JSONResponse(results[0] if expanded.single else results)
+
+
+@router.post("/score_continuations")
+async def score_continuations(
+    body: ScoreContinuationsRequest, request: Request, state: State
+) -> dict[str, Any]:
+    """Each continuation's token logprobs after the prefix, token healing included (see
+    radixserve/scoring.py), from one batch of prefill-only requests."""
+    state.manager.check_available()
+    prompt_field = "input_ids" if body.input_ids is not None else "text"
+    try:
+        plan = plan_scoring(
+            state.manager.tokenizer,
+            body.continuations,
+            body.text,
+            body.input_ids,
+            body.unconditional,
+        )
+        check_fits(plan, state.model.vocab_size, state.model.max_seq_len, prompt_field)
+        reqs = plan.requests(body.rid)
+    except ContextTooLong as e:
+        param = native_fields(prompt_field).name(e.param)
+        raise bad_request(str(e), param, code="context_length_exceeded") from None
+    except ValueError as e:
+        raise call_error(e, native_fields(prompt_field)) from None
+    call = state.manager.submit(reqs)
+    return plan.response(await until_disconnect(request, call, call.results()))
 
 
 async def _native_chunks(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:

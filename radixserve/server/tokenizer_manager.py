@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from radixserve.chat_roles import ChatRoles
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
 from radixserve.output import ResultAccumulator, ResultUpdate
@@ -93,6 +94,7 @@ class Call:
 class TokenizerManager:
     def __init__(self, to_scheduler: Sender, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
+        self.chat_roles: ChatRoles | None = None  # read off its chat template, with it
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
