@@ -65,7 +65,15 @@ def engine_backend(engine):
     return sgl.EngineBackend(engine)
 
 
-@pytest.fixture(params=["http", "engine"])
+@pytest.fixture(scope="module")
+def openai_backend(server):
+    """The server's OpenAI routes as a completion model (programs build their own text)."""
+    backend = sgl.OpenAI("default", base_url=server.url + "/v1", is_chat_model=False)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(params=["http", "engine", "openai"])
 def backend(request):
     return request.getfixturevalue(f"{request.param}_backend")
 
@@ -110,6 +118,12 @@ def typed(s):
     s += sgl.gen_int("legs")
     s += "\nQ: Write the number pi with two decimals.\nA: "
     s += sgl.gen("pi", dtype=float, max_tokens=8)
+
+
+@sgl.function
+def legs_only(s):
+    s += "Q: How many legs does a dog have?\nA (a number): "
+    s += sgl.gen_int("legs", max_tokens=4)
 
 
 @sgl.function
@@ -229,6 +243,12 @@ def test_select_scores_match_prompt_logprobs(server, http_backend):
 
 
 def test_typed_generation(backend):
+    if isinstance(backend, sgl.OpenAI):  # logit_bias can force digits, not a float's shape
+        with pytest.raises(sgl.ProgramError, match="dtype"):
+            typed.run(backend=backend, **GREEDY)
+        legs = legs_only.run(backend=backend, **GREEDY)["legs"]
+        assert re.fullmatch(r"[0-9 ]+", legs) and legs.strip(), legs
+        return
     state = typed.run(backend=backend, **GREEDY)
     assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", state["legs"])
     int(state["legs"])
@@ -270,11 +290,12 @@ def test_streaming_text_iter_and_async_iter(backend):
     async def collect():
         state = story.run(backend=backend, stream=True, **GREEDY)
         chunks = [c async for c in state.text_async_iter("story", return_meta_data=True)]
-        return chunks
+        return state, chunks
 
-    chunks = asyncio.run(collect())
+    state, chunks = asyncio.run(collect())
     assert "".join(c for c, _ in chunks) == whole["story"]
-    assert chunks[-1][1]["completion_tokens"] > 0
+    assert all(isinstance(meta, dict) for _, meta in chunks)
+    assert state.get_meta_info("story")["completion_tokens"] > 0
 
 
 def test_min_tokens(backend):
@@ -384,7 +405,7 @@ def test_fork_always_sends_the_prefix_hint_first(server):
     backend.shutdown()
 
 
-def test_http_and_in_process_backends_agree(http_backend, engine_backend):
+def test_http_in_process_and_openai_backends_agree(http_backend, engine_backend, openai_backend):
     for program, kwargs in [
         (multi_turn, {"first": "Hello!", "second": "What is 2+2?"}),
         (skeleton_of_thought, {"topic": "learning"}),
@@ -393,7 +414,8 @@ def test_http_and_in_process_backends_agree(http_backend, engine_backend):
     ]:
         via_http = program.run(backend=http_backend, **kwargs, **GREEDY)
         in_process = program.run(backend=engine_backend, **kwargs, **GREEDY)
-        assert via_http.text() == in_process.text(), program.func.__name__
+        via_openai = program.run(backend=openai_backend, **kwargs, **GREEDY)
+        assert via_http.text() == in_process.text() == via_openai.text(), program.func.__name__
 
 
 def test_set_default_backend_and_server_info(http_backend, engine):
@@ -435,3 +457,24 @@ def test_api_speculative_execution_serves_later_gens_from_one_call(server):
     assert state.text().endswith(f"Age:{state['age']}\nCity:{state['city']}")
     assert backend.calls == 1  # the city came from the text generated ahead
     backend.shutdown()
+
+
+def test_the_wire_contract_fallback_scores_as_the_route_does(server, http_backend):
+    """Against a server without /score_continuations (SGLang's), select goes through two
+    /generate calls of the wire contract and must reach the same scores."""
+    plain = RuntimeEndpoint(server.url)
+    plain._scores_route = False  # as if the route had answered 404
+    for prefix, choices in [
+        ("The capital of France is", [" Paris", " a banana"]),
+        ("x = (", ["(1)", "2)"]),  # "((" merges: the healed token is part of the choice
+        ("I", [" am", " zebra"]),  # the first prompt logprob is null
+    ]:
+        via_route = http_backend.score_choices(prefix, choices, unconditional=True)
+        via_generate = plain.score_choices(prefix, choices, unconditional=True)
+        for a, b in zip(via_route, via_generate):
+            assert a.token_ids == b.token_ids and a.healed_tokens == b.healed_tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+            assert a.unconditional_logprobs[1:] == pytest.approx(
+                b.unconditional_logprobs[1:], abs=1e-4
+            )
+    plain.shutdown()

@@ -85,6 +85,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     regex: str | None = None
@@ -112,6 +113,7 @@ class _SamplingFields(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
+            "stop_regex": self.stop_regex,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,

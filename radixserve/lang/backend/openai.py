@@ -139,11 +139,11 @@ class OpenAI(Backend):
         response = self._call(self._endpoint(), **request.kwargs)
         choices = sorted(response.choices, key=lambda c: c.index)
         texts = [request.quote + self._text(c) + request.quote for c in choices]
-        reasons = [c.finish_reason for c in choices]
         usage = response.usage.model_dump(exclude_none=True) if response.usage else None
+        metas = [_meta_info(usage, c.finish_reason) for c in choices]
         if (params.n or 1) > 1:
-            return texts, {"usage": usage, "finish_reason": reasons}
-        return texts[0], {"usage": usage, "finish_reason": reasons[0]}
+            return texts, metas
+        return texts[0], metas[0]
 
     def generate_stream(
         self, s: Executor, params: SamplingParams
@@ -159,7 +159,8 @@ class OpenAI(Backend):
                 for chunk in stream:
                     if chunk.usage is not None:  # the last chunk (include_usage)
                         self.token_usage.add(chunk.usage)
-                        meta["usage"] = chunk.usage.model_dump(exclude_none=True)
+                        usage = chunk.usage.model_dump(exclude_none=True)
+                        meta = _meta_info(usage, meta["finish_reason"])
                     for choice in chunk.choices:
                         meta["finish_reason"] = choice.finish_reason or meta["finish_reason"]
                         yield self._delta(choice), dict(meta)
@@ -482,3 +483,15 @@ def _as_list(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def _meta_info(usage: dict[str, Any] | None, finish_reason: Any) -> dict[str, Any]:
+    """The API's usage and finish reason, with the counts under the native meta_info names
+    (prompt/completion/cached tokens) so programs read them alike on every backend."""
+    meta: dict[str, Any] = {"usage": usage, "finish_reason": finish_reason}
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        meta["prompt_tokens"] = usage.get("prompt_tokens")
+        meta["completion_tokens"] = usage.get("completion_tokens")
+        meta["cached_tokens"] = details.get("cached_tokens", 0)
+    return meta

@@ -260,12 +260,17 @@ class Runtime:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its children
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its children drain and exit
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)  # never leave an orphan
+        proc.wait()
         if hasattr(self, "endpoint"):
             self.endpoint.shutdown()
 
@@ -281,6 +286,14 @@ def _flags(args: dict[str, Any]) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _free_port() -> int:
