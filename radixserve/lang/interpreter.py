@@ -114,10 +114,14 @@ class Executor:
         else:
             self._execute(expr)
 
-    def sync(self) -> None:
-        """Wait until every submitted expression has run; raise the program's error."""
+    def wait(self) -> None:
+        """Wait until every submitted expression has run (or been skipped after an error)."""
         if self._threaded:
             self._queue.join()
+
+    def sync(self) -> None:
+        """`wait`, then raise the program's error if it has one."""
+        self.wait()
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -224,12 +228,12 @@ class Executor:
         except Exception as e:  # a failed call fails this program alone, and is re-raised
             logger.warning("program %s failed: %r", self.sid[:8], e)
             self.error_ = e
-            self._release(list(self._ready))
+            self._release(None)
 
-    def _release(self, names: list[str]) -> None:
-        """Wake whoever waits on these variables: they will find the error."""
+    def _release(self, names: list[str] | None) -> None:
+        """Wake whoever waits on these variables (None: on any): they will find the error."""
         with self._changed:
-            for name in names:
+            for name in list(self._ready) if names is None else names:
                 event = self._ready.get(name)
                 if event is not None and not event.is_set():
                     self._failed.add(name)
@@ -445,10 +449,8 @@ class ProgramState:
 
     def error(self) -> BaseException | None:
         """The error that failed the program, or None (waits for the program to run)."""
-        executor = self.stream_executor
-        if executor._threaded:
-            executor._queue.join()
-        return executor.error_
+        self.stream_executor.wait()
+        return self.stream_executor.error_
 
     def get_var(self, name: str) -> Any:
         return self.stream_executor.get_var(name)
@@ -511,8 +513,8 @@ class ProgramState:
 
     def __del__(self) -> None:
         executor = getattr(self, "stream_executor", None)
-        if executor is not None and executor._threaded:
-            executor.end()
+        if executor is not None:
+            executor.end()  # lets its worker thread exit
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
@@ -657,7 +659,7 @@ def _run_isolated(
     state = ProgramState(executor)
     try:
         _run_body(state, program, (), kwargs, sync=False)
-        executor._queue.join()
+        executor.wait()
     except Exception as e:  # the program's own failure: its state raises it when read
         if executor.error_ is None:
             executor.error_ = e
