@@ -41,9 +41,12 @@ def Engine(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (SGLang's name)
 
 
 def set_default_backend(backend: Any) -> None:
+    """Programs run here unless given `backend=`. Kept as given (a Runtime stays a Runtime,
+    as SGLang keeps it); checked to be usable now."""
     from radixserve.lang.backend import as_backend
 
-    global_config.default_backend = as_backend(backend)
+    as_backend(backend)
+    global_config.default_backend = backend
 
 
 def flush_cache(backend: Any = None) -> bool:

@@ -187,9 +187,10 @@ class Executor:
         return self.messages_
 
     # -- streaming ------------------------------------------------------------------------
-    def next_chunk(self, var: str | None, prev: int) -> tuple[str, bool]:
+    def next_chunk(self, var: str | None, prev: int) -> tuple[str, bool, Any]:
         """Block until the text (or variable `var`) has grown past `prev` characters or is
-        complete; the new characters, and whether it is complete."""
+        complete; the new characters, whether it is complete, and the variable's meta_info
+        as of those characters."""
 
         def current() -> str:
             if var is None:
@@ -205,7 +206,8 @@ class Executor:
 
         with self._changed:
             self._changed.wait_for(lambda: len(current()) > prev or complete())
-            return current()[prev:], complete()
+            meta = None if var is None else self.meta_info.get(var)
+            return current()[prev:], complete(), meta
 
     # -- the worker -----------------------------------------------------------------------
     def _work(self) -> None:
@@ -479,7 +481,7 @@ class ProgramState:
             return
         prev = 0
         while True:
-            chunk, done = executor.next_chunk(var_name, prev)
+            chunk, done, _ = executor.next_chunk(var_name, prev)
             prev += len(chunk)
             if chunk:
                 yield chunk
@@ -498,12 +500,15 @@ class ProgramState:
             )
             yield (value, self._meta(var_name)) if return_meta_data else value
             return
-        prev = 0
+        prev, delivered = 0, 0
         while True:
-            chunk, done = await asyncio.to_thread(executor.next_chunk, var_name, prev)
+            chunk, done, meta = await asyncio.to_thread(executor.next_chunk, var_name, prev)
             prev += len(chunk)
-            if chunk:
-                yield (chunk, self._meta(var_name)) if return_meta_data else chunk
+            if chunk and return_meta_data:
+                meta, delivered = _incremental(meta, delivered)
+                yield chunk, meta
+            elif chunk:
+                yield chunk
             if done:
                 break
         executor.raise_error()
@@ -518,6 +523,20 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
+
+
+_PER_TOKEN_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def _incremental(meta: Any, delivered: int) -> tuple[Any, int]:
+    """A streamed chunk's meta_info with only the output tokens' logprobs not delivered
+    before (as SGLang streams them), `output_token_logprobs_length` the running count."""
+    if not isinstance(meta, dict) or "output_token_logprobs" not in meta:
+        return meta, delivered
+    total = len(meta["output_token_logprobs"])
+    out = {k: (v[delivered:] if k in _PER_TOKEN_KEYS else v) for k, v in meta.items()}
+    out["output_token_logprobs_length"] = total
+    return out, total
 
 
 class ProgramStateGroup:
@@ -556,6 +575,11 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, state: ProgramState) -> None:
+        """What `forks[i] += expr` ends with: the same state back."""
+        if state is not self.states[i]:
+            raise TypeError("a fork's branches cannot be replaced; append to them instead")
 
     def __len__(self) -> int:
         return len(self.states)

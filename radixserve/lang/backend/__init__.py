@@ -7,12 +7,10 @@ from typing import Any
 
 from radixserve.lang.backend.base import Backend, BackendError
 
-_ENGINE_BACKENDS: dict[int, Backend] = {}
-
 
 def as_backend(obj: Any) -> Backend:
     """A backend from what a user may hand over: a backend, a `Runtime` (its endpoint), or
-    a `radixserve.Engine` (wrapped in-process, once per engine)."""
+    a `radixserve.Engine` (wrapped in-process; the wrapper holds nothing of its own)."""
     if isinstance(obj, Backend):
         return obj
     endpoint = getattr(obj, "endpoint", None)
@@ -21,9 +19,7 @@ def as_backend(obj: Any) -> Backend:
     if type(obj).__name__ == "Engine" and type(obj).__module__.startswith("radixserve"):
         from radixserve.lang.backend.engine import EngineBackend
 
-        if id(obj) not in _ENGINE_BACKENDS:
-            _ENGINE_BACKENDS[id(obj)] = EngineBackend(obj)
-        return _ENGINE_BACKENDS[id(obj)]
+        return EngineBackend(obj)
     raise TypeError(
         f"not a backend: {type(obj).__name__}; use RuntimeEndpoint(url), Runtime(...), "
         "OpenAI(model) or a radixserve.Engine"
