@@ -478,3 +478,27 @@ def test_the_wire_contract_fallback_scores_as_the_route_does(server, http_backen
                 b.unconditional_logprobs[1:], abs=1e-4
             )
     plain.shutdown()
+
+
+@pytest.mark.parametrize("name", ["http", "engine"])  # the OpenAI backend has no logprobs
+def test_streamed_logprobs_come_per_chunk(request, name):
+    backend = request.getfixturevalue(f"{name}_backend")
+
+    @sgl.function
+    def answer(s):
+        s += sgl.user("Name three colors.")
+        s += sgl.assistant(sgl.gen("a", max_tokens=16, return_logprob=True))
+
+    async def collect():
+        state = answer.run(backend=backend, stream=True, **GREEDY)
+        return [c async for c in state.text_async_iter("a", return_meta_data=True)]
+
+    chunks = asyncio.run(collect())
+    delivered = 0
+    for text, meta in chunks:  # each chunk carries the logprobs of its own new tokens
+        assert text
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - delivered
+        delivered = meta["completion_tokens"]
+    final = answer.run(backend=backend, **GREEDY).get_meta_info("a")["completion_tokens"]
+    assert 0 < delivered <= final  # an end-of-turn token adds no text, so no chunk
