@@ -20,6 +20,24 @@ if TYPE_CHECKING:
     from radixserve.lang.ir import SamplingParams
 
 
+def native_completion(
+    out: dict[str, Any] | list[dict[str, Any]],
+) -> tuple[str | list[str], dict[str, Any] | list[dict[str, Any]]]:
+    """A native-API result as (text, meta_info), or lists of both for n > 1."""
+    if isinstance(out, list):
+        return [o["text"] for o in out], [o["meta_info"] for o in out]
+    return out["text"], out["meta_info"]
+
+
+def native_deltas(results: Iterator[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Streamed native results (cumulative text) as (new text, meta_info) pairs."""
+    pos = 0
+    for out in results:
+        text = out["text"]
+        yield text[pos:], out["meta_info"]
+        pos = len(text)
+
+
 class BackendError(RuntimeError):
     """The server refused or failed a call; `status` is its HTTP status (None in-process)."""
 

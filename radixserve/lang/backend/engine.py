@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from radixserve.lang.backend.base import Backend
+from radixserve.lang.backend.base import Backend, native_completion, native_deltas
 from radixserve.lang.chat_template import ChatTemplate, get_chat_template_by_model_path
 from radixserve.lang.choices import ChoiceScores
 
@@ -41,20 +41,17 @@ class EngineBackend(Backend):
     def generate(
         self, s: Executor, params: SamplingParams
     ) -> tuple[str | list[str], dict[str, Any] | list[dict[str, Any]]]:
-        out = self.engine.generate(s.text_, params.to_native(), **params.logprob_fields())
-        if isinstance(out, list):  # n > 1
-            return [o["text"] for o in out], [o["meta_info"] for o in out]
-        return out["text"], out["meta_info"]
+        return native_completion(
+            self.engine.generate(s.text_, params.to_native(), **params.logprob_fields())
+        )
 
     def generate_stream(
         self, s: Executor, params: SamplingParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        pos = 0
         fields = params.logprob_fields()
-        for out in self.engine.generate(s.text_, params.to_native(), stream=True, **fields):
-            text = out["text"]
-            yield text[pos:], out["meta_info"]
-            pos = len(text)
+        yield from native_deltas(
+            self.engine.generate(s.text_, params.to_native(), stream=True, **fields)
+        )
 
     def score_choices(
         self, prefix: str, choices: list[str], unconditional: bool

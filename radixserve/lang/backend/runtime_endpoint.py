@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import httpx2
 
-from radixserve.lang.backend.base import Backend, BackendError
+from radixserve.lang.backend.base import (
+    Backend,
+    BackendError,
+    native_completion,
+    native_deltas,
+)
 from radixserve.lang.chat_template import (
     ChatTemplate,
     get_chat_template,
@@ -72,17 +77,17 @@ class RuntimeEndpoint(Backend):
     def generate(
         self, s: Executor, params: SamplingParams
     ) -> tuple[str | list[str], dict[str, Any] | list[dict[str, Any]]]:
-        out = self._post("/generate", self._generate_body(s.text_, params))
-        if isinstance(out, list):  # n > 1
-            return [o["text"] for o in out], [o["meta_info"] for o in out]
-        return out["text"], out["meta_info"]
+        return native_completion(self._post("/generate", self._generate_body(s.text_, params)))
 
     def generate_stream(
         self, s: Executor, params: SamplingParams
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         body = {**self._generate_body(s.text_, params), "stream": True}
-        pos = 0
-        with self._client.stream("POST", self.base_url + "/generate", json=body) as response:
+        yield from native_deltas(self._events("/generate", body))
+
+    def _events(self, route: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The JSON objects of a server-sent event stream, until `[DONE]`."""
+        with self._client.stream("POST", self.base_url + route, json=body) as response:
             if response.status_code != 200:
                 response.read()
                 raise _error(response)
@@ -91,13 +96,11 @@ class RuntimeEndpoint(Backend):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    return
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise BackendError(chunk["error"].get("message", str(chunk["error"])))
-                text = chunk["text"]
-                yield text[pos:], chunk["meta_info"]
-                pos = len(text)
+                yield chunk
 
     def score_choices(
         self, prefix: str, choices: list[str], unconditional: bool
