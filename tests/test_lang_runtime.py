@@ -4,13 +4,17 @@ nothing left behind."""
 from __future__ import annotations
 
 import psutil
+import pytest
 
 import radixserve.lang as sgl
 
 
 def test_runtime_serves_a_program_and_shuts_down_cleanly(tiny_model_dirs):
     runtime = sgl.Runtime(
-        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=4096, dtype="float32"
+        model_path=str(tiny_model_dirs["llama"]),
+        max_total_tokens=4096,
+        dtype="float32",
+        api_key="sesame",  # the endpoint sends it; a client without it is refused
     )
     try:
         server = psutil.Process(runtime._proc.pid)
@@ -24,6 +28,9 @@ def test_runtime_serves_a_program_and_shuts_down_cleanly(tiny_model_dirs):
         state = hello.run(backend=runtime)
         assert state.get_meta_info("x")["completion_tokens"] == 4
         assert sgl.get_server_info(runtime)["max_total_tokens"] == 4096
+        with pytest.raises(sgl.BackendError) as refused:
+            sgl.RuntimeEndpoint(runtime.url)
+        assert refused.value.status == 401
     finally:
         runtime.shutdown()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)

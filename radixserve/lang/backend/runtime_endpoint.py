@@ -238,17 +238,19 @@ class Runtime:
         command += _flags(server_args)
         self._proc: subprocess.Popen | None = subprocess.Popen(command, start_new_session=True)
         atexit.register(self.shutdown)
-        self._wait_ready(launch_timeout)
-        self.endpoint = RuntimeEndpoint(self.url, api_key=server_args.get("api_key"))
+        api_key = server_args.get("api_key")
+        self._wait_ready(launch_timeout, {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, headers: dict[str, str]) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 self.shutdown()
                 raise RuntimeError("the radixserve server exited while starting (see its log)")
             try:
-                if httpx2.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                ready = httpx2.get(self.url + "/health_generate", headers=headers, timeout=30)
+                if ready.status_code == 200:
                     return
             except httpx2.HTTPError:
                 pass
