@@ -69,6 +69,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         offline,
         one_batch,
         perplexity,
+        programs,
         server_vs_engine,
         serving,
         soak,
@@ -91,6 +92,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "streaming": streaming,
         "soak": soak,
         "speculative": speculative,
+        "programs": programs,
     }
     for name, module in benches.items():
         module.add_args(

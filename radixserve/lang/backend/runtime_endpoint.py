@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from radixserve.lang.ir import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
+# an idle connection is dropped well before the server closes it (uvicorn's keep-alive is
+# 5 s): reusing one the server is closing fails the request with a reset
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class RuntimeEndpoint(Backend):
@@ -52,7 +55,11 @@ class RuntimeEndpoint(Backend):
             headers=headers,
             verify=True if verify is None else verify,
             timeout=httpx2.Timeout(CONNECT_TIMEOUT_S, read=timeout, write=timeout, pool=None),
-            limits=httpx2.Limits(max_connections=512, max_keepalive_connections=512),
+            limits=httpx2.Limits(
+                max_connections=512,
+                max_keepalive_connections=512,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
         )
         self.model_info = self._get("/get_model_info")
         self.chat_template = self._chat_template(chat_template_name)
