@@ -36,8 +36,13 @@ def generate(server, **body) -> dict:
 
 def test_meta_info_server_info_and_metrics_report_speculation(server):
     first = generate(server, input_ids=PROMPT, sampling_params=GREEDY)
-    second = generate(server, input_ids=PROMPT, sampling_params=GREEDY)  # drafts from the first
-    assert second["output_ids"] == first["output_ids"]
+    # later runs draft from the first; the controller drafts only once its cost fit says
+    # verifying pays, and slow steps on a loaded machine can hold it back for a while
+    for _ in range(6):
+        second = generate(server, input_ids=PROMPT, sampling_params=GREEDY)
+        assert second["output_ids"] == first["output_ids"]
+        if second["meta_info"]["spec_verify_ct"] > 0:
+            break
     meta = second["meta_info"]
     assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 2
     assert meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
