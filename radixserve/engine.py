@@ -274,9 +274,6 @@ class Engine:
         info = self.scheduler.info
         field = "input_ids" if input_ids is not None else "text"
         check_fits(plan, info.vocab_size, info.max_seq_len, field)
-        warm = plan.warm_request(rid)
-        if warm is not None:  # the shared prefix first, so every continuation finds it cached
-            self._run_all([warm])
         return plan.response(self._run_all(plan.requests(rid)))
 
     def chat_roles(self) -> dict[str, Any] | None:

@@ -63,18 +63,6 @@ class ScoringPlan:
     def prompt_tokens(self) -> int:
         return len(self.prefix_ids)
 
-    def warm_request(self, rid: str | None = None) -> Req | None:
-        """A prefill-only request of the tokens every span starts with, to run before the
-        spans so they all find them cached (the scheduler's in-batch sharing holds back
-        only long shared prefixes; a few dozen uncached tokens of context would otherwise
-        be computed once per continuation). None when there is nothing to share."""
-        shared = min(span.start for span in self.spans)
-        if len(self.spans) < 2 or shared < 2:
-            return None
-        ids = self.prefix_ids[:shared]  # every span's ids begin with these
-        warm_rid = f"{rid or uuid.uuid4().hex}_w"
-        return expand_request(_no_text, None, SCORE_PARAMS, ids, rid=warm_rid).reqs[0]
-
     def requests(self, rid: str | None = None) -> list[Req]:
         """One prefill-only request per span (`{rid}_{i}`), then with `unconditional` one
         per span alone (`{rid}_u{i}`), in that order."""

@@ -245,15 +245,12 @@ async def score_continuations(
             body.unconditional,
         )
         check_fits(plan, state.model.vocab_size, state.model.max_seq_len, prompt_field)
-        warm, reqs = plan.warm_request(body.rid), plan.requests(body.rid)
+        reqs = plan.requests(body.rid)
     except ContextTooLong as e:
         param = native_fields(prompt_field).name(e.param)
         raise bad_request(str(e), param, code="context_length_exceeded") from None
     except ValueError as e:
         raise call_error(e, native_fields(prompt_field)) from None
-    if warm is not None:  # the shared prefix first, so every continuation finds it cached
-        call = state.manager.submit([warm])
-        await until_disconnect(request, call, call.results())
     call = state.manager.submit(reqs)
     return plan.response(await until_disconnect(request, call, call.results()))
 
