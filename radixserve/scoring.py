@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixserve.core.req import Req
+from radixserve.core.tokens import common_prefix_len
 from radixserve.native import InvalidRequest, expand_request
 
 MAX_CONTINUATIONS = 256  # one call's continuations (checks.MAX_SEQUENCES_PER_REQUEST's size)
@@ -185,17 +186,8 @@ def _checked_ids(input_ids: Sequence[int]) -> list[int]:
 def _healed_span(prefix: list[int], ids: list[int]) -> Span:
     """The span of `ids` (prefix + continuation tokenized together) past its common prefix
     with the prefix's own tokens; at least the last token when they agree in full."""
-    start = _common_prefix_len(prefix, ids)
+    start = common_prefix_len(prefix, ids)
     return Span(ids, max(min(start, len(ids) - 1), 0))
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _prefill(ids: list[int], start: int, rid: str) -> Req:

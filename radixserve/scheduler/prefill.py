@@ -16,11 +16,11 @@ is cut into a chunk (the adder's `chunked`), which ends the batch.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.config import SchedulerConfig
 from radixserve.core.req import Req
+from radixserve.core.tokens import common_prefix_len
 from radixserve.scheduler.kv_manager import KVManager
 
 IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one round
@@ -155,15 +155,6 @@ class PrefillAdder:
         ids = req.all_ids
         cached = self.kv.peek_prefix_len(ids, req)
         return any(
-            _common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_PREFIX_MIN
+            common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_PREFIX_MIN
             for other in self.reqs
         )
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
