@@ -9,6 +9,7 @@ from typing import Any
 
 from radixserve.config import (
     CacheConfig,
+    HiCacheConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -18,7 +19,9 @@ from radixserve.config import (
 )
 
 RUNNER_PARTS = (ModelConfig, CacheConfig)
-SERVER_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ServerConfig)
+SERVER_PARTS = (
+    ModelConfig, CacheConfig, SchedulerConfig, HiCacheConfig, SpeculativeConfig, ServerConfig
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -203,6 +203,72 @@ class SchedulerConfig:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
 
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+HICACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    enable_hierarchical_cache: bool = _opt(
+        False,
+        "Keep prefixes evicted from the KV pool in a host tier and load them back on a hit, "
+        "instead of recomputing them (see radixserve/cache/hiradix_cache.py).",
+    )
+    hicache_ratio: float = _opt(
+        2.0, "Size of the host tier as a multiple of the KV pool's bytes."
+    )
+    hicache_size: float = _opt(
+        0.0, "Size of the host tier in GB; overrides --hicache-ratio when > 0."
+    )
+    hicache_write_policy: str = _opt(
+        "write_back",
+        "When a node's KV is copied to the host tier: write_back (when it is evicted), "
+        "write_through (as soon as it is cached), write_through_selective (once it has been "
+        "matched twice; others are dropped on eviction).",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_dtype: str = _opt(
+        "auto",
+        "Storage dtype of the host and disk tiers: auto (the KV pool's), float32, bfloat16, "
+        "float16, or int8 (per token and head scales). A narrower one holds more tokens per "
+        "byte and changes outputs slightly (bench hicache prints by how much).",
+        choices=HICACHE_DTYPES,
+    )
+    hicache_storage_dir: str | None = _opt(
+        None,
+        "A folder for a persistent disk tier under the host tier: pages of 64 tokens keyed "
+        "by a chained hash of their token ids, written in the background, found again "
+        "after a restart. Needs --enable-hierarchical-cache.",
+    )
+    hicache_storage_size: float = _opt(
+        0.0, "Most GB the disk tier keeps (least recently used files go first); 0: no cap."
+    )
+    hicache_prefetch_timeout: float = _opt(
+        0.5,
+        "Most seconds an admission waits for a disk prefetch still running (the prefetch "
+        "starts when the request is queued); past it the request computes those tokens.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(
+                f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                f"got {self.hicache_write_policy!r}"
+            )
+        if self.hicache_dtype not in HICACHE_DTYPES:
+            raise ValueError(
+                f"hicache_dtype must be one of {', '.join(HICACHE_DTYPES)}, "
+                f"got {self.hicache_dtype!r}"
+            )
+        if self.hicache_ratio <= 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        for name in ("hicache_size", "hicache_storage_size", "hicache_prefetch_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.hicache_storage_dir and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-dir needs --enable-hierarchical-cache")
+
+
 SPECULATIVE_ALGORITHMS = ("none", "ngram")
 
 
@@ -301,8 +367,14 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.hicache.enable_hierarchical_cache and self.scheduler.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache (drop "
+                             "--disable-radix-cache)")
 
     def to_flat(self) -> dict[str, Any]:
         """Every field by name, as /get_server_info reports them (the API key redacted)."""

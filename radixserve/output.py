@@ -95,6 +95,7 @@ class RequestState:
             last.cached_tokens,
             last.completion_tokens,
             spec=last.spec,
+            cached_tiers=last.cached_tiers,
         )
 
     def _add_logprobs(self, delta: StrOut) -> None:
@@ -210,6 +211,8 @@ class ResultAccumulator:
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
         }
+        if out.cached_tiers is not None:
+            meta["cached_tokens_details"] = out.cached_tiers.details(out.cached_tokens)
         if out.spec is not None:
             meta.update(out.spec.meta_info())
         if update.e2e_latency is not None:

@@ -38,11 +38,16 @@ from radixserve.cache.allocator import SlotAllocator
 @dataclass(eq=False)
 class TreeNode:
     key: tuple[int, ...] = ()  # the edge's tokens
-    value: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # device slots of the edge's tokens; None once the node lives only in a lower tier
+    value: torch.Tensor | None = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     parent: TreeNode | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    # The hierarchical cache's fields (hiradix_cache.py); the plain tree leaves them alone.
+    host_value: torch.Tensor | None = None  # host-tier slots of the edge's tokens, if copied
+    hit_count: int = 0  # admissions that matched this node (write-through-selective)
+    host_ref: int = 0  # > 0: the host copy is in use (a load back), not to be evicted
 
     @property
     def is_leaf(self) -> bool:
@@ -56,6 +61,10 @@ class TreeNode:
 class MatchResult:
     slots: torch.Tensor  # (L,) int64, KV slots of the matched prefix
     last_node: TreeNode  # lock this while the slots are in use
+    # The hierarchical cache: the match's continuation below `last_node` held only in the
+    # host tier (its tokens, and the node it ends at); 0 / None in the plain tree.
+    host_length: int = 0
+    host_last_node: TreeNode | None = None
 
     @property
     def length(self) -> int:
@@ -153,10 +162,11 @@ class RadixCache:
         while pos < len(tokens):
             child = node.children.get(self._child_key(tokens[pos:]))
             if child is None:
-                prefix_len = pos
+                prefix_len = pos if prefix_len is None else prefix_len
                 child = TreeNode(tokens[pos:], slots[pos:].clone(), node, last_access=now)
                 node.children[self._child_key(child.key)] = child
                 self.evictable_size += len(child.key)
+                self._on_new_node(child)
                 parts.append(child.value)
                 node, pos = child, len(tokens)
                 break
@@ -164,10 +174,18 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if child.value is None:  # only in a lower tier: the caller's slots take its place
+                prefix_len = pos if prefix_len is None else prefix_len
+                child.value = slots[pos : pos + n].clone()
+                self.evictable_size += n
             parts.append(child.value)
             node, pos = child, pos + n
         tree_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return InsertResult(pos if prefix_len is None else prefix_len, tree_slots, node)
+
+    def _on_new_node(self, node: TreeNode) -> None:
+        """Called by `insert` for each node it creates (the hierarchical cache's
+        write-through); nothing here."""
 
     def lock(self, node: TreeNode) -> None:
         while node.parent is not None:
@@ -232,13 +250,17 @@ class RadixCache:
         assert parent is not None and 0 < n < len(child.key)
         upper = TreeNode(
             child.key[:n],
-            child.value[:n],
+            _head(child.value, n),
             parent,
             lock_ref=child.lock_ref,
             last_access=child.last_access,
+            host_value=_head(child.host_value, n),
+            hit_count=child.hit_count,
+            host_ref=child.host_ref,
         )
         parent.children[self._child_key(upper.key)] = upper
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.key, child.parent = child.key[n:], upper
+        child.value, child.host_value = _tail(child.value, n), _tail(child.host_value, n)
         upper.children[self._child_key(child.key)] = child
         return upper
 
@@ -248,3 +270,11 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[:n]
+
+
+def _tail(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[n:]

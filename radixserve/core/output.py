@@ -61,10 +61,25 @@ class ReqOutput(msgspec.Struct):
     input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
     input_top_logprobs: list[list[LogprobEntry]] | None = None
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
+    cached_tiers: CachedTiers | None = None  # with the hierarchical cache on
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class CachedTiers(msgspec.Struct, array_like=True):
+    """With the hierarchical cache: how many of a request's cached prompt tokens were
+    loaded back from the host tier and read from the disk tier (the rest were on the
+    device)."""
+
+    host: int = 0
+    disk: int = 0
+
+    def details(self, cached_tokens: int) -> dict[str, int]:
+        """`cached_tokens_details` of meta_info, as SGLang names it."""
+        device = cached_tokens - self.host - self.disk
+        return {"device": device, "host": self.host, "disk": self.disk}
 
 
 class SpecCounts(msgspec.Struct, array_like=True):
@@ -113,6 +128,7 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     text_cut: int | None = None  # the text so far is first cut to this length (rare: a stop
     # string's first occurrence in text already sent, see text_stream.TextStream._trim_at)
     spec: SpecCounts | None = None
+    cached_tiers: CachedTiers | None = None
 
     @property
     def finished(self) -> bool:
@@ -172,6 +188,7 @@ class SchedulerStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     grammar: dict[str, float] = msgspec.field(default_factory=dict)
+    hicache: dict[str, float] = msgspec.field(default_factory=dict)  # tiers, when on
     # speculative decoding: request-steps that verified a draft, drafted tokens verified and
     # accepted, and both by draft position (index 0: the first drafted token)
     spec_verify_steps: int = 0
@@ -192,5 +209,10 @@ class SchedulerStats(msgspec.Struct):
         """Flat, as reported: grammar counters as `grammar_<name>`."""
         flat = msgspec.structs.asdict(self)
         grammar = flat.pop("grammar")
+        hicache = flat.pop("hicache")
         flat["avg_spec_accept_length"] = self.avg_spec_accept_length
-        return {**flat, **{f"grammar_{k}": v for k, v in grammar.items()}}
+        return {
+            **flat,
+            **{f"grammar_{k}": v for k, v in grammar.items()},
+            **{f"hicache_{k}": v for k, v in hicache.items()},
+        }

@@ -35,6 +35,10 @@ class Req:
     tree_len: int = 0  # leading tokens whose slots belong to the radix tree (locked)
     last_node: Any = None  # the radix node locked for those tokens
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported)
+    # with the hierarchical cache: how many of those came from the host and the disk tier
+    cached_lower: tuple[int, int] | None = None
+    loaded_back: int = 0  # tokens the last admission loaded back onto the device
+    prefetch: Any = None  # its disk tier read in flight (cache/storage_tier.py)
     retractions: int = 0
 
     # results

@@ -12,20 +12,74 @@ everything to the tree (or frees it) and gives back the table row. The scheduler
 yes/no questions (`ensure_free`, `has_free_row`) and never touches a slot tensor.
 
 Accounting (`check`): free slots + slots held by the tree + slots held only by live
-requests == pool size.
+requests == pool size; with the hierarchical cache, the tree also recounts its host tier.
+
+With the hierarchical cache (`tiers`), `match` first puts what a disk prefetch read into
+the host tier, then loads the host-only continuation of the match back onto the device, so
+the request finds it like any cached prefix; `release` writes the sequence's new full
+pages to the disk tier. Cached tokens are told apart by where they came from.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from radixserve.cache import ReqToTokenPool, SlotAllocator
+from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
+from radixserve.cache.disk_store import DiskStore
+from radixserve.cache.hiradix_cache import HiRadixCache
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.storage_tier import PAGE_TOKENS, StorageTier
+from radixserve.config import HiCacheConfig
 from radixserve.core.batch import ForwardBatch
 from radixserve.core.req import Req
 from radixserve.scheduler.batch_builder import BatchBuilder
+
+GB = 10**9
+DISK_QUEUE_PAGES = 256  # pages waiting for the disk writer at most (more are dropped)
+logger = logging.getLogger(__name__)
+
+
+def build_tiers(
+    config: HiCacheConfig,
+    allocator: SlotAllocator,
+    kv_pool: KVPool,
+    page_size: int,
+    model_path: str,
+) -> tuple[HiRadixCache, StorageTier | None]:
+    """The hierarchical cache the flags ask for: the host tier (sized in bytes, by
+    --hicache-size or --hicache-ratio x the KV pool) and the disk tier under it."""
+    layers, (_, kv_heads, head_dim) = len(kv_pool.k), kv_pool.k[0].shape
+    dtype = config.hicache_dtype
+    if dtype == "auto":
+        dtype = str(kv_pool.k[0].dtype).removeprefix("torch.")
+    nbytes = config.hicache_size * GB or config.hicache_ratio * kv_pool.nbytes
+    per_token = HostKVPool.bytes_per_token(layers, kv_heads, head_dim, dtype)
+    pin = kv_pool.k[0].device.type == "cuda"
+    host = HostKVPool(
+        max(int(nbytes // per_token), 1), layers, kv_heads, head_dim, dtype, kv_pool.k[0].dtype, pin
+    )
+    tree = HiRadixCache(allocator, kv_pool, host, page_size, config.hicache_write_policy)
+    logger.info(
+        "hierarchical cache: host tier of %d tokens (%.2f GB, %s), %s",
+        host.size, host.nbytes / GB, dtype, config.hicache_write_policy,
+    )
+    if not config.hicache_storage_dir:
+        return tree, None
+    namespace = StorageTier.namespace_of(model_path, dtype, layers, kv_heads, head_dim)
+    cap = int(config.hicache_storage_size * GB) or None
+    store = DiskStore(
+        config.hicache_storage_dir, namespace, PAGE_TOKENS, cap, queue_size=DISK_QUEUE_PAGES
+    )
+    logger.info(
+        "disk tier: %s, %d pages found (%.2f GB)",
+        config.hicache_storage_dir, store.num_pages, store.used_bytes / GB,
+    )
+    return tree, StorageTier(store, tree, namespace)
 
 
 class KVManager:
@@ -36,11 +90,22 @@ class KVManager:
         device: torch.device,
         use_radix_cache: bool = True,
         page_size: int = 1,
+        tiers: tuple[HiRadixCache, StorageTier | None] | None = None,
+        prefetch_timeout: float = 0.5,
     ) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.builder = BatchBuilder(allocator, req_to_token, device)
-        self.tree = RadixCache(allocator, page_size) if use_radix_cache else None
+        self.tree: RadixCache | None = None
+        self.hitree: HiRadixCache | None = None
+        self.storage: StorageTier | None = None
+        if tiers is not None:
+            self.tree = self.hitree = tiers[0]
+            self.storage = tiers[1]
+        elif use_radix_cache:
+            self.tree = RadixCache(allocator, page_size)
+        self.prefetch_timeout = prefetch_timeout
+        self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}  # prompt tokens, cumulative
 
     # -- questions ------------------------------------------------------------------------
     @property
@@ -67,17 +132,58 @@ class KVManager:
         return self.allocator.num_free >= n
 
     # -- a request's prefix ---------------------------------------------------------------
+    def queued(self, req: Req) -> None:
+        """A request joined the waiting queue: start reading its pages from disk."""
+        if self.storage is not None:
+            req.prefetch = self.storage.start_prefetch(
+                req.all_ids[: req.max_cacheable_prefix], req.extra_key
+            )
+
     def match(self, req: Req) -> None:
         """Take the request's cached prefix from the tree (locked) into its table row."""
         if self.tree is None:
             self.builder.attach_prefix(req, torch.empty(0, dtype=torch.int64))
             return
-        match = self.tree.match_prefix(req.all_ids[: req.max_cacheable_prefix], req.extra_key)
+        tokens = req.all_ids[: req.max_cacheable_prefix]
+        match = self.tree.match_prefix(tokens, req.extra_key)
+        from_host = from_disk = 0
+        if self.hitree is not None:
+            from_disk = self._take_prefetch(req, tokens)
+            if from_disk:
+                match = self.tree.match_prefix(tokens, req.extra_key)
+            if match.host_length and self.hitree.load_back(match):
+                device = match.length
+                match = self.tree.match_prefix(tokens, req.extra_key)
+                from_disk = min(from_disk, match.length - device)
+                from_host = match.length - device - from_disk
+            else:
+                from_disk = 0
+            self.hitree.record_hit(match.last_node)
         self.tree.lock(match.last_node)
         req.last_node = match.last_node
         self.builder.attach_prefix(req, match.slots.to(self.builder.device))
         if not req.output_ids:
             req.cached_tokens = match.length
+            if self.hitree is not None:
+                req.cached_lower = (from_host, from_disk)
+        req.loaded_back = from_host + from_disk
+
+    def _take_prefetch(self, req: Req, tokens: list[int]) -> int:
+        """What the request's disk prefetch read, put in the host tier (0 if nothing)."""
+        prefetch, req.prefetch = req.prefetch, None
+        if prefetch is None or self.storage is None:
+            return 0
+        return self.storage.finish_prefetch(
+            prefetch, tokens, req.extra_key, self.prefetch_timeout
+        )
+
+    def count_cached(self, req: Req) -> None:
+        """An admitted request's cached prompt tokens, by tier (cumulative figures)."""
+        host, disk = req.cached_lower or (0, 0)
+        by_tier = self.cached_by_tier
+        by_tier["host"] += host
+        by_tier["disk"] += disk
+        by_tier["device"] += req.cached_tokens - host - disk
 
     def unmatch(self, req: Req) -> None:
         """Undo `match` for a request that was not admitted after all."""
@@ -105,6 +211,9 @@ class KVManager:
         if req.row is None:
             return
         self.cache(req)
+        if self.storage is not None and req.tree_len:
+            slots = self.req_to_token.slots(req.row, 0, req.tree_len)
+            self.storage.write(req.all_ids[: req.tree_len], slots, req.extra_key)
         self._unlock(req)
         self.builder.release(req)
 
@@ -151,11 +260,18 @@ class KVManager:
         self.builder.truncate(req, max(min(start + valid, limit), req.tree_len))
 
     # -- the whole pool -------------------------------------------------------------------
+    def close(self) -> None:
+        """Let the disk tier's queued writes land (shutdown)."""
+        if self.storage is not None:
+            self.storage.close()
+
     def flush(self) -> None:
         """Empty the cache (only with no live request: the caller checks)."""
         if self.tree is not None:
             self.tree.evict_all()
             self.tree.reset()
+        if self.hitree is not None:
+            self.hitree.host_allocator.clear()
         self.allocator.clear()
 
     def usage(self, live: Iterable[Req]) -> dict[str, int]:
@@ -170,8 +286,37 @@ class KVManager:
             "kv_held_by_requests": sum(r.kv_len - r.tree_len for r in live if r.row is not None),
         }
 
+    def tier_usage(self) -> dict[str, float]:
+        """The hierarchical cache's figures (empty without it): tier sizes and use, what
+        moved between tiers, cached prompt tokens by tier (all cumulative but the sizes)."""
+        tree = self.hitree
+        if tree is None:
+            return {}
+        out: dict[str, float] = {
+            f"cached_tokens_{tier}": n for tier, n in self.cached_by_tier.items()
+        }
+        out |= {
+            "host_total": tree.host_pool.size,
+            "host_used": tree.host_size,
+            "host_bytes": tree.host_pool.nbytes,
+            **dataclasses.asdict(tree.tier_stats),
+        }
+        if self.storage is not None:
+            store = self.storage.store
+            out |= {
+                "disk_used_bytes": store.used_bytes,
+                "disk_pages": store.num_pages,
+                "disk_page_tokens": self.storage.page_tokens,
+                "prefetched_tokens": self.storage.prefetched_tokens,
+                "prefetch_timeouts": self.storage.prefetch_timeouts,
+                **{f"disk_{k}": v for k, v in store.stats.as_dict().items()},
+            }
+        return out
+
     def check(self, live: Iterable[Req]) -> None:
         """free + tree + held only by live requests == pool size (a leak is a bug)."""
+        if self.hitree is not None:
+            self.hitree.check()
         s = self.usage(live)
         in_tree = s["kv_tree_evictable"] + s["kv_tree_protected"]
         assert s["kv_free"] + in_tree + s["kv_held_by_requests"] == s["kv_total"], (

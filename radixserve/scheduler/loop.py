@@ -61,8 +61,11 @@ class SchedulerLoop:
         self._last_state_time = 0.0
 
     def run(self) -> None:
-        while self.transport.alive():
-            self.run_once()
+        try:
+            while self.transport.alive():
+                self.run_once()
+        finally:
+            self.scheduler.close()
 
     def run_once(self) -> None:
         scheduler = self.scheduler

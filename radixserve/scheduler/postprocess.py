@@ -18,6 +18,7 @@ import torch
 from radixserve.constrained import Grammars
 from radixserve.constrained.grammars import MaskJob
 from radixserve.core.output import (
+    CachedTiers,
     FinishReason,
     LogprobEntry,
     ModelInfo,
@@ -188,4 +189,5 @@ def make_output(
         input_logprobs=list(req.input_logprobs) if with_prompt else None,
         input_top_logprobs=list(req.input_top_logprobs) if with_prompt else None,
         spec=spec,
+        cached_tiers=CachedTiers(*req.cached_lower) if req.cached_lower else None,
     )

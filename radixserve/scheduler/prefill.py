@@ -113,6 +113,7 @@ class PrefillAdder:
         if not self.kv.has_free_row:
             return Admission.STOP
         self.kv.match(req)
+        self.kv_budget -= req.loaded_back  # slots the load back took
         remaining = len(req.all_ids) - req.kv_len
         fits = self._fits(remaining + self.reserve.of(req), remaining)
         if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, self.token_budget)):

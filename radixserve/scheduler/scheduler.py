@@ -28,12 +28,12 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from radixserve.config import Config, SchedulerConfig, SpeculativeConfig
+from radixserve.config import Config, HiCacheConfig, SchedulerConfig, SpeculativeConfig
 from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
-from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.kv_manager import KVManager, build_tiers
 from radixserve.scheduler.logprobs import record_input_logprobs, wants_prompt_logits
 from radixserve.scheduler.policy import order_waiting
 from radixserve.scheduler.postprocess import OutputProcessor, Update, fail_request, make_output
@@ -53,14 +53,26 @@ class Scheduler:
         config: SchedulerConfig,
         page_size: int = 1,
         speculative: SpeculativeConfig | None = None,
+        hicache: HiCacheConfig | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
         self.info = runner.model_info()
         self.page_size = page_size
         use_tree = not config.disable_radix_cache
+        tiers = None
+        if hicache is not None and hicache.enable_hierarchical_cache and use_tree:
+            tiers = build_tiers(
+                hicache, runner.allocator, runner.kv_pool, page_size, self.info.model_path
+            )
         self.kv = KVManager(
-            runner.allocator, runner.req_to_token, runner.device, use_tree, page_size
+            runner.allocator,
+            runner.req_to_token,
+            runner.device,
+            use_tree,
+            page_size,
+            tiers,
+            hicache.hicache_prefetch_timeout if hicache is not None else 0.0,
         )
         self.stats = SchedulerStats()
         self.grammars = Grammars(
@@ -84,7 +96,9 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, runner: ModelRunner, config: Config) -> Scheduler:
-        return cls(runner, config.scheduler, config.cache.page_size, config.speculative)
+        return cls(
+            runner, config.scheduler, config.cache.page_size, config.speculative, config.hicache
+        )
 
     # -- the transport's interface --------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -92,6 +106,7 @@ class Scheduler:
         req.check_fits(self.info)
         self.grammars.attach(req)  # an invalid constraint raises GrammarError (a ValueError)
         self.waiting.append(req)
+        self.kv.queued(req)
 
     def abort(self, rid: str | None = None, message: str = "aborted") -> None:
         """Abort one request by rid, or all (rid None); takes effect at the next step."""
@@ -110,6 +125,10 @@ class Scheduler:
         self.last_step, run = self._next_batch()
         return outputs + run() if run is not None else outputs
 
+    def close(self) -> None:
+        """The loop ended: let the disk tier's queued writes land."""
+        self.kv.close()
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are live."""
         if self.has_work:
@@ -125,6 +144,7 @@ class Scheduler:
         stats.num_running = len(self.running) + (self.chunked is not None)
         stats.num_waiting = len(self.waiting)
         stats.grammar = self.grammars.stats.as_dict()
+        stats.hicache = self.kv.tier_usage()
         return msgspec.structs.replace(  # a snapshot
             stats,
             spec_drafted_by_position=list(stats.spec_drafted_by_position),
@@ -235,6 +255,7 @@ class Scheduler:
             if not req.output_ids:
                 self.stats.prompt_tokens += len(req.input_ids)
                 self.stats.cached_tokens += req.cached_tokens
+                self.kv.count_cached(req)
             if req.params.max_new_tokens == 0 and not req.finished:
                 req.finish_reason = FinishReason.of_length(0)
         return last_rows, row

@@ -60,9 +60,12 @@ class Metrics:
         )
         self.speculative = SpeculativeCollector()
         r.register(self.speculative)
+        self.tiers = TierCollector()
+        r.register(self.tiers)
 
     def set_scheduler_state(self, state: SchedulerStats) -> None:
         self.speculative.state = state
+        self.tiers.state = state
         self.running.set(state.num_running)
         self.waiting.set(state.num_waiting)
         total = state.kv_total
@@ -107,3 +110,68 @@ class SpeculativeCollector:
             "Mean tokens committed per request-step that verified a draft.",
             value=s.avg_spec_accept_length,
         )
+
+
+class TierCollector:
+    """The hierarchical cache's figures, as the scheduler last reported them (nothing
+    while it is off): cached prompt tokens by tier, tier use, and what moved between
+    tiers (tokens, bytes, seconds)."""
+
+    def __init__(self) -> None:
+        self.state: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        h = self.state.hicache if self.state is not None else None
+        if not h:
+            return
+        cached = CounterMetricFamily(
+            "radixserve_cached_tokens_by_tier",
+            "Prompt tokens served from the prefix cache, by the tier they were found in.",
+            labels=["tier"],
+        )
+        for tier in ("device", "host", "disk"):
+            cached.add_metric([tier], h.get(f"cached_tokens_{tier}", 0))
+        yield cached
+        s = self.state
+        assert s is not None
+        usage = GaugeMetricFamily(
+            "radixserve_hicache_used_tokens", "Tokens held by each cache tier.", labels=["tier"]
+        )
+        usage.add_metric(["device"], s.kv_tree_evictable + s.kv_tree_protected)
+        usage.add_metric(["host"], h["host_used"])
+        if "disk_pages" in h:
+            usage.add_metric(["disk"], h["disk_pages"] * h.get("disk_page_tokens", 0))
+        yield usage
+        yield GaugeMetricFamily(
+            "radixserve_hicache_host_capacity_tokens", "Tokens the host tier holds at most.",
+            value=h["host_total"],
+        )
+        if "disk_used_bytes" in h:
+            yield GaugeMetricFamily(
+                "radixserve_hicache_disk_used_bytes", "Bytes of the disk tier's page files.",
+                value=h["disk_used_bytes"],
+            )
+        for move, help_text in (
+            ("load_back", "from the host tier back to the device"),
+            ("write_back", "from the device to the host tier"),
+            ("disk_write", "from the device to the disk tier"),
+            ("disk_read", "from the disk tier to the host tier"),
+        ):
+            for unit, key in _MOVE_KEYS[move]:
+                if key in h:
+                    yield CounterMetricFamily(
+                        f"radixserve_hicache_{move}_{unit}", f"KV {unit} moved {help_text}.",
+                        value=h[key],
+                    )
+
+
+_MOVE_KEYS = {
+    "load_back": (("tokens", "load_back_tokens"), ("bytes", "load_back_bytes"),
+                  ("seconds", "load_back_seconds")),
+    "write_back": (("tokens", "write_back_tokens"), ("bytes", "write_back_bytes"),
+                   ("seconds", "write_back_seconds")),
+    "disk_write": (("pages", "disk_pages_written"), ("bytes", "disk_bytes_written"),
+                   ("seconds", "disk_write_seconds")),
+    "disk_read": (("pages", "disk_pages_read"), ("bytes", "disk_bytes_read"),
+                  ("seconds", "disk_read_seconds")),
+}

@@ -269,11 +269,17 @@ def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
     metas = [r["meta_info"] for r in results]
     prompt = sum(m["prompt_tokens"] for m in metas[::n])
     completion = sum(m["completion_tokens"] for m in metas)
+    details: dict[str, Any] = {"cached_tokens": sum(m["cached_tokens"] for m in metas[::n])}
+    by_tier = [m["cached_tokens_details"] for m in metas[::n] if m.get("cached_tokens_details")]
+    if by_tier:  # the hierarchical cache: where the cached tokens came from
+        details["cached_tokens_details"] = {
+            tier: sum(d[tier] for d in by_tier) for tier in by_tier[0]
+        }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in metas[::n])},
+        "prompt_tokens_details": details,
     }
 
 
