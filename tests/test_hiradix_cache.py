@@ -38,7 +38,7 @@ operations = st.lists(
         st.tuples(st.just("insert_host"), sequences, keys),
     ),
     min_size=10,
-    max_size=60,
+    max_size=40,
 )
 
 
@@ -114,7 +114,7 @@ def lost_tokens(tree: HiRadixCache) -> int:
     return tree.tier_stats.dropped_tokens + tree.tier_stats.host_evicted_tokens
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     operations,
     st.sampled_from([1, 2, 4]),
@@ -144,7 +144,8 @@ def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
             alloc.free(slots[: inserted.prefix_len])  # duplicates are the caller's to free
             alloc.free(slots[len(aligned) :])
             gained = {(key, aligned[:n]) for n in range(page, len(aligned) + 1, page)}
-            assert contents(tree) == before | gained
+            after = contents(tree)  # write-through may free host leaves to copy new nodes
+            assert gained <= after <= before | gained
         elif op in ("match_lock", "match_load"):
             match = tree.match_prefix(arg, extra_key=key)
             assert match.length == device_len(tree, arg, key)

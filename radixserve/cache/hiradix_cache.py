@@ -212,8 +212,7 @@ class HiRadixCache(RadixCache):
             if node.host_value is None and (
                 self.write_policy == "write_through_selective" or not self._backup(node)
             ):
-                self._drop(node)
-                self.tier_stats.dropped_tokens += n
+                self.tier_stats.dropped_tokens += self._drop(node)
             else:
                 self.allocator.free(node.value)
                 node.value = None
@@ -278,8 +277,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             assert parent is not None
             freed += len(node.key)
-            self.tier_stats.host_evicted_tokens += len(node.key)
-            self._drop(node)
+            self.tier_stats.host_evicted_tokens += self._drop(node)
             if self._host_evictable(parent):
                 heapq.heappush(heap, parent)
         return freed
@@ -292,13 +290,14 @@ class HiRadixCache(RadixCache):
             and node.is_leaf
         )
 
-    def _drop(self, node: TreeNode) -> None:
+    def _drop(self, node: TreeNode) -> int:
         """Remove an unlocked node and its (host-only) subtree from the tree, freeing the
-        slots of every tier it holds."""
-        stack = [node]
+        slots of every tier it holds; returns the tokens removed."""
+        stack, removed = [node], 0
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
+            removed += len(n.key)
             assert n.lock_ref == 0 and n.host_ref == 0, "dropping a node in use"
             if n.value is not None:
                 self.allocator.free(n.value)
@@ -309,6 +308,7 @@ class HiRadixCache(RadixCache):
         parent = node.parent
         assert parent is not None
         del parent.children[self._child_key(node.key)]
+        return removed
 
     def _drop_unlocked(self, node: TreeNode) -> None:
         if node.lock_ref == 0:
