@@ -20,7 +20,12 @@ from radixserve.config import (
 
 RUNNER_PARTS = (ModelConfig, CacheConfig)
 SERVER_PARTS = (
-    ModelConfig, CacheConfig, SchedulerConfig, HiCacheConfig, SpeculativeConfig, ServerConfig
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    HiCacheConfig,
+    SpeculativeConfig,
+    ServerConfig,
 )
 
 

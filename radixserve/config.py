@@ -214,9 +214,7 @@ class HiCacheConfig:
         "Keep prefixes evicted from the KV pool in a host tier and load them back on a hit, "
         "instead of recomputing them (see radixserve/cache/hiradix_cache.py).",
     )
-    hicache_ratio: float = _opt(
-        2.0, "Size of the host tier as a multiple of the KV pool's bytes."
-    )
+    hicache_ratio: float = _opt(2.0, "Size of the host tier as a multiple of the KV pool's bytes.")
     hicache_size: float = _opt(
         0.0, "Size of the host tier in GB; overrides --hicache-ratio when > 0."
     )
@@ -373,8 +371,9 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.hicache.enable_hierarchical_cache and self.scheduler.disable_radix_cache:
-            raise ValueError("--enable-hierarchical-cache needs the radix cache (drop "
-                             "--disable-radix-cache)")
+            raise ValueError(
+                "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"
+            )
 
     def to_flat(self) -> dict[str, Any]:
         """Every field by name, as /get_server_info reports them (the API key redacted)."""

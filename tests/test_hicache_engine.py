@@ -160,8 +160,11 @@ def test_the_disk_tier_survives_a_restart(tiny_model_dirs, reference, tmp_path, 
         assert r["output_ids"] == c["output_ids"]
         assert r["meta_info"]["cached_tokens_details"]["disk"] == 0
     assert tiers(third)["disk_corrupt_skipped"] >= 1
-    assert any("disk" in rec.getMessage().lower() or ".kv" in rec.getMessage()
-               for rec in caplog.records if rec.levelno >= logging.WARNING)
+    assert any(
+        "disk" in rec.getMessage().lower() or ".kv" in rec.getMessage()
+        for rec in caplog.records
+        if rec.levelno >= logging.WARNING
+    )
     finish_tiers(third)
 
 

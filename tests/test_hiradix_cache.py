@@ -56,8 +56,9 @@ def make_tree(policy: str, page: int, host_size: int, threshold: int = 1):
 
 
 def write_kv(device: KVPool, slots: torch.Tensor, key, seq, start: int = 0) -> None:
-    values = torch.tensor([expected_value(key, tuple(seq[: i + 1])) for i in
-                           range(start, start + slots.numel())])
+    values = torch.tensor(
+        [expected_value(key, tuple(seq[: i + 1])) for i in range(start, start + slots.numel())]
+    )
     device.k[0][slots, 0, 0] = values
     device.v[0][slots, 0, 0] = -values
 
@@ -86,8 +87,7 @@ def contents(tree: HiRadixCache) -> set[tuple]:
 def check_kv_where_slots_say(tree: HiRadixCache, device: KVPool, host: HostKVPool) -> None:
     for key, toks, node in walk(tree):
         start = len(toks) - len(node.key)
-        want = torch.tensor([expected_value(key, toks[: i + 1]) for i in
-                             range(start, len(toks))])
+        want = torch.tensor([expected_value(key, toks[: i + 1]) for i in range(start, len(toks))])
         if node.value is not None:
             assert torch.equal(device.k[0][node.value, 0, 0], want), "device KV moved"
             assert torch.equal(device.v[0][node.value, 0, 0], -want)
@@ -149,8 +149,9 @@ def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
         elif op in ("match_lock", "match_load"):
             match = tree.match_prefix(arg, extra_key=key)
             assert match.length == device_len(tree, arg, key)
-            cached = sum(1 for n in range(page, len(aligned) + 1, page)
-                         if (key, aligned[:n]) in before)
+            cached = sum(
+                1 for n in range(page, len(aligned) + 1, page) if (key, aligned[:n]) in before
+            )
             assert match.length + match.host_length == cached * page, "a tier missed in match"
             if op == "match_load" and match.host_length:
                 loaded = tree.load_back(match)
@@ -176,10 +177,12 @@ def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
             if count <= 0:
                 continue
             block = KVBlock(
-                torch.tensor([expected_value(key, aligned[: i + 1]) for i in
-                              range(start, len(aligned))]).view(1, count, 1, 1),
-                -torch.tensor([expected_value(key, aligned[: i + 1]) for i in
-                               range(start, len(aligned))]).view(1, count, 1, 1),
+                torch.tensor(
+                    [expected_value(key, aligned[: i + 1]) for i in range(start, len(aligned))]
+                ).view(1, count, 1, 1),
+                -torch.tensor(
+                    [expected_value(key, aligned[: i + 1]) for i in range(start, len(aligned))]
+                ).view(1, count, 1, 1),
             )
             before, lost_before = contents(tree), lost_tokens(tree)
             added = tree.insert_host(aligned, start, block, extra_key=key)
@@ -191,7 +194,7 @@ def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
         held = sum(0 for _ in locks)  # requests hold no slots of their own here
         assert alloc.num_free + tree.total_size + held == POOL, "a device slot leaked"
         check_kv_where_slots_say(tree, device, host)
-        for node, k, prefix in locks:  # locked paths stay on the device
+        for _, k, prefix in locks:  # locked paths stay on the device
             assert device_len(tree, prefix, k) == len(prefix)
         after = contents(tree)
         gone = before - after

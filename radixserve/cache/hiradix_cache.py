@@ -284,10 +284,7 @@ class HiRadixCache(RadixCache):
 
     def _host_evictable(self, node: TreeNode) -> bool:
         return (
-            node.parent is not None
-            and node.value is None
-            and node.host_ref == 0
-            and node.is_leaf
+            node.parent is not None and node.value is None and node.host_ref == 0 and node.is_leaf
         )
 
     def _drop(self, node: TreeNode) -> int:

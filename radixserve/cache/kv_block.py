@@ -38,8 +38,9 @@ class KVBlock:
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:, start:end]
 
-        return KVBlock(self.k[:, start:end], self.v[:, start:end],
-                       cut(self.k_scale), cut(self.v_scale))
+        return KVBlock(
+            self.k[:, start:end], self.v[:, start:end], cut(self.k_scale), cut(self.v_scale)
+        )
 
     @staticmethod
     def cat(blocks: list[KVBlock]) -> KVBlock:

@@ -111,9 +111,7 @@ class StorageTier:
         if not blocks:
             return 0
         end = prefetch.start + len(blocks) * self.page_tokens
-        added = self.tree.insert_host(
-            tokens[:end], prefetch.start, KVBlock.cat(blocks), extra_key
-        )
+        added = self.tree.insert_host(tokens[:end], prefetch.start, KVBlock.cat(blocks), extra_key)
         self.prefetched_tokens += added
         return added
 

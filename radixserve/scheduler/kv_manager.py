@@ -66,7 +66,10 @@ def build_tiers(
     tree = HiRadixCache(allocator, kv_pool, host, page_size, config.hicache_write_policy)
     logger.info(
         "hierarchical cache: host tier of %d tokens (%.2f GB, %s), %s",
-        host.size, host.nbytes / GB, dtype, config.hicache_write_policy,
+        host.size,
+        host.nbytes / GB,
+        dtype,
+        config.hicache_write_policy,
     )
     if not config.hicache_storage_dir:
         return tree, None
@@ -77,7 +80,9 @@ def build_tiers(
     )
     logger.info(
         "disk tier: %s, %d pages found (%.2f GB)",
-        config.hicache_storage_dir, store.num_pages, store.used_bytes / GB,
+        config.hicache_storage_dir,
+        store.num_pages,
+        store.used_bytes / GB,
     )
     return tree, StorageTier(store, tree, namespace)
 
@@ -173,9 +178,7 @@ class KVManager:
         prefetch, req.prefetch = req.prefetch, None
         if prefetch is None or self.storage is None:
             return 0
-        return self.storage.finish_prefetch(
-            prefetch, tokens, req.extra_key, self.prefetch_timeout
-        )
+        return self.storage.finish_prefetch(prefetch, tokens, req.extra_key, self.prefetch_timeout)
 
     def count_cached(self, req: Req) -> None:
         """An admitted request's cached prompt tokens, by tier (cumulative figures)."""

@@ -143,12 +143,14 @@ class TierCollector:
             usage.add_metric(["disk"], h["disk_pages"] * h.get("disk_page_tokens", 0))
         yield usage
         yield GaugeMetricFamily(
-            "radixserve_hicache_host_capacity_tokens", "Tokens the host tier holds at most.",
+            "radixserve_hicache_host_capacity_tokens",
+            "Tokens the host tier holds at most.",
             value=h["host_total"],
         )
         if "disk_used_bytes" in h:
             yield GaugeMetricFamily(
-                "radixserve_hicache_disk_used_bytes", "Bytes of the disk tier's page files.",
+                "radixserve_hicache_disk_used_bytes",
+                "Bytes of the disk tier's page files.",
                 value=h["disk_used_bytes"],
             )
         for move, help_text in (
@@ -160,18 +162,31 @@ class TierCollector:
             for unit, key in _MOVE_KEYS[move]:
                 if key in h:
                     yield CounterMetricFamily(
-                        f"radixserve_hicache_{move}_{unit}", f"KV {unit} moved {help_text}.",
+                        f"radixserve_hicache_{move}_{unit}",
+                        f"KV {unit} moved {help_text}.",
                         value=h[key],
                     )
 
 
 _MOVE_KEYS = {
-    "load_back": (("tokens", "load_back_tokens"), ("bytes", "load_back_bytes"),
-                  ("seconds", "load_back_seconds")),
-    "write_back": (("tokens", "write_back_tokens"), ("bytes", "write_back_bytes"),
-                   ("seconds", "write_back_seconds")),
-    "disk_write": (("pages", "disk_pages_written"), ("bytes", "disk_bytes_written"),
-                   ("seconds", "disk_write_seconds")),
-    "disk_read": (("pages", "disk_pages_read"), ("bytes", "disk_bytes_read"),
-                  ("seconds", "disk_read_seconds")),
+    "load_back": (
+        ("tokens", "load_back_tokens"),
+        ("bytes", "load_back_bytes"),
+        ("seconds", "load_back_seconds"),
+    ),
+    "write_back": (
+        ("tokens", "write_back_tokens"),
+        ("bytes", "write_back_bytes"),
+        ("seconds", "write_back_seconds"),
+    ),
+    "disk_write": (
+        ("pages", "disk_pages_written"),
+        ("bytes", "disk_bytes_written"),
+        ("seconds", "disk_write_seconds"),
+    ),
+    "disk_read": (
+        ("pages", "disk_pages_read"),
+        ("bytes", "disk_bytes_read"),
+        ("seconds", "disk_read_seconds"),
+    ),
 }
