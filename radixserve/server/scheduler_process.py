@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 
 import zmq
 
@@ -34,6 +35,10 @@ class ZmqTransport:
         self.to_detokenizer = to_detokenizer
         self.to_main = to_main
         self.parent_pid = parent_pid
+        self.stopping = False  # SIGTERM: end the loop, so the scheduler closes cleanly
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
 
     def receive(self, timeout_s: float) -> list[Message]:
         first = self.inbox.recv(int(timeout_s * 1000)) if timeout_s > 0 else None
@@ -49,7 +54,7 @@ class ZmqTransport:
         self.to_main.send(msg)
 
     def alive(self) -> bool:
-        return parent_alive(self.parent_pid)
+        return not self.stopping and parent_alive(self.parent_pid)
 
 
 def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_pid: int) -> None:
@@ -70,5 +75,8 @@ def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_p
         raise SystemExit(1) from e
     transport = ZmqTransport(inbox, Sender(ctx, endpoints.detokenizer), to_main, parent_pid)
     loop = SchedulerLoop(scheduler, transport, config.server.max_queued_requests)
+    # the launcher stops its children with SIGTERM: the loop ends and the scheduler closes
+    # (the disk tier's queued page writes land) instead of dying mid-write
+    signal.signal(signal.SIGTERM, transport.stop)
     to_main.send(Ready("scheduler", scheduler.info))
     loop.run()
