@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -201,13 +201,10 @@ class HiRadixCache(RadixCache):
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device slots (see the module contract)."""
-        heap = [n for n in self._nodes() if self._device_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            node = heapq.heappop(heap)
-            if not self._device_evictable(node):  # changed since it was pushed
-                continue
+        for node in self._lru(self._device_evictable):
+            if freed >= num_tokens:
+                break
             n = len(node.key)
             if node.host_value is None and (
                 self.write_policy == "write_through_selective" or not self._backup(node)
@@ -218,9 +215,6 @@ class HiRadixCache(RadixCache):
                 node.value = None
                 self.evictable_size -= n
             freed += n
-            parent = node.parent
-            if parent is not None and self._device_evictable(parent):
-                heapq.heappush(heap, parent)
         return freed
 
     def evict_all(self) -> int:
@@ -269,18 +263,27 @@ class HiRadixCache(RadixCache):
 
     def _evict_host(self, num_tokens: int) -> int:
         """Free host slots of least-recently-used host-only leaves (the node goes)."""
-        heap = [n for n in self._nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            node = heapq.heappop(heap)
-            parent = node.parent
-            assert parent is not None
+        for node in self._lru(self._host_evictable):
+            if freed >= num_tokens:
+                break
             freed += len(node.key)
             self.tier_stats.host_evicted_tokens += self._drop(node)
-            if self._host_evictable(parent):
-                heapq.heappush(heap, parent)
         return freed
+
+    def _lru(self, evictable: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
+        """The nodes `evictable` accepts, least recently used first; a parent is offered
+        once its last child has gone (after the caller's loop body ran)."""
+        heap = [n for n in self._nodes() if evictable(n)]
+        heapq.heapify(heap)
+        while heap:
+            node = heapq.heappop(heap)
+            if not evictable(node):  # changed since it was pushed
+                continue
+            yield node
+            parent = node.parent
+            if parent is not None and evictable(parent):
+                heapq.heappush(heap, parent)
 
     def _host_evictable(self, node: TreeNode) -> bool:
         return (
