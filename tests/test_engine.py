@@ -59,7 +59,7 @@ def finish(engine: Engine) -> None:
         {"enable_mixed_chunk": False, "chunked_prefill_size": 7},
         {"chunked_prefill_size": 3, "page_size": 4},
         {"enable_hierarchical_cache": True},  # pressure on it: tests/test_hicache_engine.py
-        {"enable_hierarchical_cache": True, "hicache_write_policy": "write_through", "page_size": 4},
+        {"enable_hierarchical_cache": True, "hicache_write_policy": "write_through"},
     ],
     ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default",
 )

@@ -177,3 +177,23 @@ def test_flags_are_checked():
         HiCacheConfig(hicache_dtype="fp8")
     with pytest.raises(ValueError, match="radix cache"):
         Config.from_flat(enable_hierarchical_cache=True, disable_radix_cache=True)
+
+
+def test_the_forward_waits_for_loaded_rows_layer_by_layer(tiny_model_dirs, monkeypatch):
+    """Load backs are handed to the next forward, whose attention waits for each layer's
+    rows just before reading that layer (on CUDA the copies overlap the layers before)."""
+    from radixserve.cache.host_pool import LoadHandle
+
+    waited: list[int] = []
+    real = LoadHandle.wait_layer
+    monkeypatch.setattr(LoadHandle, "wait_layer", lambda h, i: (waited.append(i), real(h, i)))
+    engine = make_engine(tiny_model_dirs, max_total_tokens=200, **HOST)
+    for rnd in ROUNDS[:2]:
+        for prompt in rnd:
+            engine.generate(input_ids=prompt, sampling_params=greedy(STEPS))
+    loads = tiers(engine)["load_back_tokens"]
+    assert loads > 0 and waited, "a load back should have been waited on"
+    layers = engine.runner.hf_config.num_hidden_layers
+    assert sorted(set(waited)) == list(range(layers))
+    assert engine.scheduler.kv.hitree.pending_loads == [], "every load handed to a forward"
+    finish_tiers(engine)

@@ -11,6 +11,8 @@ Contract, on top of `RadixCache`'s:
   does) and the host-only continuation (`host_length`, `host_last_node`).
 - `load_back(match)` gives that continuation fresh device slots and copies its KV in, all
   or nothing; a continuation shorter than `load_back_threshold` is left to be recomputed.
+  On CUDA the copies run on a side stream; `take_loads()` hands their handles to the next
+  forward, whose attention waits for each layer's rows just before reading them.
 - `evict(n)` frees device slots from least-recently-used unlocked nodes with no device
   child: a node with a host copy keeps living there; one without is copied first under the
   write-back policy (dropped under the others, or when the host tier is full).
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.cache.allocator import SlotAllocator
-from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.host_pool import HostKVPool, LoadHandle
 from radixserve.cache.kv_block import KVBlock
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.radix_cache import MatchResult, RadixCache, TreeNode
@@ -79,6 +81,7 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.load_back_threshold = load_back_threshold
         self.tier_stats = TierStats()
+        self.pending_loads: list[LoadHandle] = []  # load backs the next forward waits for
         super().__init__(allocator, page_size)
 
     def reset(self) -> None:
@@ -154,7 +157,9 @@ class HiRadixCache(RadixCache):
         for node in path:
             n = len(node.key)
             node.value = slots[offset : offset + n]
-            moved += self.host_pool.load(node.host_value, self.device_pool, node.value)
+            load = self.host_pool.load_async(node.host_value, self.device_pool, node.value)
+            self.pending_loads.append(load)
+            moved += load.nbytes
             offset += n
             self.evictable_size += n
         stats = self.tier_stats
@@ -162,6 +167,12 @@ class HiRadixCache(RadixCache):
         stats.load_back_bytes += moved
         stats.load_back_seconds += time.perf_counter() - start
         return offset
+
+    def take_loads(self) -> list[LoadHandle]:
+        """The load backs still in flight, for the next forward to wait on layer by layer
+        (on CUDA; on CPU they are done and waiting is free)."""
+        loads, self.pending_loads = self.pending_loads, []
+        return loads
 
     # -- update ---------------------------------------------------------------------------
     def _on_new_node(self, node: TreeNode) -> None:

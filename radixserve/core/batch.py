@@ -8,7 +8,8 @@ step are found through the request→token table row of each request.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,9 @@ class ForwardBatch:
     prefix_lens: list[int]  # (B,) tokens already in the KV pool before this step
     extend_lens: list[int]  # (B,) new tokens of each request in this step
     logits_indices: torch.Tensor  # (L,) int64, flat positions whose logits are returned
+    # copies into the KV pool still in flight (the hierarchical cache's load back, on
+    # CUDA): objects with `wait_layer(layer)`, waited on before each layer reads the pool
+    kv_loads: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.numel()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -45,6 +45,7 @@ class AttentionGroup:
 class TorchNativeMetadata:
     out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
     groups: list[AttentionGroup]  # one, or the decode rows and extend rows of a mixed batch
+    kv_loads: list = field(default_factory=list)  # ForwardBatch.kv_loads
 
 
 class AttentionBackend(Protocol):
@@ -97,7 +98,8 @@ class TorchNativeAttention:
         single = [i for i, n in enumerate(lens) if n == 1]
         if batch.mode is ForwardMode.DECODE or not single or len(single) == len(lens):
             rows = list(range(batch.batch_size))
-            return TorchNativeMetadata(batch.out_slots, [self._group(batch, rows, None)])
+            group = self._group(batch, rows, None)
+            return TorchNativeMetadata(batch.out_slots, [group], batch.kv_loads)
         device = batch.input_ids.device
         starts = [0]
         for n in lens[:-1]:
@@ -106,7 +108,7 @@ class TorchNativeAttention:
         for rows in (single, [i for i, n in enumerate(lens) if n > 1]):
             tokens = [starts[i] + j for i in rows for j in range(lens[i])]
             groups.append(self._group(batch, rows, torch.tensor(tokens, device=device)))
-        return TorchNativeMetadata(batch.out_slots, groups)
+        return TorchNativeMetadata(batch.out_slots, groups, batch.kv_loads)
 
     def _group(
         self, batch: ForwardBatch, rows: list[int], tokens: torch.Tensor | None
@@ -159,6 +161,8 @@ class TorchNativeAttention:
         v: torch.Tensor,  # (T, KH, D)
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:  # (T, H * D)
+        for load in meta.kv_loads:  # this layer's rows loaded back (overlapping the forward)
+            load.wait_layer(layer)
         self.kv_pool.write(layer, meta.out_slots, k, v)
         if len(meta.groups) == 1:
             return self._attend(layer, q, k, v, meta.groups[0])

@@ -234,16 +234,23 @@ class KVManager:
     ) -> ForwardBatch:
         """Slots for `new_tokens[i]` after each request's KV; logits for the last new token
         of each request, or for all of them where `all_logits` says so."""
-        return self.builder.extend(reqs, new_tokens, all_logits)
+        return self._with_loads(self.builder.extend(reqs, new_tokens, all_logits))
 
     def decode_batch(self, reqs: Sequence[Req]) -> ForwardBatch:
-        return self.builder.decode(reqs)
+        return self._with_loads(self.builder.decode(reqs))
 
     def verify_batch(
         self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]
     ) -> tuple[ForwardBatch, list[int]]:
         """A decode step with drafted tokens (see BatchBuilder.verify)."""
-        return self.builder.verify(reqs, drafts)
+        batch, first_rows = self.builder.verify(reqs, drafts)
+        return self._with_loads(batch), first_rows
+
+    def _with_loads(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch waits, layer by layer, for the load backs still in flight."""
+        if self.hitree is not None:
+            batch.kv_loads = self.hitree.take_loads()
+        return batch
 
     def keep_verified(self, req: Req, draft: Sequence[int]) -> None:
         """After a step that ran the request's pending token and then `draft`: keep the KV
