@@ -2,7 +2,8 @@
 
 It runs in a subprocess that cannot import the packages the GPU image lacks, so the check
 stays within what that image has; every part reports, float32 fidelity is within the CPU
-tests' bar, and every throughput figure is a positive rate.
+tests' bar, the host tier's round trips are exact (int8: within its bound), and every
+throughput figure and host-tier bandwidth is a positive rate.
 """
 
 from __future__ import annotations
@@ -57,6 +58,28 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
         assert 0 <= case["decode_max_abs"] <= case["atol"]
         assert case["greedy_identical"] == case["greedy_prompts"] == 8
 
+    hicache = report["parts"]["hicache"]["cases"]
+    assert sorted(hicache) == [
+        "bfloat16 pool / bfloat16 host",
+        "bfloat16 pool / int8 host",
+        "float32 pool / float32 host",
+        "float32 pool / int8 host",
+    ]
+    for key, case in hicache.items():
+        assert case["passed"] is True and case["pinned"] is False, (key, case)
+        assert sorted(case["layouts"]) == ["contiguous", "scattered"]
+        for layout in case["layouts"].values():
+            assert layout["load_matches"] and layout["async_matches_load"], (key, layout)
+            assert layout["wait_layer_mismatched_layers"] == []
+            assert layout["load_async_events"] == 0  # CPU: done on return, no events
+            assert layout["load_gb_s"] > 0 and layout["backup_gb_s"] > 0
+            if case["host_dtype"] == "int8":
+                assert 0 < layout["load_max_abs_error"]
+                assert 0 < layout["load_error_over_int8_bound"] <= 1
+            else:
+                assert layout["load_max_abs_error"] == 0
+                assert layout["load_error_over_int8_bound"] is None
+
     part = report["parts"]["throughput"]
     names = [fig["name"] for fig in part["figures"]]
     assert names == [
@@ -70,3 +93,4 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
 
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| decode batch 4 (tok/s) |" in table and "| llama/float32 |" in table
+    assert "| float32 pool / int8 host | scattered | no |" in table

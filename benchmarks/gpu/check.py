@@ -1,4 +1,4 @@
-"""The GPU check: the runner against transformers on CUDA, then its speed, in one run.
+"""The GPU check: the runner against transformers on CUDA, the host KV tier, then speed.
 
 On a lent GPU machine, from the repository root (the device tool's `run`):
     bash benchmarks/gpu/run.sh        # timeout 540 python3 benchmarks/gpu/check.py --out $OUT
@@ -11,6 +11,12 @@ Parts:
               weights (max-abs difference), and 32 greedy tokens for the 8 prompts of
               tests/test_fidelity.py in one batch. float32 is held to the CPU tests' bar
               (1e-4, identical tokens); bfloat16 (CUDA only) is reported, not judged.
+  hicache     the host tier (radixserve.cache.host_pool.HostKVPool, pinned on CUDA) next to a
+              KVPool of SmolLM2-135M's KV shape, float32 and bfloat16 pools, host storage of
+              the same dtype or int8: random rows backed up to host slots (one run, and
+              scattered), loaded back into other device slots by `load`, by `load_async` +
+              `wait()` and by `load_async` + `wait_layer(i)` before reading layer i, each
+              checked bit for bit (int8: within amax/254 and the pool's rounding); GB/s.
   throughput  random weights in SmolLM2-135M's shape, bfloat16 (float32 on CPU): prefill
               and decode tokens/s through radixserve.bench.one_batch's workloads, each next
               to transformers (`generate` for decode) in the same run; peak GPU memory.
@@ -79,6 +85,7 @@ class Sizes:
     context_len: int  # prompt length before the timed decode steps
     output_len: int  # decode steps timed
     repeats: int  # median of this many runs, after one warm-up
+    hicache_tokens: int  # per host-tier transfer; its device and host pools hold twice that
 
     @property
     def kv_tokens(self) -> int:
@@ -86,8 +93,8 @@ class Sizes:
         return max(self.batch_sizes) * (self.context_len + self.output_len + 2) + self.prefill_len
 
 
-FULL = Sizes(32, 30, 512, (1, 32, 64, 256), 128, 32, 5)
-QUICK = Sizes(8, 2, 64, (1, 4), 16, 4, 1)
+FULL = Sizes(32, 30, 512, (1, 32, 64, 256), 128, 32, 5, 2048)
+QUICK = Sizes(8, 2, 64, (1, 4), 16, 4, 1, 128)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,8 +483,188 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# -- hicache -----------------------------------------------------------------------------
+
+HICACHE_CASES = (  # (device pool dtype, host storage dtype)
+    ("float32", "float32"),
+    ("float32", "int8"),
+    ("bfloat16", "bfloat16"),
+    ("bfloat16", "int8"),
+)
+
+
+def hicache(device: torch.device, sizes: Sizes, work: Path, deadline: float) -> dict[str, Any]:
+    """The host tier's transfers (radixserve.cache.host_pool) between a device KV pool and a
+    host pool, pinned on CUDA: round trips, the per-layer waits of `load_async`, bandwidth."""
+    cases: dict[str, Any] = {}
+    for device_dtype, host_dtype in HICACHE_CASES:
+        key = f"{device_dtype} pool / {host_dtype} host"
+        if time.monotonic() > deadline:
+            cases[key] = {"skipped": "past the time budget"}
+            continue
+        print(f"   {key}", flush=True)
+        cases[key] = guarded(hicache_case, device, device_dtype, host_dtype, sizes)
+        _free(device)
+    return {
+        "shape": "SmolLM2-135M's KV: "
+        f"{SMOLLM2_SHAPE['num_hidden_layers']} layers, {SMOLLM2_SHAPE['num_key_value_heads']} "
+        f"KV heads, head dim {SMOLLM2_SHAPE['head_dim']}",
+        "tokens_per_transfer": sizes.hicache_tokens,
+        "repeats": sizes.repeats,
+        "cases": cases,
+    }
+
+
+def hicache_case(
+    device: torch.device, device_dtype: str, host_dtype: str, sizes: Sizes
+) -> dict[str, Any]:
+    """Random rows of a device pool backed up to host slots laid out two ways (one
+    contiguous run, read in place when pinned; scattered, gathered into pinned staging),
+    cleared, then loaded into other device slots three ways: `load`; `load_async` then
+    `wait()`; `load_async` then `wait_layer(i)` before comparing layer i on the current
+    stream, for each layer in order. `load` must give back the original rows bit for bit
+    (within the int8 bound for int8 storage); both async paths, exactly what `load` gave."""
+    from radixserve.cache.host_pool import HostKVPool
+    from radixserve.cache.kv_pool import KVPool
+
+    n = sizes.hicache_tokens
+    layers, heads, head_dim = (
+        SMOLLM2_SHAPE[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    )
+    dtype = getattr(torch, device_dtype)
+    pool = KVPool(2 * n, layers, heads, head_dim, dtype, device, prefault=False)
+    host = HostKVPool(
+        2 * n, layers, heads, head_dim, host_dtype, dtype, pin_memory=device.type == "cuda"
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    perm = torch.randperm(2 * n, generator=gen, device=device) + 1
+    source, target = perm[:n], perm[n:]  # device slots, interleaved at random
+    layouts = {  # host slots: the first n as one run; the last n in random order
+        "contiguous": torch.arange(1, n + 1),
+        "scattered": torch.randperm(n, generator=torch.Generator().manual_seed(1)) + n + 1,
+    }
+    for buf in (*pool.k, *pool.v):
+        buf[source] = torch.randn(n, heads, head_dim, generator=gen, device=device, dtype=dtype)
+    original = _pool_rows(pool, source).clone()  # (2, layers, n, heads, head_dim)
+    for host_slots in layouts.values():
+        host.backup(pool, source, host_slots)
+    for buf in (*pool.k, *pool.v):
+        buf[source] = 0
+
+    moved = n * host.bytes_per_token(layers, heads, head_dim, host_dtype)  # host bytes
+    results: dict[str, Any] = {}
+    for layout, host_slots in layouts.items():
+        results[layout] = _hicache_round_trips(host, pool, host_slots, target, original)
+        load_s = _median_seconds(
+            lambda s=host_slots: host.load(s, pool, target), device, sizes.repeats
+        )
+        backup_s = _median_seconds(  # the loaded rows, back to the same host slots
+            lambda s=host_slots: host.backup(pool, target, s), device, sizes.repeats
+        )
+        results[layout] |= {
+            "load_gb_s": moved / load_s / 1e9,
+            "backup_gb_s": moved / backup_s / 1e9,
+        }
+    passed = all(
+        r["load_matches"] and r["async_matches_load"] and not r["wait_layer_mismatched_layers"]
+        for r in results.values()
+    )
+    return {
+        "device_dtype": device_dtype,
+        "host_dtype": host_dtype,
+        "load_bar": "int8 bound" if host.quantized else "bit-exact",
+        "pinned": host.pinned,
+        "host_bytes_per_transfer": moved,
+        "layouts": results,
+        "passed": passed,
+    }
+
+
+def _hicache_round_trips(
+    host, pool, host_slots: torch.Tensor, target: torch.Tensor, original: torch.Tensor
+) -> dict[str, Any]:
+    """Host rows `host_slots` (a backup of `original`) into device rows `target`, each time
+    after filling them with NaN, so that a copy not done (or not yet done) shows."""
+
+    def poison() -> None:
+        for buf in (*pool.k, *pool.v):
+            buf.index_fill_(0, target, float("nan"))
+
+    poison()
+    host.load(host_slots, pool, target)
+    loaded = _pool_rows(pool, target).clone()
+    error = (loaded.float() - original.float()).abs()
+    error_over_bound = None
+    if host.quantized:
+        error_over_bound = (error / _int8_bound(original)).max().item()
+        matches = error_over_bound <= 1  # False for NaN too
+    else:
+        matches = torch.equal(_bits(loaded), _bits(original))
+
+    poison()
+    host.load_async(host_slots, pool, target).wait()
+    async_matches = torch.equal(_bits(_pool_rows(pool, target)), _bits(loaded))
+
+    poison()
+    handle = host.load_async(host_slots, pool, target)
+    # Every comparison is queued on the current stream, right after its layer's wait, and
+    # read only at the end: the host does not wait, so later layers are still in flight.
+    mismatched = torch.zeros(len(pool.k), dtype=torch.int64, device=target.device)
+    for layer, (k, v) in enumerate(zip(pool.k, pool.v)):
+        handle.wait_layer(layer)
+        for kv, buf in enumerate((k, v)):
+            rows = buf.index_select(0, target)
+            mismatched[layer] += (_bits(rows) != _bits(loaded[kv, layer])).sum()
+    return {
+        "load_matches": matches,
+        "load_max_abs_error": error.max().item(),
+        "load_error_over_int8_bound": error_over_bound,
+        "async_matches_load": async_matches,
+        "wait_layer_mismatched_layers": [i for i, m in enumerate(mismatched.tolist()) if m],
+        "load_async_events": len(handle.events),  # one per layer on CUDA, none on CPU
+    }
+
+
+def _int8_bound(original: torch.Tensor) -> torch.Tensor:
+    """The int8 storage error bound per element: half a scale (amax / 254, amax over
+    head_dim of each token and head), plus rounding of the dequantized value to the pool's
+    dtype (half an ulp of at most amax) and float32 slack, as tests/test_host_pool.py."""
+    amax = original.float().abs().amax(dim=-1, keepdim=True)
+    rounding = 0.0 if original.dtype == torch.float32 else torch.finfo(original.dtype).eps / 2
+    return amax * (1 / 254 + rounding) * (1 + 1e-5) + 1e-12
+
+
+def _pool_rows(pool, slots: torch.Tensor) -> torch.Tensor:
+    """(2, layers, T, heads, head_dim): K then V of `slots` for every layer."""
+    return torch.stack([torch.stack([buf[slots] for buf in bufs]) for bufs in (pool.k, pool.v)])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that equality is bit-exactness (NaN and -0.0 included)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up, the device idle around each."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 PARTS: dict[str, Callable[..., dict[str, Any]]] = {
     "fidelity": fidelity,
+    "hicache": hicache,
     "throughput": throughput,
 }
 
@@ -509,6 +696,9 @@ def markdown(report: dict[str, Any]) -> str:
     if "fidelity" in parts:
         lines += ["", "## Fidelity against transformers (same weights, same device)", ""]
         lines += _fidelity_table(parts["fidelity"])
+    if "hicache" in parts:
+        lines += ["", "## Host tier of the KV cache (HostKVPool)", ""]
+        lines += _hicache_table(parts["hicache"])
     if "throughput" in parts:
         lines += ["", "## Throughput against transformers", ""]
         lines += _throughput_table(parts["throughput"])
@@ -573,6 +763,41 @@ def _throughput_table(part: dict[str, Any]) -> list[str]:
             f"{part['kv_pool_tokens']} tokens), transformers {memory['transformers_resident']:.2f}"
             " GiB (weights); both models stay loaded, so each peak includes both.",
         ]
+    return lines
+
+
+def _hicache_table(part: dict[str, Any]) -> list[str]:
+    if "cases" not in part:
+        return [_not_measured(part)]
+    lines = [
+        f"{part['shape']}; {part['tokens_per_transfer']} tokens per transfer between random "
+        "device slots and host slots in one run (contiguous) or scattered. Each load is checked "
+        "against the original rows (bit-exact; int8: within amax/254), `load_async` + `wait()` "
+        "and `load_async` + `wait_layer(i)` before reading layer i against `load` (bit-exact). "
+        f"GB/s of host bytes, median of {part['repeats']}.",
+        "",
+        "| pool / host | host slots | pinned | load | load_async + wait | wait_layer(i) "
+        "| load GB/s | backup GB/s | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, case in part["cases"].items():
+        if "layouts" not in case:
+            lines.append(f"| {key} | {_not_measured(case)} ||||||||")
+            continue
+        for layout, r in case["layouts"].items():
+            if r["load_error_over_int8_bound"] is None:
+                load = "exact" if r["load_matches"] else "DIFFERS"
+            else:
+                load = f"{r['load_error_over_int8_bound']:.3f} of the bound"
+                load += "" if r["load_matches"] else " (OVER)"
+            bad = r["wait_layer_mismatched_layers"]
+            lines.append(
+                f"| {key} | {layout} | {'yes' if case['pinned'] else 'no'} | {load} "
+                f"| {'exact' if r['async_matches_load'] else 'DIFFERS'} "
+                f"| {f'layers {bad} DIFFER' if bad else 'exact'} "
+                f"| {r['load_gb_s']:.2f} | {r['backup_gb_s']:.2f} "
+                f"| {'pass' if case['passed'] else 'FAIL'} |"
+            )
     return lines
 
 
