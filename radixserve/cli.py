@@ -72,6 +72,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
     """`radixserve bench <name>`: one subcommand per benchmark module."""
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
+        hicache,
         http_shared_prefix,
         json_schema,
         offline,
@@ -101,6 +102,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "soak": soak,
         "speculative": speculative,
         "programs": programs,
+        "hicache": hicache,
     }
     for name, module in benches.items():
         module.add_args(
