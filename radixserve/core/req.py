@@ -38,6 +38,7 @@ class Req:
     # with the hierarchical cache: how many of those came from the host and the disk tier
     cached_lower: tuple[int, int] | None = None
     loaded_back: int = 0  # tokens the last admission loaded back onto the device
+    disk_pending: int = 0  # tokens its disk prefetch put in the host tier, not yet loaded
     prefetch: Any = None  # its disk tier read in flight (cache/storage_tier.py)
     retractions: int = 0
 

@@ -32,7 +32,7 @@ from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
 from radixserve.cache.disk_store import DiskStore
 from radixserve.cache.hiradix_cache import HiRadixCache
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.cache.storage_tier import PAGE_TOKENS, StorageTier
 from radixserve.config import HiCacheConfig
 from radixserve.core.batch import ForwardBatch
@@ -151,27 +151,41 @@ class KVManager:
             return
         tokens = req.all_ids[: req.max_cacheable_prefix]
         match = self.tree.match_prefix(tokens, req.extra_key)
-        from_host = from_disk = 0
+        req.loaded_back = 0
         if self.hitree is not None:
-            from_disk = self._take_prefetch(req, tokens)
-            if from_disk:
-                match = self.tree.match_prefix(tokens, req.extra_key)
-            if match.host_length and self.hitree.load_back(match):
-                device = match.length
-                match = self.tree.match_prefix(tokens, req.extra_key)
-                from_disk = min(from_disk, match.length - device)
-                from_host = match.length - device - from_disk
-            else:
-                from_disk = 0
-            self.hitree.record_hit(match.last_node)
+            match = self._load_lower_tiers(req, tokens, match)
         self.tree.lock(match.last_node)
         req.last_node = match.last_node
         self.builder.attach_prefix(req, match.slots.to(self.builder.device))
         if not req.output_ids:
             req.cached_tokens = match.length
-            if self.hitree is not None:
-                req.cached_lower = (from_host, from_disk)
-        req.loaded_back = from_host + from_disk
+            if req.cached_lower is not None:  # what this request loaded, within its prefix
+                host, disk = req.cached_lower
+                disk = min(disk, match.length)
+                req.cached_lower = (min(host, match.length - disk), disk)
+
+    def _load_lower_tiers(self, req: Req, tokens: list[int], match: MatchResult) -> MatchResult:
+        """Put what the request's disk prefetch read in the host tier, then load the host
+        continuation of its match back onto the device; the match as it then stands.
+        Tokens loaded are counted by the tier they came from across admission attempts
+        (a request not admitted this round finds them on the device the next)."""
+        assert self.hitree is not None and self.tree is not None
+        host, disk = req.cached_lower or (0, 0)
+        taken = self._take_prefetch(req, tokens)
+        req.disk_pending += taken
+        if taken:
+            match = self.tree.match_prefix(tokens, req.extra_key)
+        if match.host_length and self.hitree.load_back(match):
+            device = match.length
+            match = self.tree.match_prefix(tokens, req.extra_key)
+            req.loaded_back = match.length - device
+            from_disk = min(req.disk_pending, req.loaded_back)
+            req.disk_pending -= from_disk
+            host, disk = host + req.loaded_back - from_disk, disk + from_disk
+        if not req.output_ids:  # a retracted request's reload is not its prompt's cache hit
+            req.cached_lower = (host, disk)
+        self.hitree.record_hit(match.last_node)
+        return match
 
     def _take_prefetch(self, req: Req, tokens: list[int]) -> int:
         """What the request's disk prefetch read, put in the host tier (0 if nothing)."""
