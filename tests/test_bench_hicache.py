@@ -132,7 +132,24 @@ def test_greedy_agreement_counts_requests_and_tokens():
     assert same == Agreement(2, 1.0, 1.0)
     other = {(0, 0): Seen([1, 2, 9, 4], None), (0, 1): Seen([5, 6], None), (1, 0): Seen([], None)}
     a = greedy_agreement(other, ref)
-    assert a == Agreement(2, 0.5, 5 / 6)  # (1, 0) is in one run only
+    assert (a.compared, a.identical, a.tokens) == (2, 0.5, 5 / 6)  # (1, 0): one run only
+
+
+def test_logprob_drift_stops_where_outputs_or_conversations_diverge():
+    ref = {
+        (0, 0): Seen([1, 2, 3], None, [-0.5, -1.0, -2.0]),
+        (0, 1): Seen([4], None, [-0.1]),
+        (1, 0): Seen([7, 8], None, [-0.2, -0.3]),
+    }
+    out = {
+        (0, 0): Seen([1, 9, 3], None, [-0.4, -1.0, -2.0]),  # differs at position 1
+        (0, 1): Seen([4], None, [-5.0]),  # after a divergence: its prompt differs, skipped
+        (1, 0): Seen([7, 8], None, [-0.25, -0.3]),
+    }
+    a = greedy_agreement(out, ref)
+    assert a.logprob_drift_max == pytest.approx(0.1)
+    assert a.logprob_drift_mean == pytest.approx((0.1 + 0.05 + 0.0) / 3)
+    assert greedy_agreement(ref, ref).logprob_drift_max == 0.0
     assert greedy_agreement({(3, 0): Seen([1], None)}, ref) is None
 
 

@@ -182,6 +182,7 @@ class Seen:
 
     output_ids: list[int]
     tiers: dict[str, int] | None  # cached_tokens_details; None: the server sends none
+    logprobs: list[float] = field(default_factory=list)  # of each output token
 
 
 Key = tuple[int, int]  # (conversation, turn)
@@ -199,13 +200,15 @@ class TierSession(serving.Session):
     async def _stream(self, body: dict[str, Any], record: RequestRecord) -> str:
         self._count += 1
         rid = f"bench-hicache-{self.label}-{record.conversation}-{record.turn}-{self._count}"
-        text = await super()._stream({**body, "rid": rid}, record)
+        text = await super()._stream({**body, "rid": rid, "return_logprob": True}, record)
         backend = self.backend
         assert isinstance(backend, TierBackend)
         event = backend.last.pop(rid, None)
         if record.success and event is not None:
-            details = event["meta_info"].get("cached_tokens_details")
-            self.seen[(record.conversation, record.turn)] = Seen(event["output_ids"], details)
+            meta = event["meta_info"]
+            logprobs = [entry[0] for entry in meta.get("output_token_logprobs") or []]
+            key = (record.conversation, record.turn)
+            self.seen[key] = Seen(event["output_ids"], meta.get("cached_tokens_details"), logprobs)
         return text
 
 
@@ -278,6 +281,10 @@ class Agreement:
     compared: int  # requests both completed
     identical: float  # share of them whose output ids are identical
     tokens: float  # share of output positions holding the same id
+    # |logprob - the reference's| of the same token after the same tokens: over every
+    # request whose conversation agreed so far, up to its first differing token
+    logprob_drift_mean: float | None = None
+    logprob_drift_max: float | None = None
 
 
 def greedy_agreement(outputs: dict[Key, Seen], reference: dict[Key, Seen]) -> Agreement | None:
@@ -287,12 +294,28 @@ def greedy_agreement(outputs: dict[Key, Seen], reference: dict[Key, Seen]) -> Ag
     if not keys:
         return None
     same = matched = positions = 0
-    for key in keys:
-        a, b = outputs[key].output_ids, reference[key].output_ids
-        same += a == b
-        matched += sum(x == y for x, y in zip(a, b))
-        positions += max(len(a), len(b))
-    return Agreement(len(keys), same / len(keys), matched / positions if positions else 1.0)
+    drifts: list[float] = []
+    diverged: set[int] = set()  # conversations whose prompts differ from here on
+    for key in keys:  # (conversation, turn) order: earlier turns first
+        a, b = outputs[key], reference[key]
+        same += a.output_ids == b.output_ids
+        matched += sum(x == y for x, y in zip(a.output_ids, b.output_ids))
+        positions += max(len(a.output_ids), len(b.output_ids))
+        if key[0] in diverged:
+            continue
+        for x, y, lp_a, lp_b in zip(a.output_ids, b.output_ids, a.logprobs, b.logprobs):
+            if x != y:
+                break
+            drifts.append(abs(lp_a - lp_b))
+        if a.output_ids != b.output_ids:
+            diverged.add(key[0])
+    return Agreement(
+        len(keys),
+        same / len(keys),
+        matched / positions if positions else 1.0,
+        statistics.fmean(drifts) if drifts else None,
+        max(drifts) if drifts else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -471,6 +494,8 @@ def format_table(rows: Sequence[Row]) -> str:
         ("disk pages written / read", _disk_pages, ""),
         ("vs (host): identical requests", lambda r: agree(r, "identical"), ".1%"),
         ("           identical tokens", lambda r: agree(r, "tokens"), ".1%"),
+        ("           logprob drift mean", lambda r: agree(r, "logprob_drift_mean"), ".2e"),
+        ("           logprob drift max", lambda r: agree(r, "logprob_drift_max"), ".2e"),
     ]
     head = f"{'':<{LABEL_WIDTH}}" + "".join(f"{r.name:>{CELL_WIDTH}}" for r in rows)
     out = [head, "-" * len(head)]
