@@ -460,7 +460,7 @@ def replay_speedup(cold: Row | None, replay: Row | None) -> float | None:
 
 # -- the report -----------------------------------------------------------------------------
 LABEL_WIDTH = 34
-CELL_WIDTH = 13
+CELL_WIDTH = 15  # fits "host-bfloat16" with a gap
 
 
 def _fmt(value: Any, fmt: str) -> str:
