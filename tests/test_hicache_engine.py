@@ -197,3 +197,18 @@ def test_the_forward_waits_for_loaded_rows_layer_by_layer(tiny_model_dirs, monke
     assert sorted(set(waited)) == list(range(layers))
     assert engine.scheduler.kv.hitree.pending_loads == [], "every load handed to a forward"
     finish_tiers(engine)
+
+
+def test_a_failing_disk_tier_fails_no_request(tiny_model_dirs, expected, tmp_path, caplog):
+    """The disk tier's faults are misses and lost writes, logged: requests still succeed."""
+    engine = make_engine(
+        tiny_model_dirs, max_total_tokens=1024, hicache_storage_dir=str(tmp_path), **HOST
+    )
+    engine.scheduler.kv.storage.store.close()  # every later write or read now raises
+    caplog.set_level(logging.ERROR)
+    for prompt in ROUNDS[0][:2]:
+        out = engine.generate(input_ids=prompt, sampling_params=greedy(STEPS))
+        assert out["output_ids"] == expected[tuple(prompt)]
+    assert tiers(engine)["disk_errors"] >= 1
+    assert any("disk tier" in r.getMessage() for r in caplog.records)
+    finish_tiers(engine)

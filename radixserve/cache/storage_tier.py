@@ -53,6 +53,7 @@ class StorageTier:
         self.page_tokens = page_tokens
         self.prefetched_tokens = 0  # tokens prefetches brought into the host tier
         self.prefetch_timeouts = 0
+        self.errors = 0  # disk tier faults (logged): a miss or a lost write, never a failure
 
     @staticmethod
     def namespace_of(model: str, dtype: str, num_layers: int, kv_heads: int, head_dim: int) -> str:
@@ -66,7 +67,15 @@ class StorageTier:
     # -- writing --------------------------------------------------------------------------
     def write(self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable) -> int:
         """Queue the full pages of `tokens` (their KV in device `slots`) the disk lacks;
-        returns the pages queued."""
+        returns the pages queued. A fault is logged and the pages are not written."""
+        try:
+            return self._write(tokens, slots, extra_key)
+        except Exception:
+            self.errors += 1
+            logger.exception("disk tier: pages not written")
+            return 0
+
+    def _write(self, tokens: Sequence[int], slots: torch.Tensor, extra_key: Hashable) -> int:
         keys = self.keys(tokens, extra_key)
         queued = 0
         tree = self.tree
@@ -82,7 +91,15 @@ class StorageTier:
     # -- reading --------------------------------------------------------------------------
     def start_prefetch(self, tokens: Sequence[int], extra_key: Hashable) -> Prefetch | None:
         """Start reading the pages of `tokens` past what the tree holds, if the disk has
-        any (the leading run of them)."""
+        any (the leading run of them). A fault is logged: no prefetch."""
+        try:
+            return self._start_prefetch(tokens, extra_key)
+        except Exception:
+            self.errors += 1
+            logger.exception("disk tier: no prefetch")
+            return None
+
+    def _start_prefetch(self, tokens: Sequence[int], extra_key: Hashable) -> Prefetch | None:
         cached = self.tree.peek_prefix(tokens, extra_key).length
         keys = self.keys(tokens, extra_key)
         first = cached // self.page_tokens
@@ -106,6 +123,7 @@ class StorageTier:
             prefetch.future.cancel()
             return 0
         except Exception:  # a read that failed is a miss, not a failed request
+            self.errors += 1
             logger.exception("disk tier: a prefetch failed")
             return 0
         if not blocks:

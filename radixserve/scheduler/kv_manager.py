@@ -333,6 +333,7 @@ class KVManager:
                 "disk_page_tokens": self.storage.page_tokens,
                 "prefetched_tokens": self.storage.prefetched_tokens,
                 "prefetch_timeouts": self.storage.prefetch_timeouts,
+                "disk_errors": self.storage.errors,
                 **{f"disk_{k}": v for k, v in store.stats.as_dict().items()},
             }
         return out
