@@ -5,6 +5,8 @@ same prompts hit the disk tier and give the same greedy outputs)."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import requests
@@ -32,6 +34,17 @@ def generate(url: str, ids: list[int]) -> dict:
     r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def metrics_once(url: str, name: str, at_least: float, **labels: str) -> str:
+    """/metrics once the scheduler's periodic state (a fraction of a second behind the
+    last request) shows `name` >= `at_least`; the last text after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = requests.get(url + "/metrics").text
+        if metric(text, name, **labels) >= at_least or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -66,7 +79,7 @@ def test_tiers_reported_and_the_disk_tier_survives_a_restart(tiny_model_dirs, st
         usage = completion.usage.model_dump()["prompt_tokens_details"]
         assert usage["cached_tokens"] > 0
         assert sum(usage["cached_tokens_details"].values()) == usage["cached_tokens"]
-        metrics = requests.get(first.url + "/metrics").text
+        metrics = metrics_once(first.url, "radixserve_hicache_load_back_tokens_total", 1)
         assert metric(metrics, "radixserve_cached_tokens_by_tier_total", tier="host") > 0
         assert metric(metrics, "radixserve_hicache_load_back_tokens_total") > 0
         assert metric(metrics, "radixserve_hicache_used_tokens", tier="host") > 0
@@ -84,7 +97,8 @@ def test_tiers_reported_and_the_disk_tier_survives_a_restart(tiny_model_dirs, st
         for w, c in zip(warm, cold):
             assert w["output_ids"] == c["output_ids"]
             assert w["meta_info"]["cached_tokens_details"]["disk"] >= 128, w["meta_info"]
-        metrics = requests.get(second.url + "/metrics").text
+        by_tier = "radixserve_cached_tokens_by_tier_total"
+        metrics = metrics_once(second.url, by_tier, 3 * 128, tier="disk")
         assert metric(metrics, "radixserve_cached_tokens_by_tier_total", tier="disk") >= 3 * 128
         assert metric(metrics, "radixserve_hicache_disk_read_pages_total") >= 6
     finally:
