@@ -34,12 +34,14 @@ and so is the batch where speculation stops.
 from __future__ import annotations
 
 import heapq
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
 PRIOR_SLOPE = 0.08  # b / (a + b) assumed until the measured steps vary enough to fit b
 MIN_SLOPE = 0.01  # floor of b as a share of a one-token step: noise never makes tokens free
 DECAY = 0.9  # per verified step: older acceptance counts weigh less
+OUTLIER_MADS = 5.0  # a step this many median residuals off the fit is left out of it
 
 
 class CostModel:
@@ -59,22 +61,37 @@ class CostModel:
         return self._fit
 
     def _least_squares(self) -> tuple[float, float]:
-        if not self._samples:
+        """The fit, refitted without the steps it explains worst: a step slowed by
+        something else (another process on the cores, a page fault storm) would otherwise
+        inflate a or b and stop drafting for a whole window."""
+        samples = list(self._samples)
+        if not samples:
             return 1.0, PRIOR_SLOPE
-        n = len(self._samples)
-        mean_t = sum(t for t, _ in self._samples) / n
-        mean_s = sum(s for _, s in self._samples) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self._samples)
-        if n >= 8 and var > 0:
-            b = sum((t - mean_t) * (s - mean_s) for t, s in self._samples) / var
-        else:
-            b = PRIOR_SLOPE * mean_s / max(mean_t, 1.0)
-        a = mean_s - b * mean_t
-        floor = MIN_SLOPE * max(mean_s / max(mean_t, 1.0), 1e-9)
-        if b < floor or a <= 0:  # noise, or a fit the data cannot support
-            b = max(b, floor)
-            a = max(mean_s - b * mean_t, b)
+        a, b = _fit(samples)
+        residuals = [abs(s - a - b * t) for t, s in samples]
+        spread = OUTLIER_MADS * statistics.median(residuals)
+        kept = [x for x, r in zip(samples, residuals) if r <= spread]
+        if spread > 0 and len(samples) >= 8 and len(kept) < len(samples):
+            a, b = _fit(kept)
         return a, b
+
+
+def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares a + b * T over (T, seconds), held to what the data can support."""
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_s = sum(s for _, s in samples) / n
+    var = sum((t - mean_t) ** 2 for t, _ in samples)
+    if n >= 8 and var > 0:
+        b = sum((t - mean_t) * (s - mean_s) for t, s in samples) / var
+    else:
+        b = PRIOR_SLOPE * mean_s / max(mean_t, 1.0)
+    a = mean_s - b * mean_t
+    floor = MIN_SLOPE * max(mean_s / max(mean_t, 1.0), 1e-9)
+    if b < floor or a <= 0:  # noise, or a fit the data cannot support
+        b = max(b, floor)
+        a = max(mean_s - b * mean_t, b)
+    return a, b
 
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations the prior counts for against a request's own record
