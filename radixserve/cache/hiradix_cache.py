@@ -60,6 +60,13 @@ class TierStats:
     host_evicted_tokens: int = 0
     dropped_tokens: int = 0  # device tokens evicted with no copy anywhere
 
+    def moved(self, kind: str, tokens: int, nbytes: int, since: float) -> None:
+        """Count a copy of `kind` (load_back, write_back) that began at `since`."""
+        setattr(self, f"{kind}_tokens", getattr(self, f"{kind}_tokens") + tokens)
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
+        seconds = getattr(self, f"{kind}_seconds") + time.perf_counter() - since
+        setattr(self, f"{kind}_seconds", seconds)
+
 
 class HiRadixCache(RadixCache):
     def __init__(
@@ -162,10 +169,7 @@ class HiRadixCache(RadixCache):
             moved += load.nbytes
             offset += n
             self.evictable_size += n
-        stats = self.tier_stats
-        stats.load_back_tokens += offset
-        stats.load_back_bytes += moved
-        stats.load_back_seconds += time.perf_counter() - start
+        self.tier_stats.moved("load_back", offset, moved, start)
         return offset
 
     def take_loads(self) -> list[LoadHandle]:
@@ -260,10 +264,7 @@ class HiRadixCache(RadixCache):
         moved = self.host_pool.backup(self.device_pool, node.value, host_slots)
         node.host_value = host_slots
         self.host_size += n
-        stats = self.tier_stats
-        stats.write_back_tokens += n
-        stats.write_back_bytes += moved
-        stats.write_back_seconds += time.perf_counter() - start
+        self.tier_stats.moved("write_back", n, moved, start)
         return True
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
