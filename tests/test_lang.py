@@ -387,19 +387,29 @@ class RecordingEndpoint(RuntimeEndpoint):
         return super().cache_prefix(prefix)
 
 
-def test_fork_always_sends_the_prefix_hint_first(server):
+def test_fork_sends_the_prefix_hint_for_long_unseen_text_only(server):
+    """The hint caches the parent's text before the children start, when the text the
+    backend has not seen since the program's last call is long enough to be worth a call."""
     backend = RecordingEndpoint(server.url)
+    intro = "You are a careful writer who states facts plainly and briefly.\n"  # 64 chars
 
     @sgl.function
-    def branches(s, topic):
-        s += f"Three facts about {topic}:\n"  # still queued when fork() is called
+    def branches(s, topic, preamble):
+        s += preamble + f"Three facts about {topic}:\n"  # still queued when fork() is called
         forks = s.fork(3)
         forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=6, stop="\n")
         forks.join()
+        s += "In short:" + sgl.gen("summary", max_tokens=4)
+        again = s.fork(2)  # the backend saw all but a few characters: no hint
+        again += lambda i: sgl.gen("more", max_tokens=2)
+        again.join()
 
-    topics = ["owls", "rivers", "glass", "tea", "snow"]
-    states = [branches.run(topic=t, backend=backend, **GREEDY) for t in topics]
-    assert backend.cached == [f"Three facts about {t}:\n" for t in topics]
+    topics = ["owls", "rivers", "glass"]
+    states = [branches.run(topic=t, preamble=intro, backend=backend, **GREEDY) for t in topics]
+    assert backend.cached == [intro + f"Three facts about {t}:\n" for t in topics]
+    backend.cached.clear()
+    branches.run(topic="tea", preamble="", backend=backend, **GREEDY)  # 24 chars: not worth it
+    assert backend.cached == []
     for state in states:
         assert len(state["fact"]) == 3
     backend.shutdown()

@@ -18,8 +18,11 @@ class GlobalConfig:
     # -- the co-design with the runtime --------------------------------------------------
     # run_batch first caches the constant prefix the programs share (found by tracing)
     enable_precache_with_tracing: bool = True
-    # fork(n > 1) caches the parent's text once before the children start
+    # fork(n > 1) caches the parent's text once before the children start, when the text
+    # the backend has not seen yet (since the program's last call) is at least this long:
+    # a shorter one costs the children less to recompute than the extra call
     enable_fork_prefix_hint: bool = True
+    fork_hint_min_chars: int = 64
     # select scores every choice in one call on one cached prefix (off: one call per choice)
     enable_batched_select: bool = True
     # join(mode="concate_and_append") is done on the text (the KV is not concatenated)

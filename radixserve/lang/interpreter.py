@@ -79,6 +79,7 @@ class Executor:
         self.stream = stream
         self.num_api_spec_tokens = num_api_spec_tokens
         self.text_ = ""
+        self.backend_seen = 0  # leading chars of text_ the backend has cached (its last call)
         self.messages_: list[dict[str, Any]] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
@@ -160,6 +161,7 @@ class Executor:
         ]
         for child in children:
             child.text_ = self.text_
+            child.backend_seen = self.backend_seen
             child.messages_ = list(self.messages_)
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
@@ -272,8 +274,11 @@ class Executor:
         elif isinstance(expr, VarScopeEnd):
             self._set(expr.name, self.text_[self.variables[expr.name] :], None)
         elif isinstance(expr, PrefixHint):
-            if self.text_ and global_config.enable_fork_prefix_hint:
+            unseen = len(self.text_) - self.backend_seen
+            worth_it = unseen >= global_config.fork_hint_min_chars
+            if global_config.enable_fork_prefix_hint and worth_it:
                 self.backend.cache_prefix(self.text_)
+                self.backend_seen = len(self.text_)
         else:
             raise TypeError(f"cannot run {expr!r} in a program")
 
@@ -306,6 +311,7 @@ class Executor:
         else:
             comp, meta = self.backend.generate(self, params)
         self._fill(comp[0] if isinstance(comp, list) else comp)
+        self.backend_seen = len(self.text_)  # the prompt and its output are cached now
         self._set(expr.name, comp, meta)
 
     def _speculates(self, params: SamplingParams) -> bool:
@@ -352,12 +358,14 @@ class Executor:
                 self.variables[key] += delta
                 self.meta_info[key] = meta
                 self._changed.notify_all()
+        self.backend_seen = len(self.text_)
         if name is not None:
             self._set(name, self.variables[name], meta)
 
     def _select(self, expr: Select) -> None:
         decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
         self._fill(decision.decision)
+        self.backend_seen = len(self.text_)  # every choice was scored after the text
         self._set(expr.name, decision.decision, decision.meta_info)
 
     def _role_begin(self, role: str) -> None:
