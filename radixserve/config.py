@@ -327,6 +327,9 @@ class SpeculativeConfig:
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
@@ -344,6 +347,13 @@ class ServerConfig:
     )
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
+    )
+    tool_call_parser: str | None = _opt(
+        None,
+        "How /v1/chat/completions reads tool calls out of the text with tool_choice auto: "
+        "hermes (= qwen25: <tool_call>{json}</tool_call>) or llama3 (bare JSON calls). "
+        "Default: llama3 for a Llama 3 template, else hermes.",
+        choices=TOOL_CALL_PARSERS,
     )
 
     def __post_init__(self) -> None:

@@ -96,3 +96,23 @@ def tiny_model_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[S
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+def state(server: ServerProcess) -> dict:
+    """The scheduler's counters, as /get_server_info reports them."""
+    r = requests.get(server.url + "/get_server_info", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["internal_states"][0]
+
+
+def assert_kv_clean(server: ServerProcess) -> None:
+    """Idle: no request holds KV, free + cached == total, and a flush frees everything."""
+    s = state(server)
+    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
+    assert s["kv_held_by_requests"] == 0, s
+    assert s["kv_free"] + s["kv_tree_evictable"] + s["kv_tree_protected"] == s["kv_total"], s
+    assert s["kv_tree_protected"] == 0, s
+    r = requests.post(server.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    s = state(server)
+    assert s["kv_free"] == s["kv_total"], s

@@ -19,7 +19,7 @@ import openai
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, assert_kv_clean, state
 
 pytestmark = pytest.mark.smollm2
 
@@ -219,12 +219,6 @@ def generate(server: ServerProcess, body: dict[str, Any]) -> Any:
     r = post(server, "/generate", body)
     assert r.status_code == 200, f"/generate {body} -> {r.status_code}: {r.text[:500]}"
     return r.json()
-
-
-def state(server: ServerProcess) -> dict[str, Any]:
-    r = requests.get(server.url + "/get_server_info", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["internal_states"][0]
 
 
 def parallel(calls: list[Callable[[], Any]]) -> list[Any]:
@@ -480,19 +474,6 @@ INVALID = [
         ["json_schema", "foo"],
     ),
 ]
-
-
-def assert_kv_clean(server: ServerProcess) -> None:
-    """Idle: no request holds KV, free + cached == total, and a flush frees everything."""
-    s = state(server)
-    assert s["num_running"] == 0 and s["num_waiting"] == 0, s
-    assert s["kv_held_by_requests"] == 0, s
-    assert s["kv_free"] + s["kv_tree_evictable"] + s["kv_tree_protected"] == s["kv_total"], s
-    assert s["kv_tree_protected"] == 0, s
-    r = requests.post(server.url + "/flush_cache", timeout=30)
-    assert r.status_code == 200, r.text
-    s = state(server)
-    assert s["kv_free"] == s["kv_total"], s
 
 
 def test_invalid_constraints_are_400_before_any_work(server, client):

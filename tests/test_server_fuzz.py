@@ -319,6 +319,27 @@ bad_message = st.one_of(
     st.fixed_dictionaries({"role": st.just("user"), "content": st.sampled_from(BAD_TEXT)}),
     hostile,
 )
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+    },
+}
+BAD_TOOLS = [
+    [{"type": "function", "function": {"name": "a b"}}],  # not a function name
+    [{"type": "function"}],
+    [{"type": "code_interpreter"}],
+    [TOOL, TOOL],  # the same name twice
+    [{"type": "function", "function": {"name": "g", "parameters": {"type": "wat"}}}],
+    [{"type": "function", "function": {"name": "g", "parameters": []}}],
+]
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 chat_bodies = bodies(
     {"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": few_tokens},
     {
@@ -327,14 +348,18 @@ chat_bodies = bodies(
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(0, 3),
         "continue_final_message": st.booleans(),
+        "tools": st.just([TOOL]),
+        "tool_choice": st.sampled_from(["auto", "none", "required", named("f")]),
+        "parallel_tool_calls": st.booleans(),
     },
     {
         **openai_bad,
         "messages": st.one_of(st.just([]), st.lists(bad_message, min_size=1, max_size=3)),
         "max_completion_tokens": bad_few_tokens,
         "top_logprobs": st.sampled_from([-1, 21, 2**63]),
-        "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
-        "tool_choice": st.sampled_from(["auto", {"type": "function"}]),
+        "tools": st.sampled_from(BAD_TOOLS),
+        "tool_choice": st.sampled_from(["always", {"type": "function"}, named("g")]),
+        "parallel_tool_calls": st.sampled_from([None, 0, "yes"]),
     },
 )
 

@@ -24,6 +24,16 @@ from radixserve.server.checks import (
     call_error,
 )
 from radixserve.server.errors import bad_request
+from radixserve.server.tool_calls import (
+    AssistantToolCall,
+    Tool,
+    ToolChoice,
+    ToolFieldError,
+    ToolPlan,
+    parser_family,
+    template_messages,
+    tool_mode,
+)
 
 
 class StreamOptions(BaseModel):
@@ -151,6 +161,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role tool needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message can have tool_calls")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if isinstance(getattr(self, "name", None), str):
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -169,18 +200,35 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     continue_final_message: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tool calling is not supported")
-        return self
+    def tool_plan(self, parser_flag: str | None, chat_template: str | None) -> ToolPlan:
+        """What the tools fields ask for, or a 400 naming the field that is inconsistent."""
+        try:
+            mode = tool_mode(self.tools, self.tool_choice)
+        except ToolFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
+        constrained = self.response_format or self.json_schema or self.regex or self.ebnf
+        if mode in ("required", "named") and constrained:
+            raise bad_request(
+                f"tool_choice {'required' if mode == 'required' else 'naming a function'} "
+                "constrains the output to the tools' arguments; it cannot be combined with "
+                "response_format, json_schema, regex or ebnf",
+                param="tool_choice",
+            )
+        named = self.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        return ToolPlan(
+            mode,
+            tuple(self.tools or ()),
+            named,
+            parallel=self.parallel_tool_calls is not False,
+            family=parser_family(chat_template, parser_flag),
+        )
 
 
 # -- requests → native sequences ------------------------------------------------------------
@@ -209,17 +257,19 @@ def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]])
         raise call_error(e, COMPLETION_FIELDS) from None
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> list[int]:
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
     except ValueError as e:
         raise bad_request(str(e), param="messages") from None
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions")
+    messages, tools = template_messages(messages, plan, template_source(tokenizer))
     last_is_assistant = messages[-1]["role"] == "assistant" and body.continue_final_message
     try:
         text = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=not last_is_assistant,
             continue_final_message=last_is_assistant,
@@ -229,8 +279,17 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_reqs(body: ChatCompletionRequest, tokenizer: Any, max_context: int) -> list[Req]:
-    ids = chat_prompt_ids(body, tokenizer)
+def template_source(tokenizer: Any) -> str | None:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: transformers uses "default"
+        template = template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def chat_reqs(
+    body: ChatCompletionRequest, tokenizer: Any, max_context: int, plan: ToolPlan
+) -> list[Req]:
+    ids = chat_prompt_ids(body, tokenizer, plan)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
@@ -240,7 +299,7 @@ def chat_reqs(body: ChatCompletionRequest, tokenizer: Any, max_context: int) -> 
         return expand_request(
             tokenizer.encode,
             None,
-            body.sampling_params(max_tokens),
+            {**body.sampling_params(max_tokens), **_tool_constraint(plan)},
             ids,
             return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs or 0,
@@ -250,6 +309,11 @@ def chat_reqs(body: ChatCompletionRequest, tokenizer: Any, max_context: int) -> 
         ).reqs
     except ValueError as e:
         raise call_error(e, CHAT_FIELDS) from None
+
+
+def _tool_constraint(plan: ToolPlan) -> dict[str, Any]:
+    schema = plan.constraint()
+    return {} if schema is None else {"json_schema": schema}
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.core.req import Req
 from radixserve.server import openai_api as oai
+from radixserve.server import tool_calls
 from radixserve.server.body import JSONBodyRoute
 from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
 from radixserve.server.errors import ERROR_RESPONSES, APIError
@@ -62,9 +63,11 @@ async def completions(body: oai.CompletionRequest, request: Request, state: Stat
 async def chat_completions(
     body: oai.ChatCompletionRequest, request: Request, state: State
 ) -> Response:
-    reqs = oai.chat_reqs(body, state.manager.tokenizer, state.model.max_seq_len)
+    tokenizer = state.manager.tokenizer
+    plan = body.tool_plan(state.config.server.tool_call_parser, oai.template_source(tokenizer))
+    reqs = oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
     check_sequences(reqs, state, CHAT_FIELDS)
-    return await _serve(request, state, body, reqs, _Chat(body, _decoder(state)))
+    return await _serve(request, state, body, reqs, _Chat(body, _decoder(state), plan))
 
 
 def _decoder(state: ServerState) -> Callable[[list[int]], str]:
@@ -82,7 +85,7 @@ async def _serve(
         return await sse(request, _chunks(call, body, shape, head), call)
     results = await until_disconnect(request, call, call.results())
     choices = [
-        {"index": i, **shape.choice(req, result), **oai.finish_fields(result["meta_info"])}
+        {"index": i, **oai.finish_fields(result["meta_info"]), **shape.choice(req, result)}
         for i, (req, result) in enumerate(zip(reqs, results))
     ]
     return JSONResponse({**head, "choices": choices, "usage": oai.usage(results, body.n)})
@@ -107,8 +110,10 @@ async def _chunks(
         meta = out.result["meta_info"]
         if out.finished:
             finals[index] = out.result
-        choice = shape.chunk_choice(call.reqs[index], delta, meta)
-        yield {**head, "choices": [{"index": index, **choice, **oai.finish_fields(meta)}]}
+        choice = shape.chunk_choice(index, call.reqs[index], delta, meta)
+        if choice is None:
+            continue
+        yield {**head, "choices": [{"index": index, **oai.finish_fields(meta), **choice}]}
     if body.include_usage:
         yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
 
@@ -129,13 +134,16 @@ class _Shape(Protocol):
     echo: bool
 
     def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
-        """A response choice's own fields (index and finish fields are added)."""
+        """A response choice's own fields (index and finish fields are added; a
+        finish_reason here overrides the engine's)."""
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         """Choices streamed once, before any output."""
 
-    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
-        """A stream chunk choice's own fields for this news."""
+    def chunk_choice(
+        self, index: int, req: Req, delta: _Delta, meta: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """A stream chunk choice's own fields for this news; None: nothing to send yet."""
 
 
 class _Completion:
@@ -152,7 +160,9 @@ class _Completion:
     def opening(self, n: int) -> list[dict[str, Any]]:
         return []
 
-    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
+    def chunk_choice(
+        self, index: int, req: Req, delta: _Delta, meta: dict[str, Any]
+    ) -> dict[str, Any] | None:
         echo = self.echo and delta.first
         return self._fields(req, delta.text, meta, echo, delta.logprob_start)
 
@@ -168,16 +178,32 @@ class _Completion:
 
 
 class _Chat:
+    """A chat choice; with tools, its text goes through the plan's parser (whole, or a
+    `ToolStream` per sequence when streaming)."""
+
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     echo = False
 
-    def __init__(self, body: oai.ChatCompletionRequest, decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        body: oai.ChatCompletionRequest,
+        decode: Callable[[list[int]], str],
+        plan: tool_calls.ToolPlan,
+    ):
         self.decode = decode
         self.wants_logprobs = body.logprobs
+        self.plan = plan
+        self.streams: dict[int, tool_calls.ToolStream] = {}
 
     def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": result["text"]}
-        return {"message": message, "logprobs": self._logprobs(result["meta_info"], 0)}
+        meta = result["meta_info"]
+        fields: dict[str, Any] = {"logprobs": self._logprobs(meta, 0)}
+        if not self.plan.active:
+            return {"message": {"role": "assistant", "content": result["text"]}, **fields}
+        message = tool_calls.message(self.plan.parser(), result["text"])
+        reason = oai.finish_fields(meta)["finish_reason"]
+        reason = tool_calls.finish_reason(reason, "tool_calls" in message)
+        return {"message": message, **fields, "finish_reason": reason}
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
@@ -185,9 +211,20 @@ class _Chat:
             {"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)
         ]
 
-    def chunk_choice(self, req: Req, delta: _Delta, meta: dict[str, Any]) -> dict[str, Any]:
-        content = {"content": delta.text} if delta.text else {}
-        return {"delta": content, "logprobs": self._logprobs(meta, delta.logprob_start)}
+    def chunk_choice(
+        self, index: int, req: Req, delta: _Delta, meta: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        logprobs = self._logprobs(meta, delta.logprob_start)
+        if not self.plan.active:
+            content = {"content": delta.text} if delta.text else {}
+            return {"delta": content, "logprobs": logprobs}
+        stream = self.streams.setdefault(index, tool_calls.ToolStream(self.plan.parser()))
+        reason = oai.finish_fields(meta)["finish_reason"]
+        news = stream.feed(delta.text, final=reason is not None)
+        if not news and reason is None and logprobs is None:
+            return None  # the parser holds the text back for now
+        reason = tool_calls.finish_reason(reason, stream.has_calls)
+        return {"delta": news, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
         return oai.chat_logprobs(meta, self.decode, start) if self.wants_logprobs else None

@@ -1,0 +1,470 @@
+"""Tool calling on /v1/chat/completions: the request's `tools` and `tool_choice`, how they
+reach the prompt, the constraint they put on the output, and the parsers that turn the
+model's text back into OpenAI `tool_calls`.
+
+    tool_choice   prompt gets the tools   output constrained to            parsed by
+    none          no                      nothing                          nothing
+    auto          yes                     nothing                          the family's parser
+    required      yes                     [{"name", "arguments"}, ...]     RequiredParser
+    {function}    yes                     that function's parameters       NamedParser
+
+A template that renders `tools` itself (Qwen 2.5, Llama 3.1, Hermes) receives them as
+transformers' `apply_chat_template(tools=...)` passes them. A template that does not (the
+default SmolLM2's plain ChatML) gets them in a system message (`TOOLS_PROMPT`) that asks for
+the Hermes format, and earlier assistant tool calls are written into its content the same
+way, so the model sees its own calls in the format it is asked to use.
+
+Every parser reads the whole text so far: `parse(text, final)` returns what is certain of
+the output (the content, and the calls), and grows monotonically as the text grows, so a
+stream sends the difference (`ToolStream`) and reassembles to the non-streamed message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function name
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+# -- the request's fields -------------------------------------------------------------------
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def schema(self) -> dict[str, Any]:
+        """The arguments' schema as the output is constrained to it. A function takes no
+        argument it does not declare: an object schema that leaves additionalProperties
+        open gets it closed (as OpenAI's strict mode asks clients to write)."""
+        schema = self.function.parameters or EMPTY_PARAMETERS
+        if schema.get("type") == "object" and "additionalProperties" not in schema:
+            schema = {**schema, "additionalProperties": False}
+        return schema
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in `messages`."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolFieldError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def tool_mode(
+    tools: list[Tool] | None, choice: ToolChoice | None
+) -> Literal["none", "auto", "required", "named"]:
+    """The mode the request asks for; ToolFieldError names what is inconsistent."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolFieldError("tool_choice is only allowed when tools are given", "tool_choice")
+        return "none"
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ToolFieldError("tools: two functions have the same name", "tools")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            message = f"tool_choice names {choice.function.name!r}, which is not in tools"
+            raise ToolFieldError(message, "tool_choice")
+        return "named"
+    return choice or "auto"
+
+
+# -- what the request does with them --------------------------------------------------------
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: Literal["none", "auto", "required", "named"]
+    tools: tuple[Tool, ...] = ()
+    named: str | None = None  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls: False keeps at most one call
+    family: str = "hermes"  # the --tool-call-parser for `auto`
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as chat templates read them (transformers' JSON-schema shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def constraint(self) -> str | None:
+        """The JSON schema the output must follow, for `required` and a named function."""
+        if self.mode == "named":
+            return json.dumps(self._tool(self.named).schema())
+        if self.mode != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.schema(),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return json.dumps(array)
+
+    def parser(self) -> ToolParser:
+        names = frozenset(t.function.name for t in self.tools)
+        if self.mode == "named":
+            assert self.named is not None
+            return NamedParser(self.named)
+        if self.mode == "required":
+            return RequiredParser(names, self.parallel)
+        if self.family == "llama3":
+            return Llama3JsonParser(names, self.parallel)
+        return HermesParser(names, self.parallel)
+
+    def _tool(self, name: str | None) -> Tool:
+        return next(t for t in self.tools if t.function.name == name)
+
+
+def parser_family(chat_template: str | None, flag: str | None) -> str:
+    """The `auto` parser: the flag, else read off the template (Llama 3's python tag or
+    ipython role), else Hermes, the format TOOLS_PROMPT asks for."""
+    if flag is not None:
+        return "hermes" if flag == "qwen25" else flag
+    if chat_template and ("<|python_tag|>" in chat_template or "ipython" in chat_template):
+        return "llama3"
+    return "hermes"
+
+
+# -- the prompt -----------------------------------------------------------------------------
+TOOLS_PROMPT = (
+    "You can call functions. To call one, answer with a JSON object inside "
+    "<tool_call></tool_call> tags, one per call:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments object>}}\n</tool_call>\n'
+    "The functions, as JSON schemas:\n{tools}"
+)
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def template_messages(
+    messages: list[dict[str, Any]], plan: ToolPlan, chat_template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for apply_chat_template. Earlier calls' arguments become objects
+    (templates write them with `tojson`); for a template that knows no tools, the tools go
+    into the system message and earlier calls into their turn's text."""
+    if template_renders_tools(chat_template):
+        return [_with_parsed_arguments(m) for m in messages], (
+            plan.tool_dicts() if plan.active else None
+        )
+    out = [_calls_as_text(m) for m in messages]
+    if plan.active:
+        listing = "\n".join(json.dumps(t) for t in plan.tool_dicts())
+        prompt = TOOLS_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = dict(call["function"])
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # not JSON: the template gets the text as the client sent it
+        parsed.append({**call, "function": function})
+    return {**message, "tool_calls": parsed}
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = message.get("content") or ""
+    for call in calls:
+        f = call["function"]
+        text += f'<tool_call>\n{{"name": {json.dumps(f["name"])}, "arguments": {f["arguments"]}}}'
+        text += "\n</tool_call>"
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": text}
+
+
+# -- parsing the output ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text; while streaming, possibly the part generated so far
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str  # the text outside calls
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+class ToolParser(Protocol):
+    def parse(self, text: str, final: bool) -> Parsed:
+        """What is certain of the output given its text so far (all of it when `final`).
+        Monotone: as text grows, content and each call's arguments only grow, and calls
+        are only appended."""
+
+
+class NamedParser:
+    """The output is the named function's arguments (grammar-constrained)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return Parsed("", [ParsedCall(self.name, text)])
+
+
+def _call_of(obj: Any, names: frozenset[str]) -> ParsedCall | None:
+    """A call from a decoded JSON object {"name", "arguments" (or Llama's "parameters")},
+    None unless it names a known function with an object of arguments."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str, pos: int, separators: str) -> tuple[list[Any], int]:
+    """The complete JSON values from `pos` on, separated by whitespace and `separators`,
+    and where the first incomplete one (or the end) begins."""
+    decoder = json.JSONDecoder()
+    values = []
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+            pos += 1
+        if pos == len(text):
+            return values, pos
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return values, pos
+        values.append(value)
+
+
+class RequiredParser:
+    """The output is a JSON array of {"name", "arguments"} (grammar-constrained); each call
+    is reported once its object is complete."""
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        self.names = names
+        self.parallel = parallel
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find("[")
+        if start < 0:
+            return Parsed("")
+        values, _ = _json_values(text, start + 1, ",")
+        calls = [c for c in (_call_of(v, self.names) for v in values) if c is not None]
+        if final and not calls:  # cut short before its first call was complete
+            return Parsed(text)
+        return Parsed("", calls if self.parallel else calls[:1])
+
+
+def _without_partial(text: str, tag: str) -> str:
+    """`text` less a tail that could be the start of `tag` (held back until known)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return text[:-k]
+    return text
+
+
+def _content(pieces: list[str], calls: list[ParsedCall], final: bool) -> str:
+    """Text outside calls. Trailing whitespace is held back while the text grows (a call
+    may follow it) and dropped when the output has calls."""
+    text = "".join(pieces)
+    return text.rstrip() if calls or not final else text
+
+
+class HermesParser:
+    """Hermes / Qwen 2.5 format: calls as JSON objects inside <tool_call>...</tool_call>,
+    anywhere in the text. A block that is not a valid call stays in the content."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        self.names = names
+        self.parallel = parallel
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        pieces: list[str] = []
+        calls: list[ParsedCall] = []
+        pos = 0
+        while True:
+            start = text.find(self.OPEN, pos)
+            if start < 0:
+                tail = text[pos:]
+                pieces.append(tail if final else _without_partial(tail, self.OPEN))
+                break
+            pieces.append(text[pos:start])
+            end = text.find(self.CLOSE, start)
+            if end < 0 and not final:
+                break  # an open block: held back until it closes
+            block_end = len(text) if end < 0 else end + len(self.CLOSE)
+            body = text[start + len(self.OPEN) : len(text) if end < 0 else end]
+            call = self._call(body)
+            if call is None:
+                pieces.append(text[start:block_end])
+            elif self.parallel or not calls:
+                calls.append(call)
+            pos = block_end
+            if end < 0:
+                break
+        return Parsed(_content(pieces, calls, final), calls)
+
+    def _call(self, body: str) -> ParsedCall | None:
+        try:
+            return _call_of(json.loads(body), self.names)
+        except json.JSONDecodeError:
+            return None
+
+
+class Llama3JsonParser:
+    """Llama 3.x JSON format: the whole answer is one call or several separated by `;`,
+    {"name": ..., "parameters": {...}}, optionally after <|python_tag|>. Text that could
+    still become such an answer is held back; at the end it is calls or it is content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        self.names = names
+        self.parallel = parallel
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()
+        body = body.removeprefix(self.TAG).lstrip()
+        maybe_call = body.startswith("{") or self.TAG.startswith(text.lstrip())
+        if not final:
+            return Parsed("" if maybe_call else _content([text], [], final))
+        if body.startswith("{"):
+            values, end = _json_values(body, 0, ";")
+            calls = [_call_of(v, self.names) for v in values]
+            if values and end == len(body) and None not in calls:
+                found = [c for c in calls if c is not None]
+                return Parsed("", found if self.parallel else found[:1])
+        return Parsed(text)
+
+
+# -- responses ------------------------------------------------------------------------------
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_dict(call: ParsedCall, call_id: str) -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def message(parser: ToolParser, text: str) -> dict[str, Any]:
+    """The assistant message of a finished output."""
+    parsed = parser.parse(text, final=True)
+    if not parsed.calls:
+        return {"role": "assistant", "content": parsed.content}
+    calls = [call_dict(c, new_call_id()) for c in parsed.calls]
+    return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's `tool_calls` when the output ended on its own with calls in it."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+class ToolStream:
+    """What a stream has sent of one choice: the content's length, and per call its id and
+    how much of its arguments; `feed` returns the delta fields of the next chunk."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.content_sent = 0
+        self.ids: list[str] = []
+        self.arguments_sent: list[int] = []
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, new_text: str, final: bool) -> dict[str, Any]:
+        self.text += new_text
+        parsed = self.parser.parse(self.text, final)
+        delta: dict[str, Any] = {}
+        content = parsed.content[self.content_sent :]
+        if content:
+            delta["content"] = content
+            self.content_sent = len(parsed.content)
+        calls = [d for i, c in enumerate(parsed.calls) if (d := self._call_delta(i, c))]
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def _call_delta(self, index: int, call: ParsedCall) -> dict[str, Any] | None:
+        if index == len(self.ids):  # a new call: its header, with what arguments there are
+            self.ids.append(new_call_id())
+            self.arguments_sent.append(len(call.arguments))
+            return {"index": index, **call_dict(call, self.ids[index])}
+        more = call.arguments[self.arguments_sent[index] :]
+        if not more:
+            return None
+        self.arguments_sent[index] = len(call.arguments)
+        return {"index": index, "function": {"arguments": more}}

@@ -1,0 +1,340 @@
+"""Tool calling end to end with the official `openai` client: on the default SmolLM2 (whose
+ChatML template knows no tools, so they reach it in a system message) `required` and named
+choices give arguments valid by their schema every time, and the whole flow (call → tool
+result → answer) runs; on a tiny model whose template renders tools Hermes-style, the
+prompt is what transformers' apply_chat_template(tools=...) renders and the `auto` parser
+reads the model's <tool_call> blocks (the output forced by a regex, since a random-weight
+model writes none on its own). Streams reassemble to the non-streamed messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import build_tiny_model
+from tests.server_utils import ServerProcess, assert_kv_clean
+
+TIMEOUT = 180
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+CONVERT = {
+    "type": "function",
+    "function": {
+        "name": "convert_currency",
+        "description": "Convert an amount of money from one currency to another.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "number", "minimum": 0, "maximum": 1e9},
+                "source": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "target": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            },
+            "required": ["amount", "source", "target"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "current_time"}}  # no parameters at all
+TOOLS = [WEATHER, CONVERT, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {}) for t in TOOLS}
+QUESTIONS = [
+    "What is the weather like in Paris today?",
+    "How much is 250 US dollars in euros?",
+    "What time is it?",
+]
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def stream_message(client: openai.OpenAI, **kwargs) -> tuple[dict, str]:
+    """The message a client assembles from a stream's deltas, and the finish reason."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+            if call.id is not None:
+                assert entry["id"] is None, "a call's id is sent once"
+                entry["id"], entry["name"] = call.id, call.function.name
+            entry["arguments"] += call.function.arguments or ""
+        reason = choice.finish_reason or reason
+    message = {"content": content or None, "calls": [calls[i] for i in sorted(calls)]}
+    return message, reason
+
+
+def as_plain(message) -> dict:
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in message.tool_calls or []
+    ]
+    return {"content": message.content or None, "calls": calls}
+
+
+def without_ids(message: dict) -> dict:
+    return {**message, "calls": [{**c, "id": None} for c in message["calls"]]}
+
+
+# -- SmolLM2 ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    log = tmp_path_factory.mktemp("tools-smol") / "server.log"
+    proc = ServerProcess("--max-total-tokens", "16000", log=log)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smol) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smol.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_required_gives_valid_calls_every_time(client, question):
+    """One call each (parallel_tool_calls false) ends with tool_calls; with parallel calls
+    the small model may repeat calls until max_tokens, and every complete one is valid."""
+    for temperature, parallel in ((0.0, False), (1.0, True)):
+        r = client.chat.completions.create(
+            model="m",
+            messages=ask(question),
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            temperature=temperature,
+            max_tokens=120,
+            n=2,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls" or parallel, choice
+            assert choice.message.content is None and choice.message.tool_calls, choice
+            assert len(choice.message.tool_calls) == 1 or parallel
+            for call in choice.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                arguments = json.loads(call.function.arguments)
+                jsonschema.validate(arguments, SCHEMAS[call.function.name])
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda t: t["function"]["name"])
+def test_a_named_function_is_called_with_valid_arguments(client, tool):
+    name = tool["function"]["name"]
+    for question in QUESTIONS[:2]:
+        r = client.chat.completions.create(
+            model="m",
+            messages=ask(question),
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            temperature=0.8,
+            seed=len(question),
+            max_tokens=120,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == name
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[name])
+        assert set(arguments) <= set(SCHEMAS[name].get("properties", {}))  # nothing undeclared
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "convert_currency"}}, "none"]
+)
+def test_streamed_tool_calls_reassemble_to_the_message(client, choice):
+    kwargs = dict(
+        model="m",
+        messages=ask(QUESTIONS[1]),
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=60,
+    )
+    whole = client.chat.completions.create(**kwargs)
+    streamed, reason = stream_message(client, **kwargs)
+    assert without_ids(streamed) == without_ids(as_plain(whole.choices[0].message))
+    assert reason == whole.choices[0].finish_reason
+    assert bool(streamed["calls"]) == (choice != "none")  # required may repeat to max_tokens
+    assert reason in (("stop", "length") if choice == "none" else ("tool_calls", "length"))
+
+
+@pytest.mark.smollm2
+def test_call_then_tool_result_then_answer(client, smol):
+    messages = ask(QUESTIONS[0])
+    first = client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80
+    )
+    call = first.choices[0].message.tool_calls[0]
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    result = {"temperature": 18, "sky": "sunny"}
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    answer = client.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, max_tokens=40, temperature=0
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    # the second prompt holds the first turn: it is served from the radix cache
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+    assert answer.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert_kv_clean(smol)
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "'nope', which is not in tools",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "pattern"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "same name"),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "cannot be combined",
+    ),
+]
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize(("fields", "param", "words"), BAD, ids=[b[2] for b in BAD])
+def test_bad_tool_fields_are_400s_naming_the_field(client, smol, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=ask("hi"), max_tokens=4, **fields)
+    error = e.value.body
+    assert error["param"] and error["param"].startswith(param), error
+    assert words in error["message"], error
+
+
+@pytest.mark.smollm2
+def test_tool_messages_need_their_call_id(client):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        client.chat.completions.create(
+            model="m", messages=[{"role": "tool", "content": "42"}], max_tokens=4
+        )
+
+
+# -- a tiny model with a template that renders tools ------------------------------------------
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools-hermes")
+    folder = build_tiny_model(root / "model", "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    flags = ("--model-path", str(folder), "--max-total-tokens", "4000")
+    proc = ServerProcess(*flags, log=root / "log")
+    try:
+        yield proc.wait_ready(), folder
+    finally:
+        proc.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def hermes_client(hermes) -> openai.OpenAI:
+    url = hermes[0].url + "/v1"
+    return openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=TIMEOUT)
+
+
+def test_tools_reach_a_template_as_transformers_renders_them(hermes):
+    _, folder = hermes
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = '{"city": "Rome", "unit": "celsius"}'
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    r = hermes_client(hermes).chat.completions.create(
+        model="m", messages=history, tools=TOOLS, max_tokens=1
+    )
+    as_objects = [dict(m) for m in history]  # templates read the arguments as an object
+    as_objects[2] = {**history[2], "tool_calls": [{**call, "function": {**call["function"]}}]}
+    as_objects[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Rome", "unit": "celsius"}
+    text = tokenizer.apply_chat_template(
+        as_objects, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert '"name": "get_weather", "arguments": {"city": "Rome"' in text  # rendered as JSON
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+FORCED = (
+    r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Rome|Oslo)", "unit": "celsius"\}\}\n</tool_call>'
+)
+
+
+def test_the_auto_parser_reads_hermes_blocks_out_of_the_output(hermes):
+    client = hermes_client(hermes)
+    kwargs = dict(
+        model="m",
+        messages=ask("Weather in Rome?"),
+        tools=TOOLS,
+        max_tokens=120,
+        temperature=0,
+        extra_body={"regex": FORCED},
+    )
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Rome", "Oslo")
+    streamed, reason = stream_message(client, **kwargs)
+    assert reason == "tool_calls"
+    assert without_ids(streamed) == without_ids(as_plain(choice.message))
+    # with tool_choice none, the same text is plain content
+    plain = client.chat.completions.create(**{**kwargs, "tool_choice": "none"})
+    assert plain.choices[0].message.tool_calls is None
+    assert "<tool_call>" in plain.choices[0].message.content
+    assert_kv_clean(hermes[0])

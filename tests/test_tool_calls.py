@@ -1,0 +1,253 @@
+"""Tool calling without a server: the parsers (each format, and their failure cases), the
+streaming invariant (a stream cut anywhere reassembles to the non-streamed message), the
+constraint a plan puts on the output, and what reaches the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.server.tool_calls import (
+    HermesParser,
+    Llama3JsonParser,
+    NamedParser,
+    NamedToolChoice,
+    RequiredParser,
+    Tool,
+    ToolFieldError,
+    ToolPlan,
+    ToolStream,
+    message,
+    parser_family,
+    template_messages,
+    tool_mode,
+)
+
+NAMES = frozenset({"get_weather", "add"})
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b"}}
+TOOLS = tuple(Tool(**t) for t in (WEATHER, ADD))
+
+
+def block(name: str, args: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+# -- the parsers ------------------------------------------------------------------------------
+def test_hermes_reads_calls_and_keeps_the_text_around_them():
+    text = "Let me check.\n" + block("get_weather", {"city": "Paris"}) + "\n" + block("add", {})
+    parsed = HermesParser(NAMES, parallel=True).parse(text, final=True)
+    assert parsed.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("add", {}),
+    ]
+
+
+def test_hermes_leaves_a_block_that_is_no_valid_call_in_the_content():
+    unknown = block("launch_rockets", {})
+    broken = "<tool_call>{not json</tool_call>"
+    for text in (unknown, broken, "<tool_call>" + json.dumps({"name": "add", "arguments": 3})):
+        parsed = HermesParser(NAMES, parallel=True).parse(text, final=True)
+        assert parsed.calls == [] and parsed.content == text
+
+
+def test_hermes_accepts_arguments_written_as_a_json_string_and_an_unclosed_last_block():
+    text = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}'  # cut before the close
+    (call,) = HermesParser(NAMES, parallel=True).parse(text, final=True).calls
+    assert json.loads(call.arguments) == {"a": 1}
+
+
+def test_hermes_without_parallel_calls_keeps_the_first():
+    text = block("add", {"a": 1}) + block("add", {"a": 2})
+    parsed = HermesParser(NAMES, parallel=False).parse(text, final=True)
+    assert [json.loads(c.arguments) for c in parsed.calls] == [{"a": 1}]
+
+
+def test_hermes_holds_back_what_may_be_the_start_of_a_call():
+    parser = HermesParser(NAMES, parallel=True)
+    assert parser.parse("Sure <tool_", final=False).content == "Sure"
+    assert parser.parse("Sure <tool_", final=True).content == "Sure <tool_"
+    assert parser.parse("Sure <tool_call>{", final=False).calls == []
+
+
+def test_llama3_reads_one_or_several_calls_and_the_python_tag():
+    one = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    parsed = Llama3JsonParser(NAMES, parallel=True).parse(one, final=True)
+    assert parsed.content == "" and parsed.calls[0].name == "get_weather"
+    two = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; ' + one
+    assert [c.name for c in Llama3JsonParser(NAMES, True).parse(two, True).calls] == [
+        "add",
+        "get_weather",
+    ]
+
+
+def test_llama3_text_that_is_not_a_call_is_content():
+    parser = Llama3JsonParser(NAMES, parallel=True)
+    for text in ("Hello there", '{"a": 1}', '{"name": "add", "parameters": {}} and more'):
+        parsed = parser.parse(text, final=True)
+        assert parsed.calls == [] and parsed.content == text
+    assert parser.parse('{"name": "ad', final=False).content == ""  # could still be a call
+
+
+def test_required_and_named_outputs():
+    text = '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'
+    assert [c.name for c in RequiredParser(NAMES, True).parse(text, True).calls] == [
+        "add",
+        "get_weather",
+    ]
+    assert len(RequiredParser(NAMES, False).parse(text, True).calls) == 1
+    cut = '[{"name": "add", "argu'
+    assert RequiredParser(NAMES, True).parse(cut, final=True).content == cut
+    (call,) = NamedParser("add").parse('{"a": 1', final=False).calls
+    assert call.name == "add" and call.arguments == '{"a": 1'
+
+
+# -- streaming reassembles to the whole message -----------------------------------------------
+PIECES = [
+    "Hi",
+    " ",
+    "\n",
+    "<tool",
+    "_call>",
+    block("add", {"a": 1}),
+    block("get_weather", {"city": "Oslo"}),
+    block("nope", {}),
+    "<tool_call>{bad}</tool_call>",
+    '{"name": "add", "parameters": {"b": 2}}',
+    "; ",
+    "<|python_tag|>",
+    "[",
+    '{"name": "add", "arguments": {"x": [1, 2]}}',
+    ", ",
+    "]",
+]
+PARSERS = [
+    HermesParser(NAMES, True),
+    HermesParser(NAMES, False),
+    Llama3JsonParser(NAMES, True),
+    RequiredParser(NAMES, True),
+    NamedParser("add"),
+]
+
+
+def reassemble(parser, text: str, cuts: list[int]) -> dict:
+    """The message a client builds from the stream of `text` cut at `cuts`."""
+    stream = ToolStream(parser)
+    content, calls = "", {}
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        delta = stream.feed(text[a:b], final=i == len(bounds) - 2)
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            entry = calls.setdefault(call["index"], {"name": None, "arguments": ""})
+            if "id" in call:
+                assert entry["name"] is None, "a call's header is sent once"
+                entry["name"] = call["function"]["name"]
+            entry["arguments"] += call["function"]["arguments"]
+    return {"content": content, "calls": [calls[i] for i in sorted(calls)]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(PIECES), max_size=8),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+    which=st.integers(0, len(PARSERS) - 1),
+)
+def test_a_stream_cut_anywhere_reassembles_to_the_message(parts, cuts, which):
+    parser = PARSERS[which]
+    text = "".join(parts)
+    whole = message(parser, text)
+    got = reassemble(parser, text, [c for c in cuts if c <= len(text)])
+    expected_calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in whole.get("tool_calls", [])
+    ]
+    assert got["calls"] == expected_calls
+    assert got["content"] == (whole["content"] or "")
+
+
+# -- the plan -----------------------------------------------------------------------------
+def test_tool_mode_checks_the_fields_together():
+    assert tool_mode(None, None) == "none" and tool_mode([], "none") == "none"
+    assert tool_mode(list(TOOLS), None) == "auto"
+    named = {"type": "function", "function": {"name": "add"}}
+    assert tool_mode(list(TOOLS), NamedToolChoice(**named)) == "named"
+    with pytest.raises(ToolFieldError, match="only allowed when tools") as e:
+        tool_mode(None, "required")
+    assert e.value.param == "tool_choice"
+    missing = NamedToolChoice(type="function", function={"name": "sub"})
+    with pytest.raises(ToolFieldError, match="'sub', which is not in tools"):
+        tool_mode(list(TOOLS), missing)
+    with pytest.raises(ToolFieldError, match="same name"):
+        tool_mode([TOOLS[0], TOOLS[0]], "auto")
+
+
+def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
+    schema = json.loads(ToolPlan("required", TOOLS).constraint())
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Paris"}}], schema)
+    jsonschema.validate([{"name": "add", "arguments": {}}] * 2, schema)
+    for bad in (
+        [],  # at least one call
+        [{"name": "sub", "arguments": {}}],  # an unknown function
+        [{"name": "get_weather", "arguments": {}}],  # its required argument
+        [{"name": "get_weather", "arguments": {"city": "P", "country": "F"}}],  # undeclared
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = json.loads(ToolPlan("required", TOOLS, parallel=False).constraint())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "arguments": {}}] * 2, single)
+    named = json.loads(ToolPlan("named", TOOLS, named="get_weather").constraint())
+    assert named["required"] == ["city"] and named["additionalProperties"] is False
+    assert ToolPlan("auto", TOOLS).constraint() is None
+
+
+def test_the_parser_family_comes_from_the_flag_or_the_template():
+    assert parser_family("{{ '<|python_tag|>' }}", None) == "llama3"
+    assert parser_family("<tool_call>", None) == "hermes"
+    assert parser_family(None, None) == "hermes"
+    assert parser_family("<|python_tag|>", "qwen25") == "hermes"
+
+
+# -- what reaches the template ----------------------------------------------------------------
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "1+1?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+]
+
+
+def test_a_template_that_renders_tools_gets_them_and_objects_of_arguments():
+    messages, tools = template_messages(HISTORY, ToolPlan("auto", TOOLS), "{{ tools }}")
+    assert tools == [WEATHER, ADD]
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    _, tools = template_messages(HISTORY, ToolPlan("none"), "{{ tools }}")
+    assert tools is None
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text():
+    messages, tools = template_messages(HISTORY, ToolPlan("auto", TOOLS), "{{ messages }}")
+    assert tools is None
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\n") and json.dumps(WEATHER) in system
+    assert messages[2]["content"] == block("add", {"a": 1})
+    assert "tool_calls" not in messages[2]
+    no_system, _ = template_messages(HISTORY[1:], ToolPlan("auto", TOOLS), "x")
+    assert no_system[0]["role"] == "system" and "<tool_call>" in no_system[0]["content"]
