@@ -103,6 +103,8 @@ class _SamplingFields(BaseModel):
     ebnf: str | None = None
     rid: str | None = None
     priority: int | None = None
+    # SGLang's extras that sglang-router forwards at their defaults on every request
+    return_hidden_states: Literal[False] = False  # hidden states: not served by these routes
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         schema = self.response_format.constraint() if self.response_format else None
@@ -206,6 +208,11 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    # SGLang's reasoning extras (sglang-router sends them): no reasoning parser runs here, so
+    # the reasoning, if any, stays in the content
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def tool_plan(self, parser_flag: str | None, chat_template: str | None) -> ToolPlan:
         """What the tools fields ask for, or a 400 naming the field that is inconsistent."""
@@ -273,10 +280,32 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan)
             tokenize=False,
             add_generation_prompt=not last_is_assistant,
             continue_final_message=last_is_assistant,
+            **_template_kwargs(body.chat_template_kwargs),
         )
     except (TemplateError, ValueError) as e:  # e.g. roles out of the template's order
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own parameters (transformers 5.24), and what templates are given
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        *("conversation", "messages", "tools", "documents", "chat_template"),
+        *("add_generation_prompt", "continue_final_message", "tokenize"),
+        *("sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors"),
+        *("return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"),
+    }
+)
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs (e.g. Qwen3's enable_thinking), minus what the route sets."""
+    taken = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs or ()))
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs"
+        )
+    return kwargs or {}
 
 
 def template_source(tokenizer: Any) -> str | None:
