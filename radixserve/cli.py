@@ -9,6 +9,7 @@ from typing import Any
 
 from radixserve.config import (
     CacheConfig,
+    EmbeddingConfig,
     HiCacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -25,6 +26,7 @@ SERVER_PARTS = (
     SchedulerConfig,
     HiCacheConfig,
     SpeculativeConfig,
+    EmbeddingConfig,
     ServerConfig,
 )
 

@@ -324,6 +324,33 @@ class SpeculativeConfig:
         return self.speculative_algorithm != "none"
 
 
+EMBEDDING_POOLINGS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    embedding_pooling: str = _opt(
+        "last",
+        "How /encode, /v1/embeddings and Engine.encode pool the prompt's last hidden states "
+        "(after the final norm): last (the last token's; a cached prefix is reused) or mean "
+        "(over every prompt token; such requests recompute the whole prompt, since the "
+        "prefix cache keeps KV, not hidden states).",
+        choices=EMBEDDING_POOLINGS,
+    )
+    embedding_normalize: bool = _opt(
+        True,
+        "L2-normalize embeddings (unit length, as OpenAI's are); --no-embedding-normalize "
+        "returns the pooled hidden state as it is.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(
+                f"embedding_pooling must be one of {', '.join(EMBEDDING_POOLINGS)}, "
+                f"got {self.embedding_pooling!r}"
+            )
+
+
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
@@ -377,6 +404,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
 from radixserve.config import Config
+from radixserve.core.embedding import EmbedParams
 from radixserve.core.errors import rejection
 from radixserve.core.messages import (
     AbortReq,
@@ -35,7 +36,7 @@ from radixserve.core.messages import (
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
-from radixserve.native import expand_request
+from radixserve.native import expand_embedding, expand_request
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
@@ -275,6 +276,27 @@ class Engine:
         field = "input_ids" if input_ids is not None else "text"
         check_fits(plan, info.vocab_size, info.max_seq_len, field)
         return plan.response(self._run_all(plan.requests(rid)))
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embeddings of a prompt (a dict) or a batch (a list), as `POST /encode` answers:
+        `{"embedding": [...], "meta_info": {...}}` each. The final-norm hidden states are
+        pooled (`pooling` "last" or "mean") and L2-normalized unless `normalize` is False;
+        both default to the config (--embedding-pooling, --embedding-normalize). The
+        requests share the scheduler and the prefix cache with generation."""
+        embed = EmbedParams(
+            pooling or self.config.embedding.embedding_pooling,  # type: ignore[arg-type]
+            self.config.embedding.embedding_normalize if normalize is None else normalize,
+        )
+        expanded = expand_embedding(self.tokenizer.encode, prompt, input_ids, embed, rid)
+        results = self._run_all(expanded.reqs)
+        return results[0] if expanded.single else results
 
     def chat_roles(self) -> dict[str, Any] | None:
         """The chat template's role markers (radixserve/chat_roles.py), as

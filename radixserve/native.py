@@ -1,4 +1,4 @@
-"""The native API's generate call, expanded into one `Req` per sequence to run.
+"""The native API's generate (and encode) call, expanded into one `Req` per sequence to run.
 
 One call may carry a single prompt or a batch (text or token ids), one sampling-params dict
 or one per prompt, and `n` samples per prompt; the offline Engine and the HTTP server both
@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.core.embedding import EmbedParams
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 
@@ -43,10 +44,11 @@ def expand_request(
     rid: str | list[str] | None = None,
     priority: int | None = None,
     max_sequences: int | None = None,
+    embed: EmbedParams | None = None,
 ) -> Expanded:
     """Validated requests; a ValueError names what is wrong with the call. With
     `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
-    prompt is tokenized."""
+    prompt is tokenized. With `embed`, embedding requests (see `expand_embedding`)."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
     field = "text" if prompt is not None else "input_ids"
@@ -78,10 +80,32 @@ def expand_request(
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                     top_logprobs_num=top_logprobs_num or 0,
+                    embed=embed,
                 )
             )
     _check_unique([req.rid for req in reqs])
     return Expanded(reqs, single and len(reqs) == 1)
+
+
+def expand_embedding(
+    tokenize: Callable[[str], list[int]],
+    prompt: str | list[str] | None,
+    input_ids: list[int] | list[list[int]] | None,
+    embed: EmbedParams,
+    rid: str | list[str] | None = None,
+    max_sequences: int | None = None,
+) -> Expanded:
+    """An embedding call (/encode, /v1/embeddings, Engine.encode): one prefill-only request
+    per prompt (max_new_tokens 0), pooled as `embed` says; rids as for generation."""
+    return expand_request(
+        tokenize,
+        prompt,
+        {"max_new_tokens": 0},
+        input_ids,
+        rid=rid,
+        max_sequences=max_sequences,
+        embed=embed,
+    )
 
 
 def _check_logprob_args(logprob_start_len: int | None, top_logprobs_num: int | None) -> None:

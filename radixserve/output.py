@@ -1,5 +1,6 @@
 """From a request's stream of `ReqOutput` token deltas to the native API's result dict
-`{"text", "output_ids", "meta_info"}` (cumulative text, stop strings trimmed, logprobs as
+`{"text", "output_ids", "meta_info"}` (or `{"embedding", "meta_info"}` for an embedding
+request; cumulative text, stop strings trimmed, logprobs as
 `[logprob | None, token_id, text | None]` triples; see the wire contract), in two halves
 that each cost only what a step adds:
 
@@ -96,6 +97,7 @@ class RequestState:
             last.completion_tokens,
             spec=last.spec,
             cached_tiers=last.cached_tiers,
+            embedding=last.embedding,
         )
 
     def _add_logprobs(self, delta: StrOut) -> None:
@@ -178,6 +180,7 @@ class ResultAccumulator:
         self.top_logprobs: list[list[LogprobTriple]] = []
         self.input_logprobs: list[LogprobTriple] = []
         self.input_top_logprobs: list[list[LogprobTriple]] = []
+        self.embedding: list[float] | None = None  # an embedding request's, at the end
 
     def add(self, delta: StrOut, e2e_latency: float | None = None) -> ResultUpdate:
         """Apply one delta; `e2e_latency` goes into the final result's meta_info."""
@@ -191,6 +194,8 @@ class ResultAccumulator:
         if delta.input_logprobs is not None:
             self.input_logprobs = delta.input_logprobs
             self.input_top_logprobs = delta.input_top_logprobs or []
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         return ResultUpdate(
             delta,
             e2e_latency,
@@ -223,6 +228,8 @@ class ResultAccumulator:
             if self.top_logprobs_num:
                 meta["input_top_logprobs"] = list(self.input_top_logprobs)
                 meta["output_top_logprobs"] = self.top_logprobs[: update.num_logprobs]
+        if self.embedding is not None:  # an embedding request: /encode's shape
+            return {"embedding": self.embedding, "meta_info": meta}
         text = "".join(update.pieces[: update.num_pieces])
         return {"text": text, "output_ids": self.ids[: update.num_ids], "meta_info": meta}
 

@@ -26,7 +26,13 @@ from tests.server_utils import ServerProcess, tiny_model_server
 VOCAB = 512  # the tiny model's (tests/conftest.py TINY_SHAPE)
 CONTEXT = 2048  # its max_position_embeddings
 TIMEOUT_S = 60  # no answer may take longer: a hang is a failure too
-GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = (
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/encode",
+    "/v1/embeddings",
+)
 STATUSES: Counter[tuple[str, int]] = Counter()  # (route, status) of every fuzzed request
 
 
@@ -370,8 +376,26 @@ tokenize_bodies = bodies(
 )
 detokenize_bodies = bodies({"tokens": valid_ids}, {}, {"tokens": bad_ids})
 abort_bodies = bodies({}, {"rid": st.text(max_size=6)}, {"abort_all": st.just(False)})
+embedding_inputs = st.one_of(texts, st.lists(texts, min_size=1, max_size=3), valid_ids)
+embedding_bodies = bodies(
+    {"input": embedding_inputs},
+    {
+        "model": st.text(max_size=6),
+        "encoding_format": st.sampled_from(["float", "base64"]),
+        "dimensions": st.sampled_from([256, 1, 0, -1]),
+        "user": st.text(max_size=6),
+    },
+    {"input": st.one_of(bad_texts, bad_ids), "encoding_format": st.text(max_size=6)},
+)
+encode_bodies = bodies(
+    {"text": st.one_of(texts, st.lists(texts, min_size=1, max_size=3))},
+    {"rid": st.text(min_size=1, max_size=6)},
+    {"text": bad_texts, "input_ids": bad_ids},
+)
 POST_ROUTES = [
     "/generate",
+    "/encode",
+    "/v1/embeddings",
     "/v1/completions",
     "/v1/chat/completions",
     "/tokenize",
@@ -404,6 +428,13 @@ def test_fuzz_completions(server, body):
 @given(body=chat_bodies)
 def test_fuzz_chat_completions(server, body):
     send(server, "POST", "/v1/chat/completions", body)
+
+
+@fuzz_settings(40)
+@given(route=st.sampled_from(["/encode", "/v1/embeddings"]), data=st.data())
+def test_fuzz_embeddings(server, route, data):
+    strategy = embedding_bodies if route == "/v1/embeddings" else encode_bodies
+    send(server, "POST", route, data.draw(strategy))
 
 
 @fuzz_settings(30)

@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from radixserve.core.embedding import EmbedParams
 from radixserve.core.errors import RejectionKind
 from radixserve.core.output import SchedulerStats
 from radixserve.core.req import Req
@@ -36,6 +37,7 @@ class GenerateReq(Message):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     stream: bool = False  # the detokenizer sends partial results only for streams
+    embed: EmbedParams | None = None  # an embedding request (core/embedding.py)
 
     @classmethod
     def from_req(
@@ -52,6 +54,7 @@ class GenerateReq(Message):
             req.top_logprobs_num,
             return_text_in_logprobs,
             stream,
+            req.embed,
         )
 
     def to_req(self) -> Req:
@@ -64,6 +67,7 @@ class GenerateReq(Message):
             return_logprob=self.return_logprob,
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,
+            embed=self.embed,
         )
 
 

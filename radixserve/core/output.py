@@ -62,6 +62,7 @@ class ReqOutput(msgspec.Struct):
     input_top_logprobs: list[list[LogprobEntry]] | None = None
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
     cached_tiers: CachedTiers | None = None  # with the hierarchical cache on
+    embedding: list[float] | None = None  # an embedding request's vector, on its last output
 
     @property
     def finished(self) -> bool:
@@ -129,6 +130,7 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     # string's first occurrence in text already sent, see text_stream.TextStream._trim_at)
     spec: SpecCounts | None = None
     cached_tiers: CachedTiers | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its last one
 
     @property
     def finished(self) -> bool:
@@ -147,6 +149,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     dtype: str
     kv_cache_dtype: str
     kv_pool_bytes: int
+    hidden_size: int = 0  # the length of an embedding (0: not reported)
     kernel_plan: dict[str, Any] = msgspec.field(default_factory=dict)
     cpu: dict[str, Any] = msgspec.field(default_factory=dict)
 

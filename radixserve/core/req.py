@@ -8,6 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixserve.core.embedding import EmbedParams
 from radixserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the runner level (Req, BatchBuilder) needs no msgspec
@@ -28,6 +29,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
     spec: Any = None  # the speculator's state for this request (scheduler/speculative.py)
+    embed: EmbedParams | None = None  # an embedding request: prefilled, pooled, never decoded
+    pooled: Any = None  # its pooling so far across prefill chunks (scheduler/embedding.py)
 
     # KV state, owned by the scheduler
     row: int | None = None  # request→token table row while it holds KV
@@ -48,11 +51,14 @@ class Req:
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's vector, once finished
     created: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         if not self.input_ids:
             raise ValueError("the prompt is empty: a request needs at least one input token")
+        if self.embed is not None and self.params.max_new_tokens != 0:
+            raise ValueError("an embedding request generates nothing: max_new_tokens must be 0")
         if self.seed < 0:
             seed = self.params.sampling_seed
             self.seed = random.getrandbits(32) if seed is None else seed
@@ -107,7 +113,10 @@ class Req:
     @property
     def max_cacheable_prefix(self) -> int:
         """Prompt tokens that may come from the cache: input logprobs need the logits of the
-        positions from logprob_start_len - 1 on, so those must be computed."""
+        positions from logprob_start_len - 1 on, so those must be computed; mean pooling
+        needs every prompt position's hidden state, which the cache does not keep."""
+        if self.embed is not None and self.embed.needs_every_position:
+            return 0
         if self.wants_input_logprobs:
             return max(self.logprob_start_len - 1, 0)
         return len(self.input_ids) + len(self.output_ids) - 1

@@ -101,11 +101,27 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         meta: object,
     ) -> torch.Tensor:  # (L, vocab) fp32
+        x = self.hidden_states(input_ids, positions, attn, meta)
+        return self.compute_logits(self.norm(x[logits_indices]))  # only the rows wanted
+
+    # The runner calls the three parts below: the decoder stack over every new token, the
+    # final norm (`norm`) on the rows it wants, and the LM head on those that need logits;
+    # embeddings take the normed rows and never pay for the head. A model class of another
+    # architecture provides the same three.
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        attn: AttentionBackend,
+        meta: object,
+    ) -> torch.Tensor:  # (T, hidden), before the final norm
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rotary, attn, meta)
-        x = self.norm(x[logits_indices])  # only the positions whose logits are wanted
+        return x
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:  # (L, hidden) normed → (L, vocab)
         if self.lm_head is None:
             return logits_linear(x, self.embed_tokens.weight, self.row_kernels).float()
         if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:

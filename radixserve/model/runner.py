@@ -48,6 +48,9 @@ DEFAULT_CUDA_MEM_FRACTION = 0.85
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # (L, vocab) fp32, rows in the order of batch.logits_indices
+    # (E, hidden) fp32 final-norm hidden states, rows in the order of batch.hidden_indices;
+    # None when the batch asks for none
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -132,6 +135,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_pool_bytes=self.kv_pool.nbytes,
+            hidden_size=int(self.hf_config.hidden_size),
             kernel_plan=asdict(self.kernels),
             cpu=cpu_info().as_dict(),
         )
@@ -148,10 +152,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         meta = self.attention.prepare(batch)
-        logits = self.model(
-            batch.input_ids, batch.positions, batch.logits_indices, self.attention, meta
-        )
-        return ForwardOutput(logits)
+        model = self.model
+        x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta)
+        if batch.logits_indices.numel():
+            logits = model.compute_logits(model.norm(x[batch.logits_indices]))
+        else:  # only embedding rows: the LM head is not run at all
+            logits = x.new_empty((0, self.vocab_size), dtype=torch.float32)
+        hidden = None
+        if batch.hidden_indices is not None and batch.hidden_indices.numel():
+            hidden = model.norm(x[batch.hidden_indices]).float()
+        return ForwardOutput(logits, hidden)
 
     def _kv_pool_size(self) -> int:
         """KV tokens: --max-total-tokens if given, else what the memory fraction leaves

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache import ReqToTokenPool, SlotAllocator
-from radixserve.core.batch import ForwardBatch, ForwardMode
+from radixserve.core.batch import ForwardBatch, ForwardMode, HiddenRows
 from radixserve.core.req import Req
 
 
@@ -29,21 +29,30 @@ class BatchBuilder:
         reqs: Sequence[Req],
         new_tokens: Sequence[Sequence[int]],
         all_logits: Sequence[bool] | None = None,
+        hidden_rows: Sequence[HiddenRows | None] | None = None,
     ) -> ForwardBatch:
         """Append `new_tokens[i]` after the `kv_len` cached tokens of `reqs[i]`.
 
         Logits are returned for the last new token of each request, or for every new token
-        of the requests flagged in `all_logits`.
+        of the requests flagged in `all_logits`; a request with `hidden_rows[i]` set gets no
+        logits but the hidden states of those rows (see HiddenRows).
         """
         lens = [len(t) for t in new_tokens]
         slots = self._alloc(sum(lens))
         logits_at: list[int] = []
+        hidden_at: list[int] = []
         offset = 0
         for i, (req, n) in enumerate(zip(reqs, lens, strict=True)):
             self._ensure_row(req)
             self.req_to_token.write(req.row, req.kv_len, slots[offset : offset + n])
-            want_all = all_logits is not None and all_logits[i]
-            logits_at.extend(range(offset, offset + n) if want_all else [offset + n - 1])
+            rows = range(offset, offset + n)
+            hidden = hidden_rows[i] if hidden_rows is not None else None
+            if hidden is not None:
+                hidden_at.extend({"none": [], "last": rows[-1:], "all": rows}[hidden])
+            elif all_logits is not None and all_logits[i]:
+                logits_at.extend(rows)
+            else:
+                logits_at.append(offset + n - 1)
             offset += n
         prefix_lens = [r.kv_len for r in reqs]
         batch = ForwardBatch(
@@ -55,6 +64,7 @@ class BatchBuilder:
             prefix_lens=prefix_lens,
             extend_lens=lens,
             logits_indices=self._tensor(logits_at),
+            hidden_indices=self._tensor(hidden_at) if hidden_rows is not None else None,
         )
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n

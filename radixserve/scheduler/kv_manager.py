@@ -35,7 +35,7 @@ from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.cache.storage_tier import PAGE_TOKENS, StorageTier
 from radixserve.config import HiCacheConfig
-from radixserve.core.batch import ForwardBatch
+from radixserve.core.batch import ForwardBatch, HiddenRows
 from radixserve.core.req import Req
 from radixserve.scheduler.batch_builder import BatchBuilder
 
@@ -245,10 +245,13 @@ class KVManager:
         reqs: Sequence[Req],
         new_tokens: Sequence[Sequence[int]],
         all_logits: Sequence[bool] | None = None,
+        hidden_rows: Sequence[HiddenRows | None] | None = None,
     ) -> ForwardBatch:
         """Slots for `new_tokens[i]` after each request's KV; logits for the last new token
-        of each request, or for all of them where `all_logits` says so."""
-        return self._with_loads(self.builder.extend(reqs, new_tokens, all_logits))
+        of each request, or for all of them where `all_logits` says so; hidden states
+        instead where `hidden_rows` says so (embedding requests)."""
+        batch = self.builder.extend(reqs, new_tokens, all_logits, hidden_rows)
+        return self._with_loads(batch)
 
     def decode_batch(self, reqs: Sequence[Req]) -> ForwardBatch:
         return self._with_loads(self.builder.decode(reqs))

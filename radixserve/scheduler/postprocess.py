@@ -190,4 +190,5 @@ def make_output(
         input_top_logprobs=list(req.input_top_logprobs) if with_prompt else None,
         spec=spec,
         cached_tiers=CachedTiers(*req.cached_lower) if req.cached_lower else None,
+        embedding=req.embedding,
     )

@@ -33,6 +33,7 @@ from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner
+from radixserve.scheduler import embedding
 from radixserve.scheduler.kv_manager import KVManager, build_tiers
 from radixserve.scheduler.logprobs import record_input_logprobs, wants_prompt_logits
 from radixserve.scheduler.policy import order_waiting
@@ -207,15 +208,21 @@ class Scheduler:
             self.stats.mixed_steps += 1
             self.stats.decode_steps += 1
         want_all = [wants_prompt_logits(r) for r in reqs]
+        hidden = [embedding.hidden_rows(r, ends_prompt=r is not self.chunked) for r in reqs]
         starts = [r.kv_len for r in reqs]
         to_sample = [r for r in reqs if r is not self.chunked and r.params.max_new_tokens > 0]
         masks = self.grammars.start_masks(decoding + to_sample)  # computed during the forward
+        any_hidden = any(h is not None for h in hidden)
         batch = self.kv.extend_batch(
             reqs + decoding,
             extends + [r.all_ids[r.kv_len :] for r in decoding],
             want_all + [False] * len(decoding),
+            hidden + [None] * len(decoding) if any_hidden else None,
         )
-        logits = self.runner.forward(batch).logits
+        out = self.runner.forward(batch)
+        logits = out.logits
+        if any_hidden:
+            self._pool(reqs, hidden, starts, out.hidden)
         last_rows, num_rows = self._after_prefill(reqs, extends, want_all, starts, logits)
         done = [r for r in reqs if r is not self.chunked]
         outputs = [self._finish(r) for r in done if r.finished]
@@ -239,7 +246,7 @@ class Scheduler:
         last_rows: dict[int, int] = {}
         row = 0
         for req, ext, full, start in zip(reqs, extends, want_all, starts):
-            n = len(ext) if full else 1
+            n = len(ext) if full else int(req.embed is None)  # embeddings take no logits
             if full:
                 try:  # a fault confined to this request (postprocess.py)
                     record_input_logprobs(req, logits[row : row + n], start)
@@ -256,9 +263,21 @@ class Scheduler:
                 self.stats.prompt_tokens += len(req.input_ids)
                 self.stats.cached_tokens += req.cached_tokens
                 self.kv.count_cached(req)
+            if req.embed is not None and not req.finished:
+                req.embedding = embedding.finish(req)
             if req.params.max_new_tokens == 0 and not req.finished:
                 req.finish_reason = FinishReason.of_length(0)
         return last_rows, row
+
+    def _pool(self, reqs: list[Req], hidden: list, starts: list[int], rows) -> None:
+        """Fold each embedding request's hidden-state rows (in the batch's order) into its
+        pooling (scheduler/embedding.py)."""
+        offset = 0
+        for req, wanted, start in zip(reqs, hidden, starts):
+            n = {None: 0, "none": 0, "last": 1, "all": req.kv_len - start}[wanted]
+            if n:
+                embedding.accumulate(req, rows[offset : offset + n], start, req.kv_len)
+            offset += n
 
     def _run_decode(self) -> list[ReqOutput]:
         """One token per running request — more where a drafted continuation is verified

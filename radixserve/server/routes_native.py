@@ -1,6 +1,7 @@
 """The SGLang-native routes: health, model and server information, cache and abort control,
-metrics, the tokenizer (lm-eval's discovery), /generate (see the wire contract, §1), and
-/score_continuations (the frontend's select: several continuations of one prefix)."""
+metrics, the tokenizer (lm-eval's discovery), /generate (see the wire contract, §1), /encode
+(embeddings) and /score_continuations (the frontend's select: several continuations of one
+prefix)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from radixserve.server.checks import (
     check_sequences,
     native_fields,
 )
+from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 from radixserve.server.state import State
 from radixserve.server.streaming import sse, until_disconnect
@@ -224,6 +226,16 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     call = state.manager.submit(expanded.reqs, body.return_text_in_logprobs, body.stream)
     if body.stream:
         return await sse(request, _native_chunks(call, batch=not expanded.single), call)
+    results = await until_disconnect(request, call, call.results())
+    return JSONResponse(results[0] if expanded.single else results)
+
+
+@router.post("/encode")
+async def encode(body: EncodeRequest, request: Request, state: State) -> Response:
+    """Embeddings (server/embeddings.py): `{"embedding", "meta_info"}` per prompt, a list
+    for a batch."""
+    expanded = encode_reqs(body, state)
+    call = state.manager.submit(expanded.reqs)
     results = await until_disconnect(request, call, call.results())
     return JSONResponse(results[0] if expanded.single else results)
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/models, /v1/completions and /v1/chat/completions.
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions and
+/v1/embeddings.
 
 Both generation routes run the same way (`_serve`): submit, then either one JSON response
 or a stream of chunks built by one builder (`_chunks`). What differs between them, the
@@ -18,6 +19,7 @@ from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
 from radixserve.server.body import JSONBodyRoute
 from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
+from radixserve.server.embeddings import EmbeddingRequest, embedding_reqs, embedding_response
 from radixserve.server.errors import ERROR_RESPONSES, APIError
 from radixserve.server.state import ServerState, State
 from radixserve.server.streaming import sse, until_disconnect
@@ -68,6 +70,15 @@ async def chat_completions(
     reqs = oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
     check_sequences(reqs, state, CHAT_FIELDS)
     return await _serve(request, state, body, reqs, _Chat(body, _decoder(state), plan))
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> Response:
+    reqs = embedding_reqs(body, state)
+    call = state.manager.submit(reqs)
+    results = await until_disconnect(request, call, call.results())
+    model = body.model or state.model_name
+    return JSONResponse(embedding_response(results, body.encoding_format, model))
 
 
 def _decoder(state: ServerState) -> Callable[[list[int]], str]:
