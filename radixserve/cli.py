@@ -149,13 +149,16 @@ def _generate(args: argparse.Namespace) -> int:
         with Engine(**flat) as engine:
             tok = engine.tokenizer
             prompt = args.prompt
-            if not args.no_chat_template and tok.chat_template:
+            templated = not args.no_chat_template and bool(tok.chat_template)
+            if templated:
                 prompt = tok.apply_chat_template(
                     [{"role": "user", "content": prompt}],
                     tokenize=False,
                     add_generation_prompt=True,
                 )
-            ids = tok.encode(prompt, add_special_tokens=args.no_chat_template)
+            # the template writes the special tokens itself; raw text (a base model, e.g.
+            # Gemma 3, which has no template) gets the tokenizer's own (its bos)
+            ids = tok.encode(prompt, add_special_tokens=not templated)
             out = engine.generate(input_ids=ids, sampling_params=dataclasses.asdict(params))
     except (ModelLoadError, ValueError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)

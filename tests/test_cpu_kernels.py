@@ -33,8 +33,12 @@ def attend_both_ways(
     kernel_fits=True,
     kv_dtype=torch.float32,
     q_dtype=torch.float32,
+    window=0,
+    inputs=None,
 ):
-    """(kernel output, torch output) of one layer over a pool with scattered slots."""
+    """(kernel output, torch output) of one layer over a pool with scattered slots (a
+    sliding-window layer with `window` > 0); `inputs`, a dict, gets the pool, the table,
+    the batch and q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     size = sum(seq_lens) + 7
@@ -64,9 +68,13 @@ def attend_both_ways(
     q = torch.randn(tokens, heads, dim, generator=gen).to(q_dtype)
     k = torch.randn(tokens, kv_heads, dim, generator=gen).to(q_dtype)
     v = torch.randn(tokens, kv_heads, dim, generator=gen).to(q_dtype)
+    if inputs is not None:
+        inputs.update(pool=pool, table=table, batch=batch, q=q, k=k, v=v)
     results = []
     for use_kernel in (True, False):
-        backend = TorchNativeAttention(pool, table, dim**-0.5, heads, use_kernel=use_kernel)
+        backend = TorchNativeAttention(
+            pool, table, dim**-0.5, heads, use_kernel=use_kernel, windows=[window]
+        )
         assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
         results.append(backend.forward(0, q, k, v, backend.prepare(batch)))
     return results
@@ -113,6 +121,50 @@ def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike():
     rows go to the kernel, the others to SDPA; the result equals the torch path's."""
     kernel, reference = attend_both_ways(9, 3, 64, [10, 0, 33, 4], [1, 6, 1, 3])
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+def plain_windowed_attention(inputs: dict, window: int, scale: float) -> torch.Tensor:
+    """Each query of the batch at position p over its request's keys at p - window < s <= p,
+    written out with a softmax over the scores: the reference for both backends' paths."""
+    pool, table, batch, q = inputs["pool"], inputs["table"], inputs["batch"], inputs["q"]
+    outs, token = [], 0
+    group = q.shape[1] // pool.k[0].shape[1]
+    for row, prefix, extend in zip(
+        batch.req_rows.tolist(), batch.prefix_lens, batch.extend_lens, strict=True
+    ):
+        slots = table.table[row, : prefix + extend]
+        keys = pool.k[0][slots].float().repeat_interleave(group, dim=1)  # (S, H, D)
+        values = pool.v[0][slots].float().repeat_interleave(group, dim=1)
+        for pos in range(prefix, prefix + extend):
+            first = max(0, pos - window + 1)
+            scores = torch.einsum("hd,shd->hs", q[token].float(), keys[first : pos + 1]) * scale
+            weights = torch.softmax(scores, dim=-1)
+            outs.append(torch.einsum("hs,shd->hd", weights, values[first : pos + 1]).flatten())
+            token += 1
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [
+        ([0, 1, 5, 15, 16, 17, 40, 300], [1] * 8),  # decode rows around the window's edge
+        ([0, 10, 33, 4, 0], [1, 6, 1, 3, 40]),  # mixed: kernel rows beside SDPA rows
+        ([0, 0], [40, 9]),  # prompts with no prefix, one longer than the window
+    ],
+    ids=["decode", "mixed", "causal"],
+)
+def test_sliding_window_attends_only_the_last_window_keys(prefix_lens, extend_lens):
+    """A sliding-window layer (Gemma 3's local layers): the decode kernel, which starts
+    each request's keys `window` positions back, and the torch path's masks (decode, with a
+    cached prefix, and per-request causal SDPA) both equal plain attention over the
+    window."""
+    window, inputs = 16, {}
+    kernel, torch_path = attend_both_ways(
+        4, 1, 64, prefix_lens, extend_lens, window=window, inputs=inputs
+    )
+    reference = plain_windowed_attention(inputs, window, 64**-0.5)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(torch_path, reference, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (301, 203), (576, 576), (4099, 64)])

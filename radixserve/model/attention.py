@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -39,6 +40,11 @@ class AttentionGroup:
     # call per request (no gather, no padding, no mask; SDPA's causal path skips the
     # blocks above the diagonal, which an explicit mask cannot). Their lengths, in order.
     causal_lens: list[int] | None = None
+    # Sliding-window layers' variant of the group: keys of a query at position p are those
+    # at p - window < s <= p (0: every key). The decode kernel skips the earlier keys; the
+    # masks say it for SDPA.
+    window: int = 0
+    causal_masks: list[torch.Tensor | None] | None = None  # (n, n) band per causal_lens entry
 
 
 @dataclass
@@ -46,6 +52,9 @@ class TorchNativeMetadata:
     out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
     groups: list[AttentionGroup]  # one, or the decode rows and extend rows of a mixed batch
     kv_loads: list = field(default_factory=list)  # ForwardBatch.kv_loads
+    # window → the groups of the layers with that sliding window, where some request is
+    # longer than it (else those layers use `groups`: the window holds every key)
+    window_groups: dict[int, list[AttentionGroup]] = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -69,6 +78,10 @@ class TorchNativeAttention:
     With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`), which reads K/V
     where they lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask.
+
+    `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
+    position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
+    `prepare` builds one more set of groups per window that matters for the batch.
     """
 
     def __init__(
@@ -79,10 +92,14 @@ class TorchNativeAttention:
         num_heads: int,
         use_kernel: bool = True,
         kernel_dir: Path | None = None,
+        windows: Sequence[int] = (),
     ) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scale = scale
+        self.windows = [int(w) for w in windows]  # per layer; missing or 0: no window
+        if any(w < 0 for w in self.windows):
+            raise ValueError(f"sliding windows must be >= 0, got {sorted(set(self.windows))}")
         pool = kv_pool.k[0]
         kernel = decode_attention_kernel(kernel_dir) if use_kernel else None
         _, kv_heads, head_dim = pool.shape
@@ -91,15 +108,23 @@ class TorchNativeAttention:
         self.decode_kernel = kernel
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        """The groups every full-attention layer uses, and those of each sliding window
+        shorter than some request of the batch."""
+        meta = TorchNativeMetadata(batch.out_slots, self._groups(batch, 0), batch.kv_loads)
+        longest = max(batch.seq_lens)
+        for window in sorted(set(self.windows) - {0}):
+            if longest > window:
+                meta.window_groups[window] = self._groups(batch, window)
+        return meta
+
+    def _groups(self, batch: ForwardBatch, window: int) -> list[AttentionGroup]:
         """One group, except for an extend batch mixing one-token rows (decode steps) with
         longer ones (e.g. jump-forward): padding every row's queries to the longest would
         multiply the decode rows' attention work, so the two kinds are attended apart."""
         lens = batch.extend_lens
         single = [i for i, n in enumerate(lens) if n == 1]
         if batch.mode is ForwardMode.DECODE or not single or len(single) == len(lens):
-            rows = list(range(batch.batch_size))
-            group = self._group(batch, rows, None)
-            return TorchNativeMetadata(batch.out_slots, [group], batch.kv_loads)
+            return [self._group(batch, list(range(batch.batch_size)), None, window)]
         device = batch.input_ids.device
         starts = [0]
         for n in lens[:-1]:
@@ -107,24 +132,42 @@ class TorchNativeAttention:
         groups = []
         for rows in (single, [i for i, n in enumerate(lens) if n > 1]):
             tokens = [starts[i] + j for i in rows for j in range(lens[i])]
-            groups.append(self._group(batch, rows, torch.tensor(tokens, device=device)))
-        return TorchNativeMetadata(batch.out_slots, groups, batch.kv_loads)
+            groups.append(self._group(batch, rows, torch.tensor(tokens, device=device), window))
+        return groups
 
     def _group(
-        self, batch: ForwardBatch, rows: list[int], tokens: torch.Tensor | None
+        self, batch: ForwardBatch, rows: list[int], tokens: torch.Tensor | None, window: int
     ) -> AttentionGroup:
-        """Indices and mask for the batch's requests `rows` (all of them when tokens is None)."""
+        """Indices and mask for the batch's requests `rows` (all of them when tokens is
+        None), with keys limited to the sliding `window` when it is not 0."""
         device = batch.input_ids.device
         seq_list = [batch.seq_lens[i] for i in rows]
         prefix_list = [batch.prefix_lens[i] for i in rows]
         extend_list = [batch.extend_lens[i] for i in rows]
         seq_lens = torch.tensor(seq_list, device=device)
         req_rows = batch.req_rows if tokens is None else batch.req_rows[rows]
+        if window and max(seq_list) <= window:
+            window = 0  # every key of these requests is inside the window
         if self.decode_kernel is not None and all(n == 1 for n in extend_list):
-            return AttentionGroup(tokens, None, None, False, None, 1, req_rows, seq_lens)
-        if max(extend_list) > 1 and not any(prefix_list):
             return AttentionGroup(
-                tokens, None, None, True, None, max(extend_list), None, None, extend_list
+                tokens, None, None, False, None, 1, req_rows, seq_lens, window=window
+            )
+        if max(extend_list) > 1 and not any(prefix_list):
+            masks = None
+            if window:
+                masks = [_band_mask(n, window, device) if n > window else None for n in extend_list]
+            return AttentionGroup(
+                tokens,
+                None,
+                None,
+                True,
+                None,
+                max(extend_list),
+                None,
+                None,
+                extend_list,
+                window=window,
+                causal_masks=masks,
             )
         prefix_lens = torch.tensor(prefix_list, device=device)
         extend_lens = torch.tensor(extend_list, device=device)
@@ -139,6 +182,8 @@ class TorchNativeAttention:
         q_off = torch.arange(max_q, device=device)  # (Q,)
         q_pos = prefix_lens[:, None] + q_off[None, :]  # (B, Q) absolute position of each query
         mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # (B,Q,S)
+        if window:
+            mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
         # Padded query rows attend to key 0 only, so their softmax stays finite; discarded.
         q_pad = q_off[None, :] >= extend_lens[:, None]  # (B, Q)
         mask = torch.where(q_pad[:, :, None], key_pos[None, None, :] == 0, mask)
@@ -148,10 +193,10 @@ class TorchNativeAttention:
             starts = torch.arange(len(rows), device=device) * max_q
             q_index = torch.repeat_interleave(starts, extend_lens) + _ragged_arange(extend_lens)
         # Cheaper special cases (same result): SDPA's own causal path, or no mask at all.
-        is_causal = len(rows) == 1 and prefix_list[0] == 0 and max_q > 1
-        unmasked = max_q == 1 and len(set(seq_list)) == 1
+        is_causal = len(rows) == 1 and prefix_list[0] == 0 and max_q > 1 and not window
+        unmasked = max_q == 1 and len(set(seq_list)) == 1 and not window
         attn_mask = None if is_causal or unmasked else mask[:, None]
-        return AttentionGroup(tokens, kv_index, attn_mask, is_causal, q_index, max_q)
+        return AttentionGroup(tokens, kv_index, attn_mask, is_causal, q_index, max_q, window=window)
 
     def forward(
         self,
@@ -164,10 +209,13 @@ class TorchNativeAttention:
         for load in meta.kv_loads:  # this layer's rows loaded back (overlapping the forward)
             load.wait_layer(layer)
         self.kv_pool.write(layer, meta.out_slots, k, v)
-        if len(meta.groups) == 1:
-            return self._attend(layer, q, k, v, meta.groups[0])
+        groups = meta.groups
+        if meta.window_groups and layer < len(self.windows):
+            groups = meta.window_groups.get(self.windows[layer], groups)
+        if len(groups) == 1:
+            return self._attend(layer, q, k, v, groups[0])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        for group in meta.groups:
+        for group in groups:
             t = group.tokens
             out.index_copy_(0, t, self._attend(layer, q[t], k[t], v[t], group))
         return out
@@ -179,12 +227,12 @@ class TorchNativeAttention:
         are the group's new keys and values (already in the pool)."""
         _, num_heads, head_dim = q.shape
         if meta.causal_lens is not None:
-            return self._attend_causal(q, k, v, meta.causal_lens)
+            return self._attend_causal(q, k, v, meta.causal_lens, meta.causal_masks)
         if meta.kv_index is None:
             pool_k, pool_v = self.kv_pool.k[layer], self.kv_pool.v[layer]
             table = self.req_to_token.table
             return self.decode_kernel(
-                q, pool_k, pool_v, table, meta.req_rows, meta.seq_lens, self.scale
+                q, pool_k, pool_v, table, meta.req_rows, meta.seq_lens, self.scale, meta.window
             )
         batch_size, max_s = meta.kv_index.shape
         keys = self._gather(self.kv_pool.k[layer], meta.kv_index).to(q.dtype)  # (B, KH, S, D)
@@ -212,15 +260,28 @@ class TorchNativeAttention:
         return out if meta.q_index is None else out[meta.q_index]
 
     def _attend_causal(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lens: list[int],
+        masks: list[torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """Each request's new tokens attending causally to themselves (no cached prefix)."""
+        """Each request's new tokens attending causally to themselves (no cached prefix);
+        a request with a band mask (sliding window) attends through it instead."""
         outs = []
         start = 0
-        for n in lens:
+        for i, n in enumerate(lens):
             qi, ki, vi = (x[start : start + n].transpose(0, 1) for x in (q, k, v))  # (H, n, D)
+            mask = masks[i] if masks is not None else None
             out = F.scaled_dot_product_attention(
-                qi[None], ki[None], vi[None], is_causal=n > 1, scale=self.scale, enable_gqa=True
+                qi[None],
+                ki[None],
+                vi[None],
+                attn_mask=mask,
+                is_causal=n > 1 and mask is None,
+                scale=self.scale,
+                enable_gqa=True,
             )  # (1, H, n, D)
             outs.append(out[0].transpose(0, 1).reshape(n, -1))
             start += n
@@ -242,13 +303,21 @@ KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class DecodeKernel:
     """The C++ decode attention: `kernel(q (B, H, D), k_pool, v_pool (N, KH, D),
-    table (R, C), rows (B,), seq_lens (B,), scale)` → (B, H * D) in q's dtype. The pool may
-    be fp32, bf16 or fp16; the arithmetic is fp32."""
+    table (R, C), rows (B,), seq_lens (B,), scale, window)` → (B, H * D) in q's dtype. The
+    pool may be fp32, bf16 or fp16; the arithmetic is fp32. With `window` W > 0 a request
+    attends only its last W positions."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.decode_attention
         pointers, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 5
-        self._run.argtypes = [*pointers, *sizes, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self._run.argtypes = [
+            *pointers,
+            *sizes,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
         self._run.restype = None
         self._supports = library.decode_attention_supports
         self._supports.argtypes = [ctypes.c_int64] * 3
@@ -257,7 +326,9 @@ class DecodeKernel:
     def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         return bool(self._supports(heads, kv_heads, head_dim))
 
-    def __call__(self, q, k_pool, v_pool, table, rows, seq_lens, scale: float) -> torch.Tensor:
+    def __call__(
+        self, q, k_pool, v_pool, table, rows, seq_lens, scale: float, window: int = 0
+    ) -> torch.Tensor:
         batch, heads, dim = q.shape
         q32 = q.contiguous().float()
         out = torch.empty(batch, heads * dim, dtype=torch.float32)
@@ -279,6 +350,7 @@ class DecodeKernel:
                 scale,
                 torch.get_num_threads(),
                 KV_DTYPE_CODES[k_pool.dtype],
+                window,
             )
         return out.to(q.dtype)
 
@@ -289,6 +361,13 @@ def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | No
     where it cannot be built."""
     library = load_kernel("decode_attention", kernel_dir)
     return None if library is None else DecodeKernel(library)
+
+
+def _band_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """(n, n) bool: query i attends key j where i - window < j <= i."""
+    pos = torch.arange(n, device=device)
+    diff = pos[:, None] - pos[None, :]  # query minus key position
+    return (diff >= 0) & (diff < window)
 
 
 def _ragged_arange(lengths: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@
 //   out[b, h] = softmax_s(q[b, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
 //
 // for each request b of a decode batch (one query token each), its positions
-// s < seq_len[b], slot(b, s) = req_to_token[row[b], s], and G = heads / kv_heads query
-// heads per KV head (GQA). K and V are read where they lie in the pool: no gathered copy of
+// s < seq_len[b] (with a sliding window W > 0: only seq_len[b] - W <= s), slot(b, s) =
+// req_to_token[row[b], s], and G = heads / kv_heads query heads per KV head (GQA). K and V are read where they lie in the pool: no gathered copy of
 // the batch's keys and values, no padding to the longest request, no mask. The torch path
 // (index_select into a padded batch, then SDPA) spent 30% of a batch-64 decode step on this.
 //
@@ -194,7 +194,7 @@ template <typename Kv>
 void attend(const float* q, const void* k_pool_, const void* v_pool_, const int64_t* table,
             const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
-            int num_threads) {
+            int num_threads, int64_t window) {
     const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
     const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
@@ -205,8 +205,9 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task / kv_heads, kh = task % kv_heads;
-            const int64_t len = seq_lens[b];
-            const int64_t* slots = table + rows[b] * table_stride;
+            const int64_t first_pos = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int64_t len = seq_lens[b] - first_pos;
+            const int64_t* slots = table + rows[b] * table_stride + first_pos;
             const int64_t first = (b * heads + kh * group) * dim;
             scores.resize(group * len);
             scores_of<Kv>(q + first, k_pool, slots, len, group, kv_heads, kh, dim, scale, scores.data());
@@ -223,14 +224,16 @@ extern "C" {
 // q, out: (B, H, D) fp32; k_pool, v_pool: (slots, KH, D) in the pool's dtype, kv_dtype 0
 // fp32, 1 bf16, 2 fp16; table: (rows, table_stride) int64; rows, seq_lens: (B,) int64.
 // Every tensor contiguous. D must be a multiple of 32 and H / KH at most kMaxGroup
-// (decode_attention_supports says so to the caller).
+// (decode_attention_supports says so to the caller). window > 0: each request attends only
+// its last `window` positions (a sliding-window layer); 0: all of them.
 void decode_attention(const float* q, const void* k_pool, const void* v_pool,
                       const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
                       float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t table_stride, float scale, int num_threads, int kv_dtype) {
+                      int64_t table_stride, float scale, int num_threads, int kv_dtype,
+                      int64_t window) {
     auto run = kv_dtype == 1 ? attend<Bf16> : kv_dtype == 2 ? attend<Fp16> : attend<Fp32>;
     run(q, k_pool, v_pool, table, rows, seq_lens, out, batch, heads, kv_heads, dim, table_stride,
-        scale, num_threads);
+        scale, num_threads, window);
 }
 
 int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {

@@ -1,4 +1,4 @@
-"""One-time conversion of a llama-architecture GGUF file into a Hugging Face folder.
+"""One-time conversion of a GGUF file (architecture llama or gemma3) into a Hugging Face folder.
 
 The folder (config.json, model.safetensors in fp32, tokenizer files with the GGUF's chat
 template, manifest.json) lives in the model cache, keyed by the GGUF's path, size and
@@ -29,7 +29,7 @@ from radixserve.model.loader import ModelLoadError
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 MANIFEST = "manifest.json"
 REQUIRED_FILES = {"config.json", "model.safetensors", "tokenizer.json"}
 
@@ -44,6 +44,20 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3: llama.cpp's names of its four norms per layer and its q/k norms; q/k are not
+# permuted (its converter permutes only llama-family q/k), and every norm weight is stored as
+# 1 + w (Gemma's RMSNorm multiplies by 1 + w; the checkpoint holds w).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_NAMES_OF = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: every 6th layer attends fully, the others locally
+GEMMA3_SLIDING_ROPE_THETA = 10000.0  # llama.cpp's fixed RoPE base of the local layers
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -108,20 +122,24 @@ def read_gguf(gguf_path: Path) -> Any:
 
 
 def gguf_state_dict(reader: Any, progress: bool = False) -> dict[str, torch.Tensor]:
-    """Dequantized fp32 tensors under Hugging Face names, q/k un-permuted."""
+    """Dequantized fp32 tensors under Hugging Face names: llama's q/k un-permuted, Gemma 3's
+    norm weights back to w from llama.cpp's 1 + w."""
     from gguf.quants import dequantize
 
     config = gguf_config(reader)
+    arch = _field(reader, "general.architecture")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
         data = data.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             data = _unpermute(data, heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             data = _unpermute(data, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data -= 1.0
         tensors[name] = torch.from_numpy(np.ascontiguousarray(data))
     return tensors
 
@@ -142,6 +160,8 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ModelLoadError("GGUF has no token_embd.weight tensor (a vocab-only file?)")
+    if arch == "gemma3":
+        return _gemma3_config(reader, int(embd.shape[1]), "output.weight" not in names)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -162,6 +182,53 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", None),
+        "torch_dtype": "float32",
+    }
+
+
+def _gemma3_config(reader: Any, vocab_size: int, tied: bool) -> dict[str, Any]:
+    """config.json (Gemma3TextConfig) for a gemma3 GGUF: what its metadata says, and what
+    llama.cpp fixes for the architecture (layer pattern, local RoPE base, attention scale)."""
+    arch = "gemma3"
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ModelLoadError("gemma3 GGUF with RoPE scaling is not supported yet")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    layers = int(_field(reader, f"{arch}.block_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    # llama.cpp scales q·k by head_dim^-0.5, except for the 27B model (62 layers)
+    query_pre_attn_scalar = hidden // heads if layers == 62 else head_dim
+    full = [(i + 1) % GEMMA3_SLIDING_PATTERN == 0 for i in range(layers)]
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window")),
+        "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 1000000.0)),
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_SLIDING_ROPE_THETA},
+        },
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", None),
@@ -196,14 +263,15 @@ def _save_tokenizer(gguf_path: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of the llama architecture")
+    layer_names = _LAYER_NAMES_OF[arch]
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not part of the {arch} architecture")
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

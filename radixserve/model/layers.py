@@ -89,9 +89,30 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale for the config's RoPE type."""
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * (1 + weight), all in fp32, then back to x's dtype (the checkpoint
+    stores weight - 1; llama.cpp's GGUF stores 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(
+    config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for the config's RoPE type; with
+    `layer_type` ("sliding_attention", "full_attention": Gemma 3), that kind of layer's
+    entry of `rope_parameters`."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -104,16 +125,25 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
     return inv_freq.float(), float(scale)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the context length, indexed per token."""
+    """cos/sin tables for every position up to the context length, indexed per token
+    (`layer_type`: the RoPE of that kind of layer, see `rope_inv_freq`)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
+        self.layer_type = layer_type
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
         self.reset_tables()
@@ -122,7 +152,7 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables, e.g. after the module was created on the meta device."""
         if self.cos.is_meta:
             return
-        inv_freq, scale = rope_inv_freq(self.config, self.head_dim)
+        inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type)
         freqs = torch.arange(self.max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.cos.copy_(emb.cos() * scale)

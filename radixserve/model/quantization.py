@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.base import CausalLM
 from radixserve.model.cpu_kernels import load_kernel, profiled
-from radixserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model_int8(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kernel_dir: Path | None = None,
     dequant_min_rows: int = DEQUANT_MIN_ROWS,
 ) -> None:

@@ -21,9 +21,9 @@ from radixserve.config import Config
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.model.attention import TorchNativeAttention
+from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
-from radixserve.model.layers import RowKernels
-from radixserve.model.llama import MODEL_CLASSES, LlamaForCausalLM, head_dim_of
+from radixserve.model.layers import RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
     iter_safetensors,
@@ -35,6 +35,7 @@ from radixserve.model.quantization import (
     check_int8_supported,
     quantize_model_int8,
 )
+from radixserve.model.registry import MODEL_CLASSES
 
 if TYPE_CHECKING:
     from radixserve.core.output import ModelInfo
@@ -116,10 +117,11 @@ class ModelRunner:
         self.attention = TorchNativeAttention(
             self.kv_pool,
             self.req_to_token,
-            head_dim**-0.5,
+            self.model.attention_scale,
             self.hf_config.num_attention_heads,
             use_kernel=self.kernels.decode_attention,
             kernel_dir=config.model.cache_dir / "kernels",
+            windows=self.model.attention_windows,
         )
 
     def model_info(self) -> ModelInfo:
@@ -215,15 +217,20 @@ def build_model(
     quantization: str = "none",
     cache_dir: Path | None = None,
     kernels: KernelPlan | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, single
     rows go to the one-row kernel (kernels cached under `cache_dir`)."""
     cls = MODEL_CLASSES[read_architecture(folder)]
-    with torch.device("meta"):
-        model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
+    except ValueError as e:  # a variant of the architecture this class does not run
+        raise ModelLoadError(f"{folder}: {e}") from e
     model = model.to_empty(device="cpu")
-    model.rotary.reset_tables()  # to_empty leaves buffers uninitialised
+    for module in model.modules():  # to_empty leaves buffers uninitialised
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables()
     try:
         model.load_weights(iter_safetensors(folder))
     except (KeyError, ValueError) as e:

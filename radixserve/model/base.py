@@ -1,0 +1,130 @@
+"""What every model class shares: the embedding and LM head, checkpoint loading, the row
+kernels, and what the attention backend needs to know per layer (scale, window).
+
+A model runs on a flat batch: hidden states are (T, hidden) for all new tokens of all
+requests; attention goes through the backend, which owns the KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixserve.model.attention import AttentionBackend
+from radixserve.model.layers import NO_ROW_KERNELS, Linear, RowKernels, logits_linear
+
+GATE_UP = ".mlp.gate_up_proj."  # the fused parameter, and the checkpoint's halves in order
+GATE_UP_SHARDS = (".mlp.gate_proj.", ".mlp.up_proj.")
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model in three parts the runner calls: `hidden_states` (the decoder
+    stack over every new token, written by each subclass), the final `norm` on the rows it
+    wants, and `compute_logits` on those that need logits; embeddings take the normed rows
+    and never pay for the LM head. `forward` chains them for the rows whose logits are
+    wanted."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # None when tied: the logits use the embedding matrix (int8 quantization sets a head)
+        self.lm_head: nn.Module | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k before the softmax."""
+        return head_dim_of(self.config) ** -0.5
+
+    @property
+    def attention_windows(self) -> list[int]:
+        """Per layer, the sliding window W (a query at position p attends the keys at
+        positions p - W < s <= p), or 0 where the layer attends every earlier key."""
+        return [0] * self.config.num_hidden_layers
+
+    norm: nn.Module  # the final norm, built by the subclass
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        logits_indices: torch.Tensor,  # (L,)
+        attn: AttentionBackend,
+        meta: object,
+    ) -> torch.Tensor:  # (L, vocab) fp32
+        x = self.hidden_states(input_ids, positions, attn, meta)
+        return self.compute_logits(self.norm(x[logits_indices]))  # only the rows wanted
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        attn: AttentionBackend,
+        meta: object,
+    ) -> torch.Tensor:  # (T, hidden), before the final norm
+        raise NotImplementedError
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (L, hidden), already normed → (L, vocab) fp32."""
+        return self.lm_logits(x).float()
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (L, hidden), already normed → (L, vocab) in x's dtype."""
+        if self.lm_head is None:
+            return logits_linear(x, self.embed_tokens.weight, self.row_kernels)
+        if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
+            return logits_linear(x, self.lm_head.weight, self.row_kernels)
+        return self.lm_head(x)
+
+    def use_row_kernels(self, kernels: RowKernels) -> None:
+        """Send one row / a few rows (decode steps) of every linear layer and the LM head to
+        the project's kernels."""
+        self.row_kernels = kernels
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.kernels = kernels
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.
+        A checkpoint's gate_proj / up_proj fill the halves of the fused gate_up_proj."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, part = name, slice(None)
+            for half, shard in enumerate(GATE_UP_SHARDS):
+                if shard in name:
+                    target = name.replace(shard, GATE_UP)
+                    rows = self.config.intermediate_size
+                    part = slice(half * rows, (half + 1) * rows)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            param = params[target].data[part]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+            loaded.add(name)
+        expected = {
+            p.replace(GATE_UP, shard) if GATE_UP in p else p
+            for p in params
+            for shard in GATE_UP_SHARDS
+        }
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
