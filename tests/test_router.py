@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import openai
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, state
 
 TIMEOUT = 120
 PROMPTS = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
@@ -31,7 +32,11 @@ class Router:
             *("--host", "127.0.0.1", "--port", str(self.port)),
             *("--worker-urls", *(w.url for w in workers)),
             *("--policy", "cache_aware", "--prometheus-port", str(free_port())),
-            *("--log-level", "warn", "--health-check-interval-secs", "1"),
+            *("--log-level", "warn"),
+            # a dead worker is out of rotation after one failed check (~1 s), and retries
+            # (0.2, 0.4, 0.8, 1.6 s apart) outlast that, so none lands on it again
+            *("--health-check-interval-secs", "1", "--health-failure-threshold", "1"),
+            *("--retry-initial-backoff-ms", "200"),
         ]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -127,14 +132,45 @@ def test_generate_and_its_stream_work_through_the_router(cluster):
 
 
 def test_a_dead_worker_loses_no_request(cluster, client, model):
-    """Requests after one worker is gone all succeed: the router retries on the other and
-    takes the dead one out of rotation."""
+    """A worker killed mid-stream: each in-flight stream either completes (the other
+    worker's) or ends with an error (the dead one's: the router cannot resume a stream),
+    none hangs; requests after it all succeed, the router retrying on the live worker."""
     router, workers = cluster
-    workers[1].stop()
+    outcomes: dict[int, tuple[int, str | None]] = {}
+
+    def stream(i: int) -> None:
+        text, error = "", None
+        try:
+            chunks = client.completions.create(
+                model=model,
+                prompt=PROMPTS[i],
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        except openai.APIError as e:
+            error = type(e).__name__
+        outcomes[i] = (len(text), error)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    running = [state(w)["num_running"] for w in workers]
+    victim, survivor = (workers[0], workers[1]) if running[0] else (workers[1], workers[0])
+    victim.proc.kill()  # no drain: the worker serving the streams is gone at once
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a stream hung on the dead worker"
+    print(f"in-flight streams (running per worker {running}) when one died:", outcomes)
+    assert any(error for _, error in outcomes.values()), "no stream was on the dead worker"
+    victim.stop()
     answers = [
         client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0)
         for p in PROMPTS
     ]
     assert all(a.choices[0].text for a in answers)
-    expected = [direct(workers[0], p, tokens=4) for p in PROMPTS[:2]]
+    expected = [direct(survivor, p, tokens=4) for p in PROMPTS[:2]]
     assert [a.choices[0].text for a in answers[:2]] == expected
