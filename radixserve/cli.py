@@ -12,6 +12,7 @@ from radixserve.config import (
     EmbeddingConfig,
     HiCacheConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -27,6 +28,7 @@ SERVER_PARTS = (
     HiCacheConfig,
     SpeculativeConfig,
     EmbeddingConfig,
+    ParallelConfig,
     ServerConfig,
 )
 
@@ -74,6 +76,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
     """`radixserve bench <name>`: one subcommand per benchmark module."""
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
+        dp,
         hicache,
         http_shared_prefix,
         json_schema,
@@ -105,6 +108,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "speculative": speculative,
         "programs": programs,
         "hicache": hicache,
+        "dp": dp,
     }
     for name, module in benches.items():
         module.add_args(

@@ -397,6 +397,40 @@ class ServerConfig:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp_size: int = _opt(
+        1,
+        "Data-parallel replicas: N scheduler processes behind this one server, each with its "
+        "own model copy, KV pool (--max-total-tokens each) and radix tree.",
+    )
+    load_balance_method: str = _opt(
+        "cache_aware",
+        "How requests are sent to the replicas: cache_aware (the replica whose radix tree "
+        "holds the longest prefix of the prompt, as the replicas report it; misses and an "
+        "unbalanced load go to the least loaded), round_robin, shortest_queue (fewest "
+        "requests in flight).",
+        choices=LOAD_BALANCE_METHODS,
+    )
+    cpu_threads: int = _opt(
+        0,
+        "Threads of each scheduler process (torch and the CPU kernels). 0: the cores this "
+        "process may use, divided among the replicas.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
+
+    def threads_per_replica(self, cores: int) -> int:
+        return self.cpu_threads or max(cores // self.dp_size, 1)
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -405,6 +439,7 @@ class Config:
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from radixserve.core.output import FinishReason, ModelInfo, ReqOutput, StrOut
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.output import Detokenizer, RequestState, ResultAccumulator
+from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import APIError
 from radixserve.server.messages import Ready, StrOutBatch, decode, encode
 from radixserve.server.metrics import Metrics
@@ -275,10 +276,10 @@ class RecordingSender:
 def test_the_main_process_turns_an_error_result_into_a_500():
     async def scenario() -> None:
         sender = RecordingSender()
-        manager = TokenizerManager(sender, Metrics())  # type: ignore[arg-type]
+        manager = TokenizerManager(Dispatcher([sender]), Metrics())
         manager.tokenizer, manager.starting = TOKENIZER, set()
         manager.on_ready(
-            Ready("scheduler", ModelInfo("m", 4096, 8, 2048, 49152, "float32", "float32", 0))
+            Ready("scheduler0", ModelInfo("m", 4096, 8, 2048, 49152, "float32", "float32", 0))
         )
         reqs = [Req("a", [1, 2], SamplingParams()), Req("b", [1, 2], SamplingParams())]
         call = manager.submit(reqs, stream=True)

@@ -58,6 +58,24 @@ class TreeNode:
 
 
 @dataclass
+class CacheEventLog:
+    """What the tree inserted and evicted since the last `take`, for a data-parallel
+    dispatcher that mirrors the tree's token paths (`server/dispatcher.py`)."""
+
+    inserted: list[list[int]] = field(default_factory=list)  # sequences now cached
+    # (the path from the root to an evicted leaf's end, how many of its tokens stay cached)
+    evicted: list[tuple[list[int], int]] = field(default_factory=list)
+
+    def take(self) -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+        out = (self.inserted, self.evicted)
+        self.inserted, self.evicted = [], []
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.inserted or self.evicted)
+
+
+@dataclass
 class MatchResult:
     slots: torch.Tensor  # (L,) int64, KV slots of the matched prefix
     last_node: TreeNode  # lock this while the slots are in use
@@ -93,6 +111,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self._clock = itertools.count(1)
+        self.events: CacheEventLog | None = None  # set to record inserts and evictions
         self.reset()
 
     def reset(self) -> None:
@@ -181,6 +200,8 @@ class RadixCache:
             parts.append(child.value)
             node, pos = child, pos + n
         tree_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        if self.events is not None and prefix_len is not None:
+            self.events.inserted.append(list(tokens))
         return InsertResult(pos if prefix_len is None else prefix_len, tree_slots, node)
 
     def _on_new_node(self, node: TreeNode) -> None:
@@ -211,6 +232,8 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
+            if self.events is not None:
+                self._record_eviction(leaf)
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
@@ -220,6 +243,16 @@ class RadixCache:
             if parent.parent is not None and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
+
+    def _record_eviction(self, leaf: TreeNode) -> None:
+        keys = []
+        node: TreeNode | None = leaf
+        while node is not None and node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        path = [t for key in reversed(keys) for t in key]
+        assert self.events is not None
+        self.events.evicted.append((path, len(path) - len(leaf.key)))
 
     def evict_all(self) -> int:
         """Free every unlocked node (used by flush); locked paths stay."""

@@ -103,3 +103,13 @@ class SchedulerState(Message):
     """Published after steps (at most a few times a second) for gauges and health."""
 
     stats: SchedulerStats
+
+
+class CacheEvents(Message):
+    """A data-parallel replica's radix tree changes since its last CacheEvents (sent after
+    each step that changed it): sequences inserted, and per evicted leaf the path from the
+    root to its end with how many of those tokens stay cached."""
+
+    replica: int
+    inserted: list[list[int]]
+    evicted: list[tuple[list[int], int]]

@@ -201,6 +201,7 @@ class SchedulerStats(msgspec.Struct):
     spec_accepted_by_position: list[int] = msgspec.field(default_factory=list)
     spec_cost_model: list[float] = msgspec.field(default_factory=list)  # [a, b] seconds
     pid: int = 0
+    dp_rank: int = 0  # the data-parallel replica reporting (0 without data parallelism)
 
     @property
     def avg_spec_accept_length(self) -> float:

@@ -14,9 +14,11 @@ import os
 import time
 from typing import Protocol
 
+from radixserve.cache.radix_cache import CacheEventLog
 from radixserve.core.errors import DuplicateRid, InvalidRequest, QueueFull, RequestRejected
 from radixserve.core.messages import (
     AbortReq,
+    CacheEvents,
     ControlReply,
     ControlReq,
     GenerateReq,
@@ -44,7 +46,7 @@ class Transport(Protocol):
         """The request was queued (before any of its outputs is sent)."""
         ...
 
-    def reply(self, msg: Rejected | ControlReply | SchedulerState) -> None: ...
+    def reply(self, msg: Rejected | ControlReply | SchedulerState | CacheEvents) -> None: ...
 
     def alive(self) -> bool:
         """False once the loop must stop (the parent died, the Engine shut down)."""
@@ -52,10 +54,25 @@ class Transport(Protocol):
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, transport: Transport, max_queued: int) -> None:
+    """`dp_rank`: this loop's replica under data parallelism; `report_cache`: send the radix
+    tree's inserts and evictions (`CacheEvents`) for the dispatcher's cache-aware view."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        transport: Transport,
+        max_queued: int,
+        dp_rank: int = 0,
+        report_cache: bool = False,
+    ) -> None:
         self.scheduler = scheduler
         self.transport = transport
         self.max_queued = max_queued
+        self.dp_rank = dp_rank
+        self.cache_events: CacheEventLog | None = None
+        tree = scheduler.kv.tree
+        if report_cache and tree is not None:
+            self.cache_events = tree.events = CacheEventLog()
         self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
         self._last_state: SchedulerStats | None = None
         self._last_state_time = 0.0
@@ -83,7 +100,13 @@ class SchedulerLoop:
                 self.transport.send_outputs(outputs)
             if decoded:
                 self.decode_loop_seconds += time.perf_counter() - start
+        self.publish_cache_events()
         self.publish_state()
+
+    def publish_cache_events(self) -> None:
+        if self.cache_events:
+            inserted, evicted = self.cache_events.take()
+            self.transport.reply(CacheEvents(self.dp_rank, inserted, evicted))
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
@@ -133,6 +156,7 @@ class SchedulerLoop:
         stats = self.scheduler.state()
         stats.decode_loop_seconds = self.decode_loop_seconds
         stats.pid = os.getpid()
+        stats.dp_rank = self.dp_rank
         return stats
 
     def publish_state(self) -> None:

@@ -18,17 +18,18 @@ from radixserve.server.messages import Message, decode, encode
 
 @dataclass(frozen=True)
 class Endpoints:
-    scheduler: str  # what the scheduler receives
+    schedulers: tuple[str, ...]  # what each scheduler (one per data-parallel replica) receives
     detokenizer: str
     main: str
 
     @classmethod
-    def fresh(cls) -> Endpoints:
+    def fresh(cls, dp_size: int = 1) -> Endpoints:
         folder = tempfile.mkdtemp(prefix=f"radixserve-{os.getpid()}-")
-        return cls(*(f"ipc://{folder}/{name}" for name in ("scheduler", "detokenizer", "main")))
+        schedulers = tuple(f"ipc://{folder}/scheduler{i}" for i in range(dp_size))
+        return cls(schedulers, f"ipc://{folder}/detokenizer", f"ipc://{folder}/main")
 
     def cleanup(self) -> None:
-        for address in (self.scheduler, self.detokenizer, self.main):
+        for address in (*self.schedulers, self.detokenizer, self.main):
             path = address.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)

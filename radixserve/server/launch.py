@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ import zmq.asyncio
 
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config
+from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
 from radixserve.server.metrics import Metrics
@@ -92,7 +94,7 @@ def launch_server(config: Config, log_level: str = "info") -> int:
     """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
     process died or failed to start."""
     sock = bind_socket(config.server.host, config.server.port)
-    endpoints = Endpoints.fresh()
+    endpoints = Endpoints.fresh(config.parallel.dp_size)
     launcher = Launcher(config, endpoints, sock, log_level)
     try:
         return asyncio.run(launcher.run())
@@ -119,7 +121,9 @@ class Launcher:
         ctx = zmq.asyncio.Context()
         receiver = AsyncReceiver(ctx, self.endpoints.main)  # bound before children connect
         sync_ctx = zmq.Context()
-        self.manager = TokenizerManager(Sender(sync_ctx, self.endpoints.scheduler), Metrics())
+        senders = [Sender(sync_ctx, address) for address in self.endpoints.schedulers]
+        dispatcher = Dispatcher(senders, self.config.parallel.load_balance_method)
+        self.manager = TokenizerManager(dispatcher, Metrics())
         app = build_app(self.manager, self.config, served_model_name(self.config))
         self.server = _Server(
             uvicorn.Config(
@@ -148,10 +152,15 @@ class Launcher:
 
     async def start(self) -> None:
         """Start the scheduler (it finds or converts the model, then loads it), then, once
-        it names the model's folder, the detokenizer and the tokenizer; all while HTTP
-        already answers (503 "starting")."""
-        self.start_child("scheduler", self.config)
+        it names the model's folder, the other data-parallel replicas (on that folder, so
+        none converts it again), the detokenizer and the tokenizer; all while HTTP already
+        answers (503 "starting")."""
+        self.start_child("scheduler0", self.config, 0)
         folder = await self.manager.model_folder
+        model = dataclasses.replace(self.config.model, model_path=str(folder))
+        on_folder = dataclasses.replace(self.config, model=model)
+        for rank in range(1, self.config.parallel.dp_size):
+            self.start_child(f"scheduler{rank}", on_folder, rank)
         self.start_child("detokenizer", folder)
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
@@ -161,15 +170,16 @@ class Launcher:
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.tokenizer = tokenizer
 
-    def start_child(self, role: str, first_arg: object) -> None:
+    def start_child(self, name: str, first_arg: object, *rest: object) -> None:
+        """Start the child `name` (its role's entry: `scheduler<rank>` runs the scheduler)."""
         child = multiprocessing.get_context("spawn").Process(
-            target=CHILD_MAINS[role],
-            args=(first_arg, self.endpoints, self.log_level, os.getpid()),
-            name=f"radixserve-{role}",
+            target=CHILD_MAINS[name.rstrip("0123456789")],
+            args=(first_arg, self.endpoints, self.log_level, os.getpid(), *rest),
+            name=f"radixserve-{name}",
             daemon=True,
         )
         child.start()
-        self.children[role] = child
+        self.children[name] = child
 
     async def watch(self) -> None:
         """Announce readiness once; end everything if a child dies."""

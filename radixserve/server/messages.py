@@ -3,7 +3,8 @@
     main ──GenerateReq/AbortReq/ControlReq──► scheduler
     scheduler ──GenerateReq (accepted), TokenOutBatch──► detokenizer
     detokenizer ──StrOutBatch (text deltas)──► main
-    scheduler ──ModelFolder, Ready/Failed, Rejected, ControlReply, SchedulerState──► main
+    scheduler ──ModelFolder, Ready/Failed, Rejected, ControlReply, SchedulerState,
+                CacheEvents (data parallelism)──► main
 
 Every message is a tagged msgspec Struct; the transport (`ipc`) only moves bytes. The
 messages of the scheduler loop itself live in `core/messages.py` (the Engine uses them
@@ -16,6 +17,7 @@ import msgspec
 
 from radixserve.core.messages import (
     AbortReq,
+    CacheEvents,
     ControlReply,
     ControlReq,
     GenerateReq,
@@ -69,6 +71,7 @@ AnyMessage = (
     | Rejected
     | ControlReply
     | SchedulerState
+    | CacheEvents
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -62,14 +62,19 @@ class Metrics:
         r.register(self.speculative)
         self.tiers = TierCollector()
         r.register(self.tiers)
+        self.replicas: dict[int, SchedulerStats] = {}  # dp rank → its latest state
 
     def set_scheduler_state(self, state: SchedulerStats) -> None:
+        """A replica's latest state; the gauges sum the replicas' (data parallelism)."""
+        self.replicas[state.dp_rank] = state
         self.speculative.state = state
         self.tiers.state = state
-        self.running.set(state.num_running)
-        self.waiting.set(state.num_waiting)
-        total = state.kv_total
-        self.kv_usage.set((total - state.kv_free) / total if total else 0.0)
+        states = self.replicas.values()
+        self.running.set(sum(s.num_running for s in states))
+        self.waiting.set(sum(s.num_waiting for s in states))
+        total = sum(s.kv_total for s in states)
+        used = sum(s.kv_total - s.kv_free for s in states)
+        self.kv_usage.set(used / total if total else 0.0)
 
 
 class SpeculativeCollector:

@@ -132,20 +132,20 @@ async def get_model_info(state: State) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(state: State) -> dict[str, Any]:
-    scheduler_state = await state.manager.control("get_state")
+    replica_states = await state.manager.control("get_state")  # one per replica
     return {
         **state.config.to_flat(),
         **state.model.fields,
         "served_model_name": state.model_name,
         "version": __version__,
-        "internal_states": [scheduler_state],
+        "internal_states": replica_states,
     }
 
 
 @router.get("/flush_cache", operation_id="flush_cache_get")
 @router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(state: State) -> Response:
-    if await state.manager.control("flush_cache"):
+    if all(await state.manager.control("flush_cache")):
         return PlainTextResponse("Cache flushed.\n")
     return PlainTextResponse(
         "Cache not flushed: requests are still running; retry when the server is idle.\n",

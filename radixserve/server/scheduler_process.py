@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 
+import torch
 import zmq
 
 from radixserve.config import Config
@@ -57,13 +59,17 @@ class ZmqTransport:
         return not self.stopping and parent_alive(self.parent_pid)
 
 
-def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_pid: int) -> None:
-    prepare_child("scheduler", log_level, parent_pid)
+def run_scheduler(
+    config: Config, endpoints: Endpoints, log_level: str, parent_pid: int, dp_rank: int = 0
+) -> None:
+    prepare_child("scheduler" if config.parallel.dp_size == 1 else f"scheduler{dp_rank}",
+                  log_level, parent_pid)  # fmt: skip
     keep_freed_memory()
+    torch.set_num_threads(config.parallel.threads_per_replica(len(os.sched_getaffinity(0))))
     ctx = zmq.Context()
     to_main = Sender(ctx, endpoints.main)
     try:
-        inbox = Receiver(ctx, endpoints.scheduler)
+        inbox = Receiver(ctx, endpoints.schedulers[dp_rank])
         folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
         to_main.send(ModelFolder(str(folder)))
         model = dataclasses.replace(config.model, model_path=str(folder))
@@ -74,9 +80,15 @@ def run_scheduler(config: Config, endpoints: Endpoints, log_level: str, parent_p
         ctx.destroy(linger=1000)
         raise SystemExit(1) from e
     transport = ZmqTransport(inbox, Sender(ctx, endpoints.detokenizer), to_main, parent_pid)
-    loop = SchedulerLoop(scheduler, transport, config.server.max_queued_requests)
+    loop = SchedulerLoop(
+        scheduler,
+        transport,
+        config.server.max_queued_requests,
+        dp_rank=dp_rank,
+        report_cache=config.parallel.dp_size > 1,
+    )
     # the launcher stops its children with SIGTERM: the loop ends and the scheduler closes
     # (the disk tier's queued page writes land) instead of dying mid-write
     signal.signal(signal.SIGTERM, transport.stop)
-    to_main.send(Ready("scheduler", scheduler.info))
+    to_main.send(Ready(f"scheduler{dp_rank}", scheduler.info))
     loop.run()

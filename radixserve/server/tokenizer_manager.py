@@ -23,10 +23,12 @@ from radixserve.chat_roles import ChatRoles
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
 from radixserve.output import ResultAccumulator, ResultUpdate
+from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
-from radixserve.server.ipc import AsyncReceiver, Sender
+from radixserve.server.ipc import AsyncReceiver
 from radixserve.server.messages import (
     AbortReq,
+    CacheEvents,
     ControlReply,
     ControlReq,
     Failed,
@@ -88,21 +90,35 @@ class Call:
         for rid in self.unfinished:
             if self.manager.pending.pop(rid, None) is not None:
                 self.manager.send_abort(rid, "the client disconnected")
+                self.manager.to_scheduler.done(rid)
         self.unfinished.clear()
 
 
+@dataclass
+class _Gather:
+    """A control request's replies, one per scheduler replica."""
+
+    future: asyncio.Future
+    expected: int
+    replies: list[ControlReply] = field(default_factory=list)
+
+
 class TokenizerManager:
-    def __init__(self, to_scheduler: Sender, metrics: Metrics) -> None:
+    """`to_scheduler` routes requests to the scheduler replicas (one without data
+    parallelism) and mirrors their caches (`Dispatcher`)."""
+
+    def __init__(self, to_scheduler: Dispatcher, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
         self.chat_roles: ChatRoles | None = None  # read off its chat template, with it
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
-        self.starting = {"scheduler", "detokenizer"}  # processes not ready yet
+        replicas = {f"scheduler{i}" for i in range(to_scheduler.size)}
+        self.starting = {"detokenizer", *replicas}  # processes not ready yet
         self.to_scheduler = to_scheduler
         self.metrics = metrics
         self.pending: dict[str, _Track] = {}
-        self.controls: dict[int, asyncio.Future] = {}
+        self.controls: dict[int, _Gather] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None  # why the engine is gone
         self.draining = False
@@ -118,7 +134,7 @@ class TokenizerManager:
         return self.info.max_seq_len
 
     def on_ready(self, msg: Ready) -> None:
-        if msg.role == "scheduler" and msg.info is not None:
+        if msg.role.startswith("scheduler") and msg.info is not None:
             self.info = msg.info
         self.starting.discard(msg.role)
 
@@ -164,11 +180,12 @@ class TokenizerManager:
         if self.dead is None:
             self.to_scheduler.send(AbortReq(rid, message))
 
-    async def control(self, op: str, timeout: float = 30.0) -> Any:
+    async def control(self, op: str, timeout: float = 30.0) -> list[Any]:
+        """Every replica's answer to a control request, in replica order."""
         self.check_available()
         call_id = next(self.call_ids)
         future = asyncio.get_running_loop().create_future()
-        self.controls[call_id] = future
+        self.controls[call_id] = _Gather(future, self.to_scheduler.size)
         self.to_scheduler.send(ControlReq(call_id, op))
         try:
             return await asyncio.wait_for(future, timeout)
@@ -193,7 +210,10 @@ class TokenizerManager:
             elif isinstance(msg, Ready):
                 self.on_ready(msg)
             elif isinstance(msg, ModelFolder):
-                self.model_folder.set_result(Path(msg.folder))
+                if not self.model_folder.done():  # every replica names the same folder
+                    self.model_folder.set_result(Path(msg.folder))
+            elif isinstance(msg, CacheEvents):
+                self.to_scheduler.on_cache_events(msg.replica, msg.inserted, msg.evicted)
             elif isinstance(msg, Failed):
                 self.fail_all(f"the {msg.role} failed to start: {msg.message}")
             elif isinstance(msg, SchedulerState):
@@ -211,6 +231,7 @@ class TokenizerManager:
             track.call.queue.put_nowait((track.index, track.results.add(out)))
             return
         del self.pending[out.rid]
+        self.to_scheduler.done(out.rid)
         self.metrics.requests.labels(out.finish_reason.type).inc()
         if out.finish_reason.type == "error":
             self._on_error(out.rid, track, out.finish_reason.message or "internal error")
@@ -241,19 +262,25 @@ class TokenizerManager:
 
     def _on_rejected(self, msg: Rejected) -> None:
         track = self.pending.pop(msg.rid, None)
+        self.to_scheduler.done(msg.rid)
         if track is not None:
             track.call.queue.put_nowait(APIError(REJECTION_STATUS[msg.kind], msg.message))
 
     def _on_control_reply(self, msg: ControlReply) -> None:
-        future = self.controls.get(msg.call_id)
-        if future is None or future.done():
+        gather = self.controls.get(msg.call_id)
+        if gather is None or gather.future.done():
             return
-        if msg.error is not None:
-            future.set_exception(APIError(500, msg.error))
-        elif isinstance(msg.result, SchedulerStats):
-            future.set_result(msg.result.as_dict())
-        else:
-            future.set_result(msg.result)
+        gather.replies.append(msg)
+        if len(gather.replies) < gather.expected:
+            return
+        errors = [r.error for r in gather.replies if r.error is not None]
+        if errors:
+            gather.future.set_exception(APIError(500, "; ".join(errors)))
+            return
+        results = [r.result for r in gather.replies]
+        if all(isinstance(r, SchedulerStats) for r in results):
+            results = [r.as_dict() for r in sorted(results, key=lambda r: r.dp_rank)]
+        gather.future.set_result(results)
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every waiter ends with a 503 naming why."""
@@ -261,6 +288,6 @@ class TokenizerManager:
         for track in self.pending.values():
             track.call.queue.put_nowait(EngineUnavailable(f"the engine stopped: {reason}"))
         self.pending.clear()
-        for future in self.controls.values():
-            if not future.done():
-                future.set_exception(EngineUnavailable(f"the engine stopped: {reason}"))
+        for gather in self.controls.values():
+            if not gather.future.done():
+                gather.future.set_exception(EngineUnavailable(f"the engine stopped: {reason}"))

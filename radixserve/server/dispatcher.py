@@ -1,0 +1,202 @@
+"""Data parallelism's front: the main process sends each request to one of `--dp-size`
+scheduler replicas, by `--load-balance-method`:
+
+- `round_robin`: in turn;
+- `shortest_queue`: the replica with the fewest requests in flight (ties in turn);
+- `cache_aware`: the replica that holds the longest prefix of the prompt. The view is
+  exact, not a guess: every replica reports each sequence its radix tree inserts and each
+  leaf it evicts (`CacheEvents`), and the dispatcher mirrors each tree's token paths in a
+  `TokenTrie` (a prompt dispatched but not yet cached counts too, from the requests in
+  flight). It is balanced against load: when the busiest replica has more than
+  `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, the idlest
+  gets the request; and a miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to
+  the least loaded, ties in turn, so misses spread over the replicas instead of piling on
+  the first one (the failure of a router that breaks ties by index).
+
+Aborts go to the replica running the request (all of them for abort-all); control
+requests (flush, state, checks) go to every replica, and the tokenizer manager gathers one
+reply from each.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from radixserve.core.messages import AbortReq, ControlReq, GenerateReq, Message
+
+BALANCE_ABS = 4  # requests in flight beyond the idlest replica before load wins over hits
+BALANCE_REL = 1.5  # ... and this many times its load
+MIN_HIT_TOKENS = 16  # a shorter cached prefix is a miss: load decides
+
+
+class Sends(Protocol):
+    def send(self, msg: Message) -> None: ...
+
+
+class _Node:
+    __slots__ = ("children",)
+
+    def __init__(self) -> None:
+        # first token of an edge → (the edge's tokens, the node below it)
+        self.children: dict[int, tuple[tuple[int, ...], _Node]] = {}
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class TokenTrie:
+    """A set of token sequences closed under prefixes (a radix tree without KV): `match`
+    is the longest prefix of a query that it holds."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        node, i = self.root, 0
+        while i < len(tokens):
+            entry = node.children.get(tokens[i])
+            if entry is None:
+                node.children[tokens[i]] = (tuple(tokens[i:]), _Node())
+                return
+            edge, child = entry
+            n = _common(edge, tokens[i:])
+            if n < len(edge):  # split the edge where the new sequence leaves it
+                middle = _Node()
+                middle.children[edge[n]] = (edge[n:], child)
+                node.children[tokens[i]] = (edge[:n], middle)
+                child = middle
+            node, i = child, i + n
+
+    def match(self, tokens: Sequence[int]) -> int:
+        node, i = self.root, 0
+        while i < len(tokens):
+            entry = node.children.get(tokens[i])
+            if entry is None:
+                return i
+            edge, child = entry
+            n = _common(edge, tokens[i:])
+            if n < len(edge):
+                return i + n
+            node, i = child, i + n
+        return i
+
+    def truncate(self, tokens: Sequence[int], keep: int) -> None:
+        """Forget what lies below depth `keep` on the path of `tokens` (a replica evicted
+        the leaf that held tokens[keep:])."""
+        if keep >= len(tokens):
+            return
+        node, i = self.root, 0
+        while True:
+            entry = node.children.get(tokens[i])
+            if entry is None:
+                return  # not held: nothing to forget
+            edge, child = entry
+            if _common(edge, tokens[i : keep + 1]) < min(len(edge), keep + 1 - i):
+                return  # the path leaves this edge before the cut: not held
+            if i + len(edge) > keep:
+                if keep == i:
+                    del node.children[tokens[i]]
+                else:  # the cut falls inside the edge: keep its head, drop the rest
+                    node.children[tokens[i]] = (edge[: keep - i], _Node())
+                return
+            node, i = child, i + len(edge)
+
+    def __bool__(self) -> bool:
+        return bool(self.root.children)
+
+
+@dataclass
+class Replica:
+    sender: Sends
+    cached: TokenTrie = field(default_factory=TokenTrie)
+    in_flight: dict[str, list[int]] = field(default_factory=dict)  # rid → its prompt
+
+    @property
+    def load(self) -> int:
+        return len(self.in_flight)
+
+    def hit(self, ids: Sequence[int]) -> int:
+        """The longest prefix of `ids` this replica holds or is computing."""
+        best = self.cached.match(ids)
+        for other in self.in_flight.values():
+            if best == len(ids):
+                break
+            best = max(best, _common(other, ids))
+        return best
+
+
+class Dispatcher:
+    """Stands where the single scheduler's sender stood: `send` routes each message."""
+
+    def __init__(self, senders: Sequence[Sends], method: str = "cache_aware") -> None:
+        if method not in ("cache_aware", "round_robin", "shortest_queue"):
+            raise ValueError(f"unknown load balance method {method!r}")
+        self.replicas = [Replica(s) for s in senders]
+        self.method = method
+        self.owner: dict[str, int] = {}  # rid → the replica running it
+        self._turn = itertools.count()
+        self.sent = [0] * len(self.replicas)  # requests sent to each, cumulative
+
+    @property
+    def size(self) -> int:
+        return len(self.replicas)
+
+    def send(self, msg: Message) -> None:
+        if isinstance(msg, GenerateReq):
+            index = self.pick(msg.input_ids)
+            self.owner[msg.rid] = index
+            self.replicas[index].in_flight[msg.rid] = msg.input_ids
+            self.sent[index] += 1
+            self.replicas[index].sender.send(msg)
+        elif isinstance(msg, AbortReq) and msg.rid in self.owner:
+            self.replicas[self.owner[msg.rid]].sender.send(msg)
+        elif isinstance(msg, AbortReq | ControlReq):
+            for replica in self.replicas:
+                replica.sender.send(msg)
+        else:
+            raise TypeError(f"cannot dispatch a {type(msg).__name__}")
+
+    def done(self, rid: str) -> None:
+        """The request finished (or was refused): it no longer loads its replica."""
+        index = self.owner.pop(rid, None)
+        if index is not None:
+            self.replicas[index].in_flight.pop(rid, None)
+
+    def on_cache_events(self, replica: int, inserted: list[list[int]], evicted: list) -> None:
+        cached = self.replicas[replica].cached
+        for tokens in inserted:
+            cached.insert(tokens)
+        for tokens, keep in evicted:
+            cached.truncate(tokens, keep)
+
+    # -- the policies -----------------------------------------------------------------------
+    def pick(self, ids: Sequence[int]) -> int:
+        if self.size == 1:
+            return 0
+        if self.method == "round_robin":
+            return next(self._turn) % self.size
+        if self.method == "shortest_queue" or self._unbalanced():
+            return self._least_loaded(range(self.size))
+        hits = [r.hit(ids) for r in self.replicas]
+        best = max(hits)
+        if best < min(MIN_HIT_TOKENS, len(ids)):
+            return self._least_loaded(range(self.size))
+        return self._least_loaded([i for i, h in enumerate(hits) if h == best])
+
+    def _unbalanced(self) -> bool:
+        loads = [r.load for r in self.replicas]
+        return max(loads) - min(loads) > BALANCE_ABS and max(loads) > BALANCE_REL * min(loads)
+
+    def _least_loaded(self, candidates: Sequence[int] | range) -> int:
+        """The least loaded candidate; among equals, the next in turn (so ties spread)."""
+        least = min(self.replicas[i].load for i in candidates)
+        tied = [i for i in candidates if self.replicas[i].load == least]
+        return tied[next(self._turn) % len(tied)]

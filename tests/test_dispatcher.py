@@ -1,0 +1,163 @@
+"""The data-parallel dispatcher without processes: its mirror of a replica's radix tree is
+exact (checked against a real RadixCache's inserts and evictions), and its policies route
+as documented: hits stick, misses spread, load wins when the replicas are unbalanced."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.cache.allocator import SlotAllocator
+from radixserve.cache.radix_cache import CacheEventLog, RadixCache
+from radixserve.core.messages import AbortReq, ControlReq, GenerateReq
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.server.dispatcher import BALANCE_ABS, MIN_HIT_TOKENS, Dispatcher, TokenTrie
+
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+def lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), tokens, st.integers(0, 12)), max_size=30),
+    queries=st.lists(tokens, min_size=1, max_size=5),
+)
+def test_the_trie_holds_what_was_inserted_less_what_was_cut(ops, queries):
+    trie, held = TokenTrie(), set()
+    for insert, seq, keep in ops:
+        if insert:
+            trie.insert(seq)
+            held.add(tuple(seq))
+        else:
+            trie.truncate(seq, keep)
+            held = {
+                s[:keep] if len(s) > keep and s[: keep + 1] == tuple(seq[: keep + 1]) else s
+                for s in held
+            }
+    for q in queries:
+        assert trie.match(q) == max((lcp(s, q) for s in held), default=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.booleans(), tokens, st.integers(1, 8)), max_size=25),
+    queries=st.lists(tokens, min_size=1, max_size=5),
+)
+def test_the_mirror_of_a_radix_tree_is_exact(steps, queries):
+    """Replaying a real tree's CacheEvents gives the tree's own match lengths."""
+    allocator = SlotAllocator(64)
+    tree = RadixCache(allocator)
+    tree.events = CacheEventLog()
+    mirror = TokenTrie()
+    for insert, seq, n in steps:
+        if insert:
+            need = len(seq)
+            if allocator.num_free < need:
+                tree.evict(need - allocator.num_free)
+            if allocator.num_free < need:
+                continue
+            slots = allocator.alloc(need)
+            result = tree.insert(seq, slots)
+            allocator.free(slots[: result.prefix_len])  # the tree kept its own copies
+        else:
+            tree.evict(n)
+        inserted, evicted = tree.events.take()
+        for s in inserted:
+            mirror.insert(s)
+        for path, keep in evicted:
+            mirror.truncate(path, keep)
+    for q in queries:
+        assert mirror.match(q) == tree.peek_prefix(q).length
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def request(rid: str, ids: list[int]) -> GenerateReq:
+    return GenerateReq(rid, ids, SamplingParams(), 0)
+
+
+def dispatcher(method: str, n: int = 2) -> tuple[Dispatcher, list[Recorder]]:
+    recorders = [Recorder() for _ in range(n)]
+    return Dispatcher(recorders, method), recorders
+
+
+PREFIX = list(range(100, 100 + 4 * MIN_HIT_TOKENS))
+
+
+def test_cache_aware_sends_a_prefix_where_it_is_cached():
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(1, [PREFIX + [1, 2]], [])
+    for i in range(3):
+        d.send(request(f"r{i}", PREFIX + [i]))
+        d.done(f"r{i}")
+    assert [len(r.sent) for r in recorders] == [0, 3]
+
+
+def test_a_prefix_being_computed_counts_as_held():
+    d, recorders = dispatcher("cache_aware")
+    d.send(request("first", PREFIX + [1]))  # a miss: either replica
+    owner = 0 if recorders[0].sent else 1
+    d.send(request("second", PREFIX + [2]))  # still running: not yet in the tree
+    assert len(recorders[owner].sent) == 2
+
+
+def test_misses_spread_over_the_replicas_at_concurrency_one():
+    d, recorders = dispatcher("cache_aware")
+    for i in range(6):
+        d.send(request(f"r{i}", [i] * 40))  # nothing in common
+        d.done(f"r{i}")
+    assert [len(r.sent) for r in recorders] == [3, 3]
+
+
+def test_load_wins_over_hits_when_the_replicas_are_unbalanced():
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(0, [PREFIX], [])
+    for i in range(BALANCE_ABS + 2):  # all hit replica 0 until it is too far ahead
+        d.send(request(f"r{i}", PREFIX + [i]))
+    assert len(recorders[0].sent) == BALANCE_ABS + 1 and len(recorders[1].sent) == 1
+
+
+def test_an_eviction_report_ends_the_stickiness():
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(1, [PREFIX], [])
+    d.on_cache_events(1, [], [(PREFIX, 0)])
+    assert d.replicas[1].cached.match(PREFIX) == 0
+
+
+def test_round_robin_and_shortest_queue():
+    d, recorders = dispatcher("round_robin", 3)
+    for i in range(6):
+        d.send(request(f"r{i}", PREFIX))
+    assert [len(r.sent) for r in recorders] == [2, 2, 2]
+    d, recorders = dispatcher("shortest_queue")
+    d.send(request("a", [1]))
+    d.send(request("b", [1]))
+    d.done("a")
+    d.send(request("c", [1]))  # the replica that ran "a" is idle again
+    assert sorted(len(r.sent) for r in recorders) == [1, 2]
+    assert {m.rid for r in recorders for m in r.sent if len(r.sent) == 2} >= {"c"}
+
+
+def test_aborts_go_to_the_owner_and_controls_to_every_replica():
+    d, recorders = dispatcher("cache_aware")
+    d.send(request("x", [1, 2, 3]))
+    owner = 0 if recorders[0].sent else 1
+    d.send(AbortReq("x", "bye"))
+    assert isinstance(recorders[owner].sent[-1], AbortReq)
+    assert not any(isinstance(m, AbortReq) for m in recorders[1 - owner].sent)
+    d.send(ControlReq(7, "flush_cache"))
+    d.send(AbortReq(None, "all"))
+    for r in recorders:
+        assert [type(m) for m in r.sent[-2:]] == [ControlReq, AbortReq]

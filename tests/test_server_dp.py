@@ -1,0 +1,89 @@
+"""Data parallelism end to end: `radixserve serve --dp-size 2` over the tiny model, two
+scheduler processes behind one server. Each group of prompts sharing a prefix goes to the
+replica that caches it (its later prompts hit), different groups spread over both replicas,
+greedy outputs match the one-replica server's, control requests reach every replica, and
+a replica that dies takes the server down with it."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import requests
+
+from tests.server_utils import ServerProcess
+
+TIMEOUT = 120
+SYSTEM = " ".join(f"rule {i}: be brief." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_dirs, tmp_path_factory):
+    log = tmp_path_factory.mktemp("dp") / "server.log"
+    flags = ("--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "4000")
+    proc = ServerProcess(*flags, "--dp-size", "2", log=log)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def generate(server: ServerProcess, text: str) -> dict:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    r = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def states(server: ServerProcess) -> list[dict]:
+    r = requests.get(server.url + "/get_server_info", timeout=TIMEOUT)
+    return r.json()["internal_states"]
+
+
+def prompts() -> list[tuple[int, str]]:
+    return [(g, f"group {g}. {SYSTEM} question {q}?") for q in range(3) for g in range(4)]
+
+
+def test_groups_stick_to_a_replica_and_spread_over_both(dp_server):
+    before = states(dp_server)
+    assert [s["dp_rank"] for s in before] == [0, 1]
+    assert before[0]["pid"] != before[1]["pid"]
+    cached = {}
+    for group, text in prompts():
+        cached.setdefault(group, []).append(generate(dp_server, text)["meta_info"]["cached_tokens"])
+    for group, hits in cached.items():
+        assert hits[0] < 10 and min(hits[1:]) > 40, (group, hits)  # first misses, rest hit
+    after = states(dp_server)
+    served = [a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before)]
+    assert min(served) > 0 and max(served) <= 2 * min(served), served  # groups split 2 / 2
+
+
+def test_outputs_match_one_replica(dp_server, tiny_model_dirs, tmp_path):
+    flags = ("--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "4000")
+    single = ServerProcess(*flags, log=tmp_path / "single.log").wait_ready()
+    try:
+        for _, text in prompts()[:6]:
+            assert generate(dp_server, text)["text"] == generate(single, text)["text"]
+    finally:
+        single.stop()
+
+
+def test_flush_reaches_every_replica(dp_server):
+    generate(dp_server, prompts()[0][1])
+    r = requests.post(dp_server.url + "/flush_cache", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    for s in states(dp_server):
+        assert s["kv_free"] == s["kv_total"] and s["kv_held_by_requests"] == 0, s
+
+
+def test_a_dead_replica_stops_the_server(dp_server):
+    replica = psutil.Process(states(dp_server)[1]["pid"])
+    replica.kill()
+    deadline = time.monotonic() + 30
+    while dp_server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dp_server.proc.returncode == 1, "the server outlived a dead replica"
+    time.sleep(1)
+    orphans = [c.pid for c in dp_server.children if c.is_running()]
+    assert not orphans, orphans
