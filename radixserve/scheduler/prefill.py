@@ -10,7 +10,10 @@ tokens each extends.
 Rules, each a method below: a lone request may exceed the KV budget (nothing else could
 run, and it is retracted if decode runs out); a request that shares an uncached prefix with
 one admitted this round waits a round to reuse it; a prompt longer than the token budget
-is cut into a chunk (the adder's `chunked`), which ends the batch.
+is cut into a chunk (the adder's `chunked`), which ends the batch. With hybrid
+sliding-window memory the window pool is a third budget (`KVManager.window_room`): a
+prompt is also cut to what it surely leaves, chunking on or off, so no step runs short of
+window slots mid-batch.
 """
 
 from __future__ import annotations
@@ -115,8 +118,9 @@ class PrefillAdder:
         self.kv.match(req)
         self.kv_budget -= req.loaded_back  # slots the load back took
         remaining = len(req.all_ids) - req.kv_len
-        fits = self._fits(remaining + self.reserve.of(req), remaining)
-        if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, self.token_budget)):
+        limit = self._piece_limit()
+        fits = limit >= 1 and self._fits(remaining + self.reserve.of(req), remaining)
+        if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, limit)):
             self.kv.unmatch(req)
             return Admission.STOP
         self._admit(req)
@@ -142,11 +146,20 @@ class PrefillAdder:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which
         makes it the batch's chunked request)."""
         rest = req.all_ids[req.kv_len :]
-        budget = self.token_budget
-        if self.chunk_size is not None and len(rest) > budget:
+        budget = self._piece_limit()
+        window_bound = budget < self.token_budget
+        if (self.chunk_size is not None or window_bound) and len(rest) > budget:
             self.chunked = req
             return rest[: max(budget - budget % self.page_size, 1)]
         return rest
+
+    def _piece_limit(self) -> int:
+        """The most new tokens the next request may take: the token budget, and with hybrid
+        window memory the window slots this batch surely leaves."""
+        room = self.kv.window_room()
+        if room is None:
+            return self.token_budget
+        return min(self.token_budget, room - self.num_tokens)
 
     def _shares_uncached_prefix(self, req: Req) -> bool:
         """True if a request admitted this round will compute a prefix `req` could reuse
