@@ -167,6 +167,8 @@ def _check_and_flush(engine: Engine) -> None:
     assert isinstance(alloc, HybridSlotAllocator)
     assert alloc.num_free == alloc.size
     assert alloc.window_free == alloc.window_size and alloc.window_mapped == 0
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["swa_total"] == state["swa_free"] == alloc.window_size
 
 
 SMALL_WINDOW_POOL = {"swa_full_tokens_ratio": 0.01}  # 2048 x 0.01 → the floor, 2 windows

@@ -166,6 +166,11 @@ class KVManager:
         held = sum(min(r.kv_len, window) for r in self.builder.holders.values())
         return self.swa.window_size - held
 
+    def window_hold(self, req: Req, more: int = 0) -> int:
+        """Window slots `req` holds for sure once it has `more` tokens past its KV: its last
+        min(L, W) positions (0 without hybrid window memory)."""
+        return 0 if self.swa is None else min(req.kv_len + more, self.swa.window)
+
     def _reclaim_windows(self, need: int) -> None:
         """Drop window K/V nobody can see now (see the module docstring) to free at least
         `need` window slots (more, up to 1/RECLAIM_SHARE of the pool, to amortize)."""
@@ -368,7 +373,7 @@ class KVManager:
 
     def usage(self, live: Iterable[Req]) -> dict[str, int]:
         """Where every slot is: free, in the tree (evictable / locked), or held only by a
-        live request."""
+        live request; and the window pool's size and free slots (hybrid window memory)."""
         tree = self.tree
         return {
             "kv_total": self.allocator.size,
@@ -376,6 +381,8 @@ class KVManager:
             "kv_tree_evictable": tree.evictable_size if tree is not None else 0,
             "kv_tree_protected": tree.protected_size if tree is not None else 0,
             "kv_held_by_requests": sum(r.kv_len - r.tree_len for r in live if r.row is not None),
+            "swa_total": self.swa.window_size if self.swa is not None else 0,
+            "swa_free": self.swa.window_free if self.swa is not None else 0,
         }
 
     def tier_usage(self) -> dict[str, float]:
