@@ -20,8 +20,10 @@ from transformers import AutoModelForCausalLM
 from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.cache.swa_pool import HybridSlotAllocator, swa_pool_size, usable_prefix_len
+from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.scheduler.kv_manager import KVManager
 from tests.conftest import FP32, TINY_GEMMA3_WINDOW
 from tests.reference import reference_greedy
@@ -140,6 +142,75 @@ def test_match_is_truncated_where_window_kv_was_reclaimed(page_size):
     assert kv.tree.protected_size == 0
     kv.flush()
     assert alloc.num_free == 64 and alloc.window_free == 64
+
+
+# -- the attention backend --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [
+        ([0, 1, 5, 15, 16, 17, 40, 300], [1] * 8),  # decode rows around the window's edge
+        ([0, 10, 33, 4, 0], [1, 6, 1, 3, 40]),  # mixed: kernel rows beside SDPA rows
+        ([0, 0], [40, 9]),  # prompts with no prefix, one longer than the window
+        ([3, 20], [2, 30]),  # cached prefixes with several new tokens
+    ],
+    ids=["decode", "mixed", "causal", "extend"],
+)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_window_layer_reads_and_writes_through_the_map(prefix_lens, extend_lens, use_kernel):
+    """A window layer over a pool of window slots, scattered by a random full→window map
+    in which the positions no query of the batch can see have no window K/V: the same
+    output as the one-pool backend, and the new K/V land in the mapped window rows."""
+    if use_kernel and decode_attention_kernel() is None:
+        pytest.skip("the C++ decode kernel cannot be built here")
+    gen = torch.Generator().manual_seed(len(prefix_lens))
+    heads, dim, window = 4, 64, W
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    size = sum(seq_lens) + 7
+    full = KVPool(size, 1, 1, dim, torch.float32, "cpu")
+    full.k[0][1:] = torch.randn(size, 1, dim, generator=gen)
+    full.v[0][1:] = torch.randn(size, 1, dim, generator=gen)
+    window_slots = size + 3
+    hybrid = KVPool(
+        size, 1, 1, dim, torch.float32, "cpu", window_layers=[0], window_slots=window_slots
+    )
+    window_map = torch.zeros(size + 1, dtype=torch.int64)
+    free_window = (torch.randperm(window_slots, generator=gen) + 1).tolist()
+    table = ReqToTokenPool(len(seq_lens) + 1, 512, "cpu")
+    slots = (torch.randperm(size, generator=gen) + 1).tolist()
+    rows, out_slots = [], []
+    for i, (prefix, n) in enumerate(zip(prefix_lens, seq_lens, strict=True)):
+        row = len(seq_lens) - i
+        taken, slots = slots[:n], slots[n:]
+        table.write(row, 0, torch.tensor(taken))
+        rows.append(row)
+        out_slots += taken[prefix:]
+        for s in taken[max(0, prefix - window) :]:  # what the batch's queries can see
+            window_map[s] = free_window.pop()
+            hybrid.k[0][window_map[s]] = full.k[0][s]
+            hybrid.v[0][window_map[s]] = full.v[0][s]
+    tokens = sum(extend_lens)
+    batch = ForwardBatch(
+        mode=ForwardMode.DECODE if set(extend_lens) == {1} else ForwardMode.EXTEND,
+        input_ids=torch.zeros(tokens, dtype=torch.int64),
+        positions=torch.zeros(tokens, dtype=torch.int64),
+        out_slots=torch.tensor(out_slots),
+        req_rows=torch.tensor(rows),
+        prefix_lens=list(prefix_lens),
+        extend_lens=list(extend_lens),
+        logits_indices=torch.zeros(1, dtype=torch.int64),
+    )
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k, v = torch.randn(2, tokens, 1, dim, generator=gen)
+    outs = []
+    for pool, wmap in ((full, None), (hybrid, window_map)):
+        backend = TorchNativeAttention(
+            pool, table, dim**-0.5, heads, use_kernel=use_kernel, windows=[window], window_map=wmap
+        )
+        outs.append(backend.forward(0, q, k, v, backend.prepare(batch)))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
+    written = window_map[batch.out_slots]
+    assert bool((written != 0).all())
+    assert torch.equal(hybrid.k[0][written], k) and torch.equal(hybrid.v[0][written], v)
 
 
 # -- through the Engine -----------------------------------------------------------------
