@@ -5,7 +5,8 @@ under pressure, and a cached prefix is reused only up to where its window K/V is
 Unit tests of the allocator and the match truncation rule, then the tiny Gemma 3 (window
 16) through the Engine: greedy outputs identical to transformers for prompts well longer
 than the window, with a window pool as big as the default and one of two windows
-(reclaim at work), the radix cache on and off, chunks of 7, pages of 4, retraction; the
+(reclaim at work), the radix cache on and off, chunks of 7, pages of 4, retraction,
+n-gram drafts verified and rejected (speculative decoding is on by default); the
 accounting invariant after every scenario and everything free after flush_cache. Last,
 the memory figure on the real Gemma 3 270M geometry."""
 
@@ -38,6 +39,7 @@ PROMPTS = [
     LONG,
     [5, 6, 7, 8, 9],
     SHARED[:30] + [99] * 9,
+    [10, 11, 12, 13, 14] * 12,  # repeats: the n-gram speculator drafts (and some are rejected)
 ]
 
 
@@ -285,6 +287,8 @@ def test_hybrid_memory_greedy_identical_to_transformers(tiny_model_dirs, expecte
         for i, want in enumerate(expected):
             assert alone[i]["output_ids"] == want, f"prompt {i} alone"
             assert batched[i]["output_ids"] == want, f"prompt {i} batched"
+        stats = engine.scheduler.stats
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0, "drafts verified"
         if not config.get("disable_radix_cache") and "swa_full_tokens_ratio" not in config:
             # the second prompt shares 50 tokens (three windows) with the first: all reused
             page = config.get("page_size", 1)
