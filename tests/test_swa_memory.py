@@ -81,10 +81,12 @@ def test_hybrid_allocator_reclaims_through_its_reclaimer_never_protected():
     assert old is not None
     protected = old[4:]
     alloc.reclaimer = lambda need: alloc.reclaim(need, protected, [old])
-    new = alloc.alloc(3)  # 3 short: only old[:4] may go
+    new = alloc.alloc(3)  # 3 short: exactly 3 go, front first
     assert new is not None
+    assert alloc.has_window(old).tolist() == [False] * 3 + [True] * 3
+    assert alloc.alloc(2) is None  # only old[3] may still go; the rest is protected
     assert alloc.has_window(old).tolist() == [False] * 4 + [True] * 2
-    assert alloc.alloc(2) is None  # what is left to reclaim is protected
+    assert alloc.num_free == 16 - 9, "the failed alloc took no full slot"
     assert alloc.window_free + alloc.window_mapped == alloc.window_size
 
 
@@ -144,6 +146,25 @@ def test_match_is_truncated_where_window_kv_was_reclaimed(page_size):
     assert kv.tree.protected_size == 0
     kv.flush()
     assert alloc.num_free == 64 and alloc.window_free == 64
+
+
+def test_reclaim_takes_the_least_recently_used_node_front_first():
+    """Under window-pool pressure the tree's least recently used node loses its earliest
+    positions' window K/V first: its tail window stays whole, so it is still reusable."""
+    alloc = HybridSlotAllocator(size=64, window_size=24, window=4)
+    kv = KVManager(alloc, ReqToTokenPool(2, 64, "cpu"), torch.device("cpu"))
+    assert kv.tree is not None
+    old, new = list(range(100, 110)), list(range(200, 210))
+    old_slots, new_slots = alloc.alloc(10), alloc.alloc(10)
+    kv.tree.insert(old, old_slots)
+    kv.tree.insert(new, new_slots)  # more recent
+    assert alloc.alloc(7) is not None  # 4 free: 3 reclaimed (the floor, 24 // 8)
+    assert alloc.has_window(old_slots).tolist() == [False] * 3 + [True] * 7
+    assert bool(alloc.has_window(new_slots).all())
+    req = Req("r", old + [7], SamplingParams(max_new_tokens=1))
+    kv.match(req)
+    assert req.cached_tokens == 10, "the last 4 positions kept their window K/V"
+    kv.unmatch(req)
 
 
 # -- the attention backend --------------------------------------------------------------

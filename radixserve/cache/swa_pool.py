@@ -138,16 +138,17 @@ class HybridSlotAllocator:
     def reclaim(
         self, need: int, protected: torch.Tensor, candidates: Iterable[torch.Tensor]
     ) -> int:
-        """Drop window K/V from `candidates` (full-slot tensors, in the order to drop them)
-        until `need` window slots are freed, never from a `protected` slot (a running
-        request's last W positions); returns slots freed."""
+        """Drop window K/V from `candidates` (full-slot tensors, each dropped front first, in
+        the order given) until `need` window slots are freed, never from a `protected` slot
+        (a running request's last W positions); returns slots freed."""
         keep = torch.zeros(self.size + 1, dtype=torch.bool, device=self.device)
         keep[protected] = True
         freed = 0
         for slots in candidates:
             if freed >= need:
                 break
-            freed += self.free_window(slots[~keep[slots]])
+            held = slots[~keep[slots] & self.has_window(slots)]
+            freed += self.free_window(held[: need - freed])
         return freed
 
 

@@ -17,8 +17,9 @@ requests == pool size; with the hierarchical cache, the tree also recounts its h
 With hybrid sliding-window memory (cache/swa_pool.py) the allocator also gives every slot
 a window slot. Window K/V no request can see any more stays as cache until the window pool
 runs short; then `_reclaim_windows` drops it: first the running requests' own positions
-before their last W, then the tree's, least recently used node first, never a live
-request's last W positions. `match` truncates a cached prefix to the last point whose
+before their last W, then the tree's, least recently used node first and each node from
+its first position on (its tail window, what a later match ends on, goes last), never a
+live request's last W positions. `match` truncates a cached prefix to the last point whose
 preceding W positions still have window K/V (the tree splits there). `ensure_free` makes
 room in both pools, so a shortage of either takes the same path (wait, evict, retract).
 Accounting adds: free window slots + slots mapped to one == window pool size, and every
