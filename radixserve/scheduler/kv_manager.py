@@ -158,9 +158,9 @@ class KVManager:
         return self.allocator.num_free >= n
 
     def window_room(self) -> int | None:
-        """Window slots a batch may still take for sure: the window pool less the last
-        min(L, W) positions of every request holding a row (an upper bound on what cannot
-        be reclaimed); None without hybrid window memory."""
+        """Window slots a batch may surely still take: the window pool less the last
+        min(L, W) positions of every request holding a row (at least what reclaim must
+        keep; less where requests share positions); None without hybrid window memory."""
         if self.swa is None:
             return None
         window = self.swa.window
@@ -173,8 +173,8 @@ class KVManager:
         return 0 if self.swa is None else min(req.kv_len + more, self.swa.window)
 
     def _reclaim_windows(self, need: int) -> None:
-        """Drop window K/V nobody can see now (see the module docstring) to free at least
-        `need` window slots (more, up to 1/RECLAIM_SHARE of the pool, to amortize)."""
+        """Drop window K/V nobody can see now (see the module docstring): max(`need`,
+        1/RECLAIM_SHARE of the pool) window slots, or all it can, so reclaims are rare."""
         assert self.swa is not None
         window, table = self.swa.window, self.req_to_token.table
         holders = list(self.builder.holders.values())
