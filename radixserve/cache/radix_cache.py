@@ -258,6 +258,10 @@ class RadixCache:
         """Free every unlocked node (used by flush); locked paths stay."""
         return self.evict(self.evictable_size)
 
+    def nodes_by_access(self) -> list[TreeNode]:
+        """Every node but the roots, least recently used first."""
+        return sorted(self._nodes(), key=lambda n: n.last_access)
+
     # -- helpers --------------------------------------------------------------------------
     def _root(self, extra_key: Hashable) -> TreeNode:
         root = self.roots.get(extra_key)

@@ -188,6 +188,9 @@ class SchedulerStats(msgspec.Struct):
     kv_tree_evictable: int = 0
     kv_tree_protected: int = 0
     kv_held_by_requests: int = 0
+    # hybrid sliding-window memory (0 without it): the window layers' pool and its free slots
+    swa_total: int = 0
+    swa_free: int = 0
     num_running: int = 0
     num_waiting: int = 0
     grammar: dict[str, float] = msgspec.field(default_factory=dict)

@@ -8,6 +8,7 @@ shared by all layers), then `forward(layer, q, k, v, meta)` in every layer. Fast
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class AttentionGroup:
     # masks say it for SDPA.
     window: int = 0
     causal_masks: list[torch.Tensor | None] | None = None  # (n, n) band per causal_lens entry
+    # Hybrid window memory: the decode kernel's table, (B, min(seq, W)) window slots of each
+    # request's last positions (rows are then 0..B-1); None: the request→token table
+    decode_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class TorchNativeMetadata:
     # window → the groups of the layers with that sliding window, where some request is
     # longer than it (else those layers use `groups`: the window holds every key)
     window_groups: dict[int, list[AttentionGroup]] = field(default_factory=dict)
+    window_out_slots: torch.Tensor | None = None  # (T,) hybrid window memory: window slots
 
 
 class AttentionBackend(Protocol):
@@ -82,6 +87,12 @@ class TorchNativeAttention:
     `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
     position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
     `prepare` builds one more set of groups per window that matters for the batch.
+
+    With hybrid window memory (`window_map`, the allocator's full_to_swa, cache/swa_pool.py)
+    the window layers' pool rows are window slots: their writes and gathers go through the
+    map (keys outside the window may map to the zero padding row: they are masked), and
+    the decode kernel reads a compact table of each request's last W window slots, so it
+    never touches a position outside the window. Full layers are unchanged.
     """
 
     def __init__(
@@ -93,8 +104,10 @@ class TorchNativeAttention:
         use_kernel: bool = True,
         kernel_dir: Path | None = None,
         windows: Sequence[int] = (),
+        window_map: torch.Tensor | None = None,
     ) -> None:
         self.kv_pool = kv_pool
+        self.window_map = window_map  # (pool size + 1,) full slot → window slot, or None
         self.req_to_token = req_to_token
         self.scale = scale
         self.windows = [int(w) for w in windows]  # per layer; missing or 0: no window
@@ -115,7 +128,38 @@ class TorchNativeAttention:
         for window in sorted(set(self.windows) - {0}):
             if longest > window:
                 meta.window_groups[window] = self._groups(batch, window)
+        if self.window_map is not None:
+            self._to_window_memory(meta)
         return meta
+
+    def _to_window_memory(self, meta: TorchNativeMetadata) -> None:
+        """Every window's groups (its own, or the full ones where the window holds every
+        key) re-expressed in window slots."""
+        wmap = self.window_map
+        assert wmap is not None
+        meta.window_out_slots = wmap[meta.out_slots]
+        for window in sorted(set(self.windows) - {0}):
+            base = meta.window_groups.get(window, meta.groups)
+            meta.window_groups[window] = [self._window_group(g, window) for g in base]
+
+    def _window_group(self, group: AttentionGroup, window: int) -> AttentionGroup:
+        assert self.window_map is not None
+        if group.causal_lens is not None:  # attends the batch's own K/V: no pool read
+            return group
+        if group.kv_index is not None:
+            return dataclasses.replace(group, kv_index=self.window_map[group.kv_index])
+        assert group.req_rows is not None and group.seq_lens is not None
+        seq_lens = group.seq_lens  # (B,)
+        kept = seq_lens.clamp(max=window)  # (B,) the positions a query can see
+        span = torch.arange(int(kept.max()), device=seq_lens.device)  # (K,)
+        valid = span[None, :] < kept[:, None]  # (B, K)
+        pos = torch.where(valid, (seq_lens - kept)[:, None] + span[None, :], 0)  # (B, K)
+        full = self.req_to_token.table[group.req_rows[:, None], pos]  # (B, K) full slots
+        table = torch.where(valid, self.window_map[full], PADDING_SLOT).contiguous()
+        rows = torch.arange(len(seq_lens), device=seq_lens.device)
+        return dataclasses.replace(
+            group, req_rows=rows, seq_lens=kept, window=0, decode_table=table
+        )
 
     def _groups(self, batch: ForwardBatch, window: int) -> list[AttentionGroup]:
         """One group, except for an extend batch mixing one-token rows (decode steps) with
@@ -208,10 +252,14 @@ class TorchNativeAttention:
     ) -> torch.Tensor:  # (T, H * D)
         for load in meta.kv_loads:  # this layer's rows loaded back (overlapping the forward)
             load.wait_layer(layer)
-        self.kv_pool.write(layer, meta.out_slots, k, v)
+        window = self.windows[layer] if layer < len(self.windows) else 0
+        slots = meta.out_slots
+        if window and meta.window_out_slots is not None:
+            slots = meta.window_out_slots
+        self.kv_pool.write(layer, slots, k, v)
         groups = meta.groups
-        if meta.window_groups and layer < len(self.windows):
-            groups = meta.window_groups.get(self.windows[layer], groups)
+        if window and meta.window_groups:
+            groups = meta.window_groups.get(window, groups)
         if len(groups) == 1:
             return self._attend(layer, q, k, v, groups[0])
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -230,7 +278,9 @@ class TorchNativeAttention:
             return self._attend_causal(q, k, v, meta.causal_lens, meta.causal_masks)
         if meta.kv_index is None:
             pool_k, pool_v = self.kv_pool.k[layer], self.kv_pool.v[layer]
-            table = self.req_to_token.table
+            table = meta.decode_table
+            if table is None:
+                table = self.req_to_token.table
             return self.decode_kernel(
                 q, pool_k, pool_v, table, meta.req_rows, meta.seq_lens, self.scale, meta.window
             )

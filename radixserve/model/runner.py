@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
+from radixserve.cache.swa_pool import HybridSlotAllocator, swa_pool_size
 from radixserve.config import Config
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
@@ -83,7 +84,9 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
 
+        self.swa_window = self._hybrid_swa_window()
         self.max_total_tokens = self._kv_pool_size()
+        self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
         logger.info(
             "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
@@ -101,6 +104,8 @@ class ModelRunner:
         """The KV pool, its slot allocator, the request→token table and the attention
         backend reading them."""
         head_dim = head_dim_of(self.hf_config)
+        windows = self.model.attention_windows
+        window_layers = [i for i, w in enumerate(windows) if w] if self.swa_window else []
         self.kv_pool = KVPool(
             self.max_total_tokens,
             self.hf_config.num_hidden_layers,
@@ -109,8 +114,16 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
             prefault=config.cache.kv_prefault,
+            window_layers=window_layers,
+            window_slots=self.swa_tokens,
         )
-        self.allocator = SlotAllocator(self.max_total_tokens, self.device)
+        self.allocator: SlotAllocator | HybridSlotAllocator
+        if self.swa_window:
+            self.allocator = HybridSlotAllocator(
+                self.max_total_tokens, self.swa_tokens, self.swa_window, self.device
+            )
+        else:
+            self.allocator = SlotAllocator(self.max_total_tokens, self.device)
         # +1 row: the request being prefilled in chunks is not yet among the running ones
         running = config.scheduler.running_limit(self.max_total_tokens)
         self.req_to_token = ReqToTokenPool(running + 1, self.context_len, self.device)
@@ -121,7 +134,8 @@ class ModelRunner:
             self.hf_config.num_attention_heads,
             use_kernel=self.kernels.decode_attention,
             kernel_dir=config.model.cache_dir / "kernels",
-            windows=self.model.attention_windows,
+            windows=windows,
+            window_map=self.allocator.full_to_swa if self.swa_window else None,
         )
 
     def model_info(self) -> ModelInfo:
@@ -165,14 +179,52 @@ class ModelRunner:
             hidden = model.norm(x[batch.hidden_indices]).float()
         return ForwardOutput(logits, hidden)
 
+    def _hybrid_swa_window(self) -> int:
+        """The sliding window whose layers get their own, smaller KV pool (swa_pool.py), or
+        0 where every layer keeps K/V for every token: no window layers, one of the flags
+        that turn it off, the hierarchical cache (its tiers copy every layer by full slot),
+        or several different windows."""
+        windows = set(self.model.attention_windows) - {0}
+        if (
+            len(windows) != 1
+            or self.config.cache.disable_hybrid_swa_memory
+            or self.config.hicache.enable_hierarchical_cache
+        ):
+            return 0
+        return windows.pop()
+
+    def _swa_pool_size(self) -> int:
+        """Tokens of the window layers' pool (`swa_pool_size`), logged; 0 without hybrid
+        window memory."""
+        if not self.swa_window:
+            return 0
+        ratio = self.config.cache.swa_full_tokens_ratio
+        size = swa_pool_size(self.max_total_tokens, self.swa_window, ratio)
+        layers = sum(1 for w in self.model.attention_windows if w)
+        logger.info(
+            "hybrid sliding-window memory: %d full-attention layers hold %d tokens, "
+            "%d window layers (window %d) hold %d tokens",
+            len(self.model.attention_windows) - layers,
+            self.max_total_tokens,
+            layers,
+            self.swa_window,
+            size,
+        )
+        return size
+
     def _kv_pool_size(self) -> int:
-        """KV tokens: --max-total-tokens if given, else what the memory fraction leaves
-        after the weights."""
+        """KV tokens of the full-attention layers: --max-total-tokens if given, else what
+        the memory fraction leaves after the weights (with hybrid sliding-window memory a
+        token costs its full layers plus the ratio's share of its window layers)."""
         cache = self.config.cache
         if cache.max_total_tokens is not None:
             return cache.max_total_tokens
+        num_layers = self.hf_config.num_hidden_layers
+        if self.swa_window:
+            window_layers = sum(1 for w in self.model.attention_windows if w)
+            num_layers += (cache.swa_full_tokens_ratio - 1) * window_layers
         per_token = KVPool.bytes_per_token(
-            self.hf_config.num_hidden_layers,
+            num_layers,
             self.hf_config.num_key_value_heads,
             head_dim_of(self.hf_config),
             self.kv_dtype,

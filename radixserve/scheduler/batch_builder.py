@@ -1,5 +1,7 @@
 """Turning requests into `ForwardBatch`es: KV slots are allocated and recorded in the
-request→token table here, and given back by `release`."""
+request→token table here, and given back by `release`. The builder knows which request
+holds each table row (`holders`), so the KV manager can tell which window K/V a running
+request still needs (hybrid sliding-window memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache import ReqToTokenPool, SlotAllocator
+from radixserve.cache.swa_pool import HybridSlotAllocator
 from radixserve.core.batch import ForwardBatch, ForwardMode, HiddenRows
 from radixserve.core.req import Req
 
@@ -18,11 +21,15 @@ class OutOfKVSlots(RuntimeError):
 
 class BatchBuilder:
     def __init__(
-        self, allocator: SlotAllocator, req_to_token: ReqToTokenPool, device: torch.device
+        self,
+        allocator: SlotAllocator | HybridSlotAllocator,
+        req_to_token: ReqToTokenPool,
+        device: torch.device,
     ) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.device = device
+        self.holders: dict[int, Req] = {}  # table row → the request holding it
 
     def extend(
         self,
@@ -163,6 +170,7 @@ class BatchBuilder:
             return
         self.allocator.free(self.req_to_token.slots(req.row, req.tree_len, req.kv_len).clone())
         self.req_to_token.free(req.row)
+        del self.holders[req.row]
         req.row, req.kv_len, req.tree_len = None, 0, 0
 
     def _ensure_row(self, req: Req) -> None:
@@ -171,6 +179,7 @@ class BatchBuilder:
             if row is None:
                 raise OutOfKVSlots("no free request row: too many running requests")
             req.row = row
+            self.holders[row] = req
 
     def _alloc(self, n: int) -> torch.Tensor:
         slots = self.allocator.alloc(n)

@@ -14,6 +14,17 @@ yes/no questions (`ensure_free`, `has_free_row`) and never touches a slot tensor
 Accounting (`check`): free slots + slots held by the tree + slots held only by live
 requests == pool size; with the hierarchical cache, the tree also recounts its host tier.
 
+With hybrid sliding-window memory (cache/swa_pool.py) the allocator also gives every slot
+a window slot. Window K/V no request can see any more stays as cache until the window pool
+runs short; then `_reclaim_windows` drops it: first the running requests' own positions
+before their last W, then the tree's, least recently used node first and each node from
+its first position on (its tail window, what a later match ends on, goes last), never a
+live request's last W positions. `match` truncates a cached prefix to the last point whose
+preceding W positions still have window K/V (the tree splits there). `ensure_free` makes
+room in both pools, so a shortage of either takes the same path (wait, evict, retract).
+Accounting adds: free window slots + slots mapped to one == window pool size, and every
+live request holds window K/V for its last min(L, W) positions.
+
 With the hierarchical cache (`tiers`), `match` first puts what a disk prefetch read into
 the host tier, then loads the host-only continuation of the match back onto the device, so
 the request finds it like any cached prefix; `release` writes the sequence's new full
@@ -34,6 +45,7 @@ from radixserve.cache.hiradix_cache import HiRadixCache
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.cache.storage_tier import PAGE_TOKENS, StorageTier
+from radixserve.cache.swa_pool import HybridSlotAllocator, usable_prefix_len
 from radixserve.config import HiCacheConfig
 from radixserve.core.batch import ForwardBatch, HiddenRows
 from radixserve.core.req import Req
@@ -41,6 +53,7 @@ from radixserve.scheduler.batch_builder import BatchBuilder
 
 GB = 10**9
 DISK_QUEUE_PAGES = 256  # pages waiting for the disk writer at most (more are dropped)
+RECLAIM_SHARE = 8  # a window reclaim frees at least 1/8 of the window pool (amortized)
 logger = logging.getLogger(__name__)
 
 
@@ -90,7 +103,7 @@ def build_tiers(
 class KVManager:
     def __init__(
         self,
-        allocator: SlotAllocator,
+        allocator: SlotAllocator | HybridSlotAllocator,
         req_to_token: ReqToTokenPool,
         device: torch.device,
         use_radix_cache: bool = True,
@@ -111,6 +124,11 @@ class KVManager:
             self.tree = RadixCache(allocator, page_size)
         self.prefetch_timeout = prefetch_timeout
         self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}  # prompt tokens, cumulative
+        self.swa: HybridSlotAllocator | None = None
+        if isinstance(allocator, HybridSlotAllocator):
+            assert self.hitree is None, "hybrid window memory does not go with the host tier"
+            self.swa = allocator
+            allocator.reclaimer = self._reclaim_windows
 
     # -- questions ------------------------------------------------------------------------
     @property
@@ -130,11 +148,46 @@ class KVManager:
         return self.tree.peek_prefix(tokens, req.extra_key).length
 
     def ensure_free(self, n: int) -> bool:
-        """Make at least n slots free, evicting from the tree if needed."""
+        """Make at least n slots free (and n window slots, with hybrid window memory),
+        evicting from the tree if needed."""
         short = n - self.allocator.num_free
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
+        if self.swa is not None and not self.swa.ensure_window(n):
+            return False
         return self.allocator.num_free >= n
+
+    def window_room(self) -> int | None:
+        """Window slots a batch may surely still take: the window pool less the last
+        min(L, W) positions of every request holding a row (at least what reclaim must
+        keep; less where requests share positions); None without hybrid window memory."""
+        if self.swa is None:
+            return None
+        window = self.swa.window
+        held = sum(min(r.kv_len, window) for r in self.builder.holders.values())
+        return self.swa.window_size - held
+
+    def window_hold(self, req: Req, more: int = 0) -> int:
+        """Window slots `req` holds for sure once it has `more` tokens past its KV: its last
+        min(L, W) positions (0 without hybrid window memory)."""
+        return 0 if self.swa is None else min(req.kv_len + more, self.swa.window)
+
+    def _reclaim_windows(self, need: int) -> None:
+        """Drop window K/V nobody can see now (see the module docstring): max(`need`,
+        1/RECLAIM_SHARE of the pool) window slots, or all it can, so reclaims are rare."""
+        assert self.swa is not None
+        window, table = self.swa.window, self.req_to_token.table
+        holders = list(self.builder.holders.values())
+        protected = [table[r.row, max(0, r.kv_len - window) : r.kv_len] for r in holders]
+        own_dead = [table[r.row, r.tree_len : max(r.tree_len, r.kv_len - window)] for r in holders]
+        nodes = self.tree.nodes_by_access() if self.tree is not None else []
+        candidates = own_dead + [n.value for n in nodes if n.value is not None]
+        empty = torch.empty(0, dtype=torch.int64, device=self.swa.device)
+        self.swa.reclaim(
+            max(need, self.swa.window_size // RECLAIM_SHARE),
+            torch.cat(protected) if protected else empty,
+            candidates,
+        )
 
     # -- a request's prefix ---------------------------------------------------------------
     def queued(self, req: Req) -> None:
@@ -151,6 +204,10 @@ class KVManager:
             return
         tokens = req.all_ids[: req.max_cacheable_prefix]
         match = self.tree.match_prefix(tokens, req.extra_key)
+        if self.swa is not None:
+            usable = self.usable_match_len(match.slots)
+            if usable < match.length:  # window K/V dropped: resume where it is whole
+                match = self.tree.match_prefix(tokens[:usable], req.extra_key)
         req.loaded_back = 0
         if self.hitree is not None:
             match = self._load_lower_tiers(req, tokens, match)
@@ -163,6 +220,16 @@ class KVManager:
                 host, disk = req.cached_lower
                 disk = min(disk, match.length)
                 req.cached_lower = (min(host, match.length - disk), disk)
+
+    def usable_match_len(self, slots: torch.Tensor) -> int:
+        """How much of a cached prefix (its full slots) a request can resume after: up to
+        the last page-aligned point whose preceding W positions still have window K/V."""
+        assert self.swa is not None
+        if not slots.numel():
+            return 0
+        has = self.swa.has_window(slots.to(self.swa.device))
+        page = self.tree.page_size if self.tree is not None else 1
+        return usable_prefix_len(has, self.swa.window, page)
 
     def _load_lower_tiers(self, req: Req, tokens: list[int], match: MatchResult) -> MatchResult:
         """Put what the request's disk prefetch read in the host tier, then load the host
@@ -216,7 +283,11 @@ class KVManager:
         own = self.req_to_token.slots(req.row, 0, n)
         inserted = self.tree.insert(req.all_ids[:n], own, req.extra_key)
         if inserted.prefix_len > req.tree_len:  # another request cached some first: use its
-            self.allocator.free(own[req.tree_len : inserted.prefix_len].clone())
+            duplicates = own[req.tree_len : inserted.prefix_len].clone()
+            if self.swa is not None:  # the tree's copies may have lost their window K/V
+                tree_copies = inserted.slots[req.tree_len : inserted.prefix_len]
+                self.swa.adopt_window(tree_copies.to(duplicates.device), duplicates)
+            self.allocator.free(duplicates)
         self.req_to_token.write(req.row, 0, inserted.slots.to(own.device))
         self.tree.lock(inserted.last_node)
         self._unlock(req)
@@ -303,7 +374,7 @@ class KVManager:
 
     def usage(self, live: Iterable[Req]) -> dict[str, int]:
         """Where every slot is: free, in the tree (evictable / locked), or held only by a
-        live request."""
+        live request; and the window pool's size and free slots (hybrid window memory)."""
         tree = self.tree
         return {
             "kv_total": self.allocator.size,
@@ -311,6 +382,8 @@ class KVManager:
             "kv_tree_evictable": tree.evictable_size if tree is not None else 0,
             "kv_tree_protected": tree.protected_size if tree is not None else 0,
             "kv_held_by_requests": sum(r.kv_len - r.tree_len for r in live if r.row is not None),
+            "swa_total": self.swa.window_size if self.swa is not None else 0,
+            "swa_free": self.swa.window_free if self.swa is not None else 0,
         }
 
     def tier_usage(self) -> dict[str, float]:
@@ -351,3 +424,23 @@ class KVManager:
             f"KV accounting broken: free {s['kv_free']} + tree {in_tree} + "
             f"requests {s['kv_held_by_requests']} != {s['kv_total']}"
         )
+        if self.swa is not None:
+            self._check_windows(live)
+
+    def _check_windows(self, live: Iterable[Req]) -> None:
+        """free window slots + slots mapped to one == window pool size; every live request
+        holds window K/V for its last min(L, W) positions."""
+        swa = self.swa
+        assert swa is not None
+        assert swa.window_free + swa.window_mapped == swa.window_size, (
+            f"window KV accounting broken: free {swa.window_free} + mapped "
+            f"{swa.window_mapped} != {swa.window_size}"
+        )
+        assert int(swa.full_to_swa[0]) == 0, "the padding slot holds window K/V"
+        for req in live:
+            if req.row is None:
+                continue
+            last = self.req_to_token.slots(req.row, max(0, req.kv_len - swa.window), req.kv_len)
+            assert bool(swa.has_window(last).all()), (
+                f"request {req.rid} lost window K/V of its last {swa.window} positions"
+            )

@@ -10,7 +10,12 @@ tokens each extends.
 Rules, each a method below: a lone request may exceed the KV budget (nothing else could
 run, and it is retracted if decode runs out); a request that shares an uncached prefix with
 one admitted this round waits a round to reuse it; a prompt longer than the token budget
-is cut into a chunk (the adder's `chunked`), which ends the batch.
+is cut into a chunk (the adder's `chunked`), which ends the batch. With hybrid
+sliding-window memory the window pool is a third budget (`KVManager.window_room`): a
+prompt is also cut to what it surely leaves, chunking on or off, so no step runs short of
+window slots mid-batch; and each request is charged what it will come to hold there (at
+most W positions, its future output included: `KVManager.window_hold`) against what the
+running requests leave, as the KV budget charges the full pool.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class PrefillAdder:
     reqs: list[Req] = field(default_factory=list)
     extends: list[list[int]] = field(default_factory=list)
     chunked: Req | None = None  # the request whose prompt this batch only starts
+    # window slots admitted requests may still be charged (None: no hybrid window memory)
+    window_budget: int | None = None
+    chunked_before: Req | None = None  # the continued chunk (counted in window_room already)
 
     @classmethod
     def for_step(
@@ -82,6 +90,10 @@ class PrefillAdder:
     ) -> PrefillAdder:
         """The adder of one step, its budgets taken from the config and the KV state."""
         budget = min(config.max_prefill_tokens, config.chunk_size or config.max_prefill_tokens)
+        window_budget = kv.window_room()
+        if window_budget is not None:
+            growth = (kv.window_hold(r, reserve.of(r)) - kv.window_hold(r) for r in running)
+            window_budget -= sum(growth)
         return cls(
             kv,
             reserve,
@@ -92,6 +104,7 @@ class PrefillAdder:
             rows_left=max_running - len(running),
             decode_tokens=decode_tokens,
             has_running=bool(running),
+            window_budget=window_budget,
         )
 
     @property
@@ -101,6 +114,7 @@ class PrefillAdder:
 
     def add_chunked(self, req: Req) -> None:
         """A prompt being prefilled in chunks continues before anything new is admitted."""
+        self.chunked_before = req
         self._admit(req)
 
     def try_add(self, req: Req) -> Admission:
@@ -115,20 +129,29 @@ class PrefillAdder:
         self.kv.match(req)
         self.kv_budget -= req.loaded_back  # slots the load back took
         remaining = len(req.all_ids) - req.kv_len
-        fits = self._fits(remaining + self.reserve.of(req), remaining)
-        if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, self.token_budget)):
+        limit = self._piece_limit()
+        fits = limit >= 1 and self._fits(remaining + self.reserve.of(req), remaining, req)
+        if not fits or not self.kv.ensure_free(self.num_tokens + min(remaining, limit)):
             self.kv.unmatch(req)
             return Admission.STOP
         self._admit(req)
         return Admission.ADDED
 
-    def _fits(self, charge: int, remaining: int) -> bool:
-        """Within the KV budget, and within the token budget unless it can be chunked; a
-        lone request (nothing admitted, nothing running) always fits."""
+    def _fits(self, charge: int, remaining: int, req: Req) -> bool:
+        """Within the KV budget (and the window budget), and within the token budget unless
+        it can be chunked; a lone request (nothing admitted, nothing running) always fits."""
         if not self.reqs and not self.has_running:
             return True
         too_long = remaining > self.token_budget and self.chunk_size is None
-        return charge <= self.kv_budget and not too_long
+        window_ok = self.window_budget is None or self._window_charge(req) <= self.window_budget
+        return charge <= self.kv_budget and window_ok and not too_long
+
+    def _window_charge(self, req: Req) -> int:
+        """What `req` will hold in the window pool, its output reserve included, beyond
+        what `window_room` already counted (the continued chunk's current positions)."""
+        more = len(req.all_ids) - req.kv_len + self.reserve.of(req)
+        counted = self.kv.window_hold(req) if req is self.chunked_before else 0
+        return self.kv.window_hold(req, more) - counted
 
     def _admit(self, req: Req) -> None:
         piece = self._take(req)
@@ -136,17 +159,28 @@ class PrefillAdder:
         self.extends.append(piece)
         self.token_budget -= len(piece)
         self.kv_budget -= len(piece) + self.reserve.of(req)
+        if self.window_budget is not None:
+            self.window_budget -= self._window_charge(req)
         self.rows_left -= 1
 
     def _take(self, req: Req) -> list[int]:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which
         makes it the batch's chunked request)."""
         rest = req.all_ids[req.kv_len :]
-        budget = self.token_budget
-        if self.chunk_size is not None and len(rest) > budget:
+        budget = self._piece_limit()
+        window_bound = budget < self.token_budget
+        if (self.chunk_size is not None or window_bound) and len(rest) > budget:
             self.chunked = req
             return rest[: max(budget - budget % self.page_size, 1)]
         return rest
+
+    def _piece_limit(self) -> int:
+        """The most new tokens the next request may take: the token budget, and with hybrid
+        window memory the window slots this batch surely leaves."""
+        room = self.kv.window_room()
+        if room is None:
+            return self.token_budget
+        return min(self.token_budget, room - self.num_tokens)
 
     def _shares_uncached_prefix(self, req: Req) -> bool:
         """True if a request admitted this round will compute a prefix `req` could reuse
