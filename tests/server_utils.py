@@ -116,3 +116,22 @@ def assert_kv_clean(server: ServerProcess) -> None:
     assert r.status_code == 200, r.text
     s = state(server)
     assert s["kv_free"] == s["kv_total"], s
+
+
+def alive(p: psutil.Process) -> bool:
+    """Running code: a zombie (exited, not yet reaped) is not."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [(p.pid, " ".join(p.cmdline())[-120:]) for p in procs if alive(p)]
+    for p in procs:  # never leave an orphan behind, even when this assertion fails
+        if alive(p):
+            p.kill()
+    assert not left, f"processes still alive {timeout:.0f}s after the server ended: {left}"

@@ -26,7 +26,7 @@ import psutil
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, alive, assert_all_gone, free_port
 
 KV_TOKENS = "8192"  # a small KV pool: the default on CPU is a quarter of the machine's RAM
 LONG = 2000  # tokens of a request that runs for many seconds (context 2048)
@@ -83,24 +83,6 @@ def launch(tmp_path, tiny) -> Iterator[Callable[..., Server]]:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [(p.pid, " ".join(p.cmdline())[-120:]) for p in procs if alive(p)]
-    for p in procs:  # never leave an orphan behind, even when this assertion fails
-        if alive(p):
-            p.kill()
-    assert not left, f"processes still alive {timeout:.0f}s after the server ended: {left}"
-
-
 def assert_server_gone(server: Server, procs: list[psutil.Process]) -> None:
     assert server.proc.poll() is not None, "the main process still runs"
     assert_all_gone(procs)
