@@ -20,13 +20,15 @@ from radixserve.config import LOAD_BALANCE_METHODS, add_config_args, config_from
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
-    parser.set_defaults(system_prompt_len=1024, output_len=16, max_total_tokens=5000)
     parser.add_argument("--dp-size", type=int, default=2, help="replicas")
     parser.add_argument("--concurrency", type=int, default=8, help="clients at once")
     parser.add_argument(
         "--methods", default=",".join(LOAD_BALANCE_METHODS), help="policies to run, in order"
     )
     add_config_args(parser, PARTS)
+    # after the config flags, whose own default (None) would win otherwise: a pool per
+    # replica that holds about half of the 8 groups' system prompts
+    parser.set_defaults(system_prompt_len=1024, output_len=16, max_total_tokens=5000)
 
 
 def run(args: argparse.Namespace) -> int:
