@@ -21,3 +21,16 @@ def reference_greedy(reference, ids: list[int], steps: int) -> list[int]:
         tokens.append(int(out.logits[0, -1].argmax()))
         out = reference(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
     return tokens
+
+
+def greedy_params(steps: int) -> dict:
+    """Sampling parameters of a greedy run of exactly `steps` tokens."""
+    return {"temperature": 0, "max_new_tokens": steps, "ignore_eos": True}
+
+
+def greedy_of_folder(folder, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """transformers' greedy continuations of `prompts` with the model in `folder` (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return [reference_greedy(reference, p, steps) for p in prompts]

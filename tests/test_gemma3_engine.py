@@ -7,13 +7,11 @@ tests/test_swa_memory.py) and without it; greedy outputs identical to transforme
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from radixserve import Engine
 from radixserve.cache.swa_pool import HybridSlotAllocator
 from tests.conftest import FP32, TINY_GEMMA3_WINDOW
-from tests.reference import reference_greedy
+from tests.reference import greedy_of_folder, greedy_params
 
 STEPS = 24
 SHARED = [(7 * i) % 400 + 50 for i in range(40)]  # 40 tokens: longer than the window
@@ -21,15 +19,12 @@ PROMPTS = [SHARED + [11, 12, 13], SHARED + [21, 22], [5, 6, 7, 8, 9], SHARED[:19
 
 
 def greedy() -> dict:
-    return {"temperature": 0, "max_new_tokens": STEPS, "ignore_eos": True}
+    return greedy_params(STEPS)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dirs) -> list[list[int]]:
-    reference = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dirs["gemma3"], dtype=torch.float32
-    ).eval()
-    return [reference_greedy(reference, p, STEPS) for p in PROMPTS]
+    return greedy_of_folder(tiny_model_dirs["gemma3"], PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
 
 from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
@@ -27,7 +26,7 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.scheduler.kv_manager import KVManager
 from tests.conftest import FP32, TINY_GEMMA3_WINDOW
-from tests.reference import reference_greedy
+from tests.reference import greedy_of_folder, greedy_params
 
 W = TINY_GEMMA3_WINDOW
 STEPS = 24
@@ -238,15 +237,12 @@ def test_window_layer_reads_and_writes_through_the_map(prefix_lens, extend_lens,
 
 # -- through the Engine -----------------------------------------------------------------
 def greedy() -> dict:
-    return {"temperature": 0, "max_new_tokens": STEPS, "ignore_eos": True}
+    return greedy_params(STEPS)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dirs) -> list[list[int]]:
-    reference = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dirs["gemma3"], dtype=torch.float32
-    ).eval()
-    return [reference_greedy(reference, p, STEPS) for p in PROMPTS]
+    return greedy_of_folder(tiny_model_dirs["gemma3"], PROMPTS, STEPS)
 
 
 def _engine(tiny_model_dirs, **config) -> Engine:
