@@ -437,14 +437,69 @@ class ParallelConfig:
         "process may use, divided among the replicas.",
     )
 
+    tp_size: int = _opt(
+        1,
+        "Tensor-parallel ranks per replica: each rank holds 1/N of every layer's heads and "
+        "MLP columns, of the vocabulary and of the KV heads (replicated where there are fewer "
+        "KV heads than ranks), one process each, on torch.distributed (gloo on CPU, NCCL on "
+        "CUDA).",
+    )
+    nnodes: int = _opt(
+        1,
+        "Machines the tensor-parallel ranks are spread over (tp_size / nnodes ranks each); "
+        "node 0 serves HTTP, the others run their ranks only.",
+    )
+    node_rank: int = _opt(0, "This machine's index among the --nnodes (0 serves HTTP).")
+    dist_init_addr: str | None = _opt(
+        None,
+        "host:port where the ranks meet (torch.distributed's TCP rendezvous, on node 0). "
+        "Required with --nnodes > 1; default on one machine: a free loopback port.",
+    )
+    dist_timeout: float = _opt(
+        60.0,
+        "Seconds a rank waits in a collective (or for the next step) before it gives up: a "
+        "rank that hangs makes every other one exit within this time; one that dies, at once.",
+    )
+
     def __post_init__(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        for name in ("dp_size", "tp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0, got {self.cpu_threads}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} "
+                "(each node runs tp_size / nnodes ranks)"
+            )
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's)")
+            if self.dp_size > 1:
+                raise ValueError("--dp-size > 1 runs on one machine; drop it with --nnodes > 1")
+        if self.dist_init_addr is not None:
+            parse_host_port(self.dist_init_addr)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def threads_per_replica(self, cores: int) -> int:
-        return self.cpu_threads or max(cores // self.dp_size, 1)
+        """Threads of each scheduler or tensor-parallel rank process on this machine."""
+        return self.cpu_threads or max(cores // (self.dp_size * self.ranks_per_node), 1)
+
+
+def parse_host_port(addr: str) -> tuple[str, int]:
+    """ "host:port" (an IPv6 host in brackets: "[::1]:5000") → (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be host:port, got {addr!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -462,6 +517,11 @@ class Config:
         if self.hicache.enable_hierarchical_cache and self.scheduler.disable_radix_cache:
             raise ValueError(
                 "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"
+            )
+        if self.hicache.enable_hierarchical_cache and self.parallel.tp_size > 1:
+            raise ValueError(
+                "--enable-hierarchical-cache does not run with --tp-size > 1 yet "
+                "(its host tiers copy whole KV slots)"
             )
 
     def to_flat(self) -> dict[str, Any]:

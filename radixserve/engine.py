@@ -11,12 +11,17 @@ request goes to one scheduler thread, which runs continuous batching over all of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import multiprocessing
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
@@ -35,7 +40,8 @@ from radixserve.core.messages import (
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
-from radixserve.model.runner import ModelRunner
+from radixserve.model.parallel import free_loopback_addr
+from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.native import expand_embedding, expand_request
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
@@ -166,6 +172,7 @@ class Engine:
     def __init__(self, model_path: str | None = None, progress: bool = True, **config: Any):
         self.config = Config.from_flat(model_path=model_path, **config)
         self._transport = InProcessTransport()
+        self._followers = self._start_tp_followers()
         self._error: BaseException | None = None
         # The model is loaded on the scheduler thread, which then runs every forward: torch's
         # OpenMP runtime (libgomp) gives each thread that runs parallel work its own team,
@@ -177,9 +184,48 @@ class Engine:
             target=self._run, args=(progress, built), name="radixserve-scheduler", daemon=True
         )
         self._thread.start()
-        built.result()  # re-raises a load error here, in the caller's thread
+        try:
+            built.result()  # re-raises a load error here, in the caller's thread
+        except BaseException:
+            self._stop_followers()
+            raise
+
+    def _start_tp_followers(self) -> list[multiprocessing.process.BaseProcess]:
+        """With --tp-size N, ranks 1..N-1 as processes of their own (this thread is rank 0);
+        they meet at --dist-init-addr, by default a free loopback port."""
+        parallel = self.config.parallel
+        if parallel.tp_size == 1:
+            return []
+        if parallel.nnodes > 1:
+            raise ValueError("the in-process Engine runs on one machine: use --nnodes 1")
+        if parallel.dist_init_addr is None:
+            parallel = dataclasses.replace(parallel, dist_init_addr=free_loopback_addr())
+            self.config = dataclasses.replace(self.config, parallel=parallel)
+        spawn = multiprocessing.get_context("spawn")
+        followers = []
+        for rank in range(1, parallel.tp_size):
+            process = spawn.Process(
+                target=run_follower,
+                args=(self.config, rank),
+                name=f"radixserve-tp{rank}",
+                daemon=True,
+            )
+            process.start()
+            followers.append(process)
+        return followers
+
+    def _stop_followers(self) -> None:
+        """Wait for the tensor-parallel ranks to leave (rank 0 told them), else stop them."""
+        for process in self._followers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
 
     def _build(self, progress: bool) -> None:
+        parallel = self.config.parallel
+        if parallel.tp_size > 1 or parallel.cpu_threads:  # each rank its share of the cores
+            torch.set_num_threads(parallel.threads_per_replica(len(os.sched_getaffinity(0))))
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
         self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)
@@ -329,6 +375,7 @@ class Engine:
         if not self._transport.stopped:
             self._transport.stop()
             self._thread.join(timeout=30)
+            self._stop_followers()
 
     def __enter__(self) -> Engine:
         return self

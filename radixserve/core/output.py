@@ -152,6 +152,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     hidden_size: int = 0  # the length of an embedding (0: not reported)
     kernel_plan: dict[str, Any] = msgspec.field(default_factory=dict)
     cpu: dict[str, Any] = msgspec.field(default_factory=dict)
+    # tensor parallelism: the ranks of a replica, and the bytes of weights each one holds
+    tp_size: int = 1
+    weight_bytes: list[int] = msgspec.field(default_factory=list)
 
     @property
     def max_seq_len(self) -> int:

@@ -14,10 +14,19 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.layers import NO_ROW_KERNELS, Linear, RowKernels, logits_linear
+from radixserve.model.layers import (
+    NO_ROW_KERNELS,
+    Linear,
+    RowKernels,
+    VocabParallelEmbedding,
+    logits_linear,
+)
+from radixserve.model.loader import CheckpointTensor
+from radixserve.model.parallel import SINGLE, TensorParallel
 
 GATE_UP = ".mlp.gate_up_proj."  # the fused parameter, and the checkpoint's halves in order
 GATE_UP_SHARDS = (".mlp.gate_proj.", ".mlp.up_proj.")
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -31,15 +40,17 @@ class CausalLM(nn.Module):
     and never pay for the LM head. `forward` chains them for the rows whose logits are
     wanted."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp  # tensor parallel: this rank's slice of the model (parallel.py)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # None when tied: the logits use the embedding matrix (int8 quantization sets a head)
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(hidden, tp.vocab_rows(vocab), bias=False)
         self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
 
     @property
@@ -80,12 +91,15 @@ class CausalLM(nn.Module):
         return self.lm_logits(x).float()
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (L, hidden), already normed → (L, vocab) in x's dtype."""
+        """x (L, hidden), already normed → (L, vocab) in x's dtype (under tensor
+        parallelism on rank 0; the other ranks get their vocabulary slice)."""
         if self.lm_head is None:
-            return logits_linear(x, self.embed_tokens.weight, self.row_kernels)
-        if isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
-            return logits_linear(x, self.lm_head.weight, self.row_kernels)
-        return self.lm_head(x)
+            local = logits_linear(x, self.embed_tokens.weight, self.row_kernels)
+        elif isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
+            local = logits_linear(x, self.lm_head.weight, self.row_kernels)
+        else:
+            local = self.lm_head(x)
+        return self.tp.gather_vocab(local, self.config.vocab_size)
 
     def use_row_kernels(self, kernels: RowKernels) -> None:
         """Send one row / a few rows (decode steps) of every linear layer and the LM head to
@@ -95,12 +109,13 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.kernels = kernels
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.
-        A checkpoint's gate_proj / up_proj fill the halves of the fused gate_up_proj."""
+        A checkpoint's gate_proj / up_proj fill the halves of the fused gate_up_proj. Under
+        tensor parallelism only this rank's slice of each tensor is read (`_rank_slice`)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
@@ -108,11 +123,16 @@ class CausalLM(nn.Module):
             for half, shard in enumerate(GATE_UP_SHARDS):
                 if shard in name:
                     target = name.replace(shard, GATE_UP)
-                    rows = self.config.intermediate_size
+                    rows = params[target].shape[0] // 2 if target in params else 0
                     part = slice(half * rows, (half + 1) * rows)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            param = params[target].data[part]
+            tensor = self._rank_slice(name, source)
+            param = params[target].data
+            if name in VOCAB_PARAMS:  # this rank's vocabulary rows; the tail stays zero
+                param.zero_()
+                part = slice(0, tensor.shape[0])
+            param = param[part]
             if param.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -128,3 +148,37 @@ class CausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
+
+    def _rank_slice(self, name: str, source: torch.Tensor | CheckpointTensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor `name`: rows (dim 0) of the column-
+        parallel projections (q/k/v by heads, gate/up by columns) and of the vocabulary,
+        columns (dim 1) of the row-parallel ones (o_proj, down_proj); the rest whole."""
+        tp, config = self.tp, self.config
+        if tp.size == 1:
+            return source if isinstance(source, torch.Tensor) else source.read()
+        head_dim = head_dim_of(config)
+        heads = tp.split(config.num_attention_heads, "attention heads")
+        kv_heads, first_kv = tp.kv_heads(config.num_key_value_heads)
+        columns = tp.split(config.intermediate_size, "MLP columns")
+        vocab_rows = tp.vocab_rows(config.vocab_size)
+        spans = {  # name suffix → (dim, first, count) of the checkpoint tensor
+            "q_proj": (0, tp.rank * heads * head_dim, heads * head_dim),
+            "k_proj": (0, first_kv * head_dim, kv_heads * head_dim),
+            "v_proj": (0, first_kv * head_dim, kv_heads * head_dim),
+            "o_proj": (1, tp.rank * heads * head_dim, heads * head_dim),
+            "gate_proj": (0, tp.rank * columns, columns),
+            "up_proj": (0, tp.rank * columns, columns),
+            "down_proj": (1, tp.rank * columns, columns),
+        }
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name in VOCAB_PARAMS:
+            first = tp.rank * vocab_rows
+            span = (0, first, max(min(vocab_rows, config.vocab_size - first), 0))
+        elif module in spans:
+            span = spans[module]
+        else:
+            return source if isinstance(source, torch.Tensor) else source.read()
+        dim, first, count = span
+        if isinstance(source, torch.Tensor):
+            return source.narrow(dim, first, count)
+        return source.read(dim, first, first + count)

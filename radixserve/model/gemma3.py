@@ -18,19 +18,20 @@ from radixserve.model.attention import AttentionBackend
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding, RotaryTables
 from radixserve.model.llama import LlamaAttention
+from radixserve.model.parallel import SINGLE, TensorParallel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = LlamaAttention(config, layer, qkv_bias=False, qk_norm=GemmaRMSNorm)
+        self.self_attn = LlamaAttention(config, layer, False, GemmaRMSNorm, tp)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(
@@ -60,9 +61,11 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = SINGLE
+    ) -> None:
         check_supported(config)
-        super().__init__(config)
+        super().__init__(config, tp)
         self.layer_types: list[str] = list(config.layer_types)
         head_dim = head_dim_of(config)
         self.rotary = nn.ModuleDict(
@@ -72,7 +75,7 @@ class Gemma3ForCausalLM(CausalLM):
             }
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.final_softcap: float | None = getattr(config, "final_logit_softcapping", None)

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.model.parallel import SINGLE, TensorParallel
+
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
 
 
@@ -74,6 +76,27 @@ def logits_linear(
     for start in range(0, weight.shape[0], LOGITS_CHUNK):
         torch.mm(weight[start : start + LOGITS_CHUNK], xt, out=out[start : start + LOGITS_CHUNK])
     return out.t().contiguous()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds `tp.vocab_rows` rows
+    of the vocabulary (its slice, zero past the end), looks up the ids that fall in it, and
+    the ranks' rows are summed (exactly: all but one are zero)."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        rows = tp.vocab_rows(vocab)
+        self.first = tp.rank * rows  # this rank's first token id
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
 
 class RMSNorm(nn.Module):
@@ -196,18 +219,23 @@ class GatedMLP(nn.Module):
     decode logits 1.1e-4 from transformers' (over the 1e-4 fidelity bar; 5.9e-5 like this).
     """
 
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, tp: TensorParallel = SINGLE):
         super().__init__()
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"activation {act!r} is not supported; supported: silu, gelu_pytorch_tanh"
             )
-        self.intermediate = intermediate
+        # tensor parallel: this rank's columns of gate and up, rows of down (then summed)
+        self.tp = tp
+        self.intermediate = intermediate = tp.split(intermediate, "MLP columns")
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._local(x))
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, half = self.gate_up_proj, self.intermediate
         cpu_rows = isinstance(gate_up, nn.Linear) and x.device.type == "cpu" and x.dim() == 2
         cpu_rows = cpu_rows and getattr(gate_up, "kernels", NO_ROW_KERNELS).pick(x) is None

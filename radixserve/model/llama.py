@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryTables
+from radixserve.model.parallel import SINGLE, TensorParallel
 
 __all__ = [
     "LlamaAttention",
@@ -36,11 +37,14 @@ class LlamaAttention(nn.Module):
         layer: int,
         qkv_bias: bool,
         qk_norm: NormClass | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # tensor parallel: this rank's query heads and KV heads, o_proj's matching columns
+        self.tp = tp
+        self.num_heads = tp.split(config.num_attention_heads, "attention heads")
+        self.num_kv_heads, _ = tp.kv_heads(config.num_key_value_heads)
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Separate projections: on CPU the fused QKV matmul measured no faster, and its
@@ -67,18 +71,24 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, k)
-        return self.o_proj(attn.forward(self.layer, q, k, v, meta))
+        return self.tp.all_reduce(self.o_proj(attn.forward(self.layer, q, k, v, meta)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer: int, qkv_bias: bool, qk_norm: NormClass | None
+        self,
+        config: PretrainedConfig,
+        layer: int,
+        qkv_bias: bool,
+        qk_norm: NormClass | None,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm, tp)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act, tp)
 
     def forward(self, x, rotary, attn, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, attn, meta)
@@ -89,11 +99,13 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm: NormClass | None = None
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
-        super().__init__(config)
+    def __init__(
+        self, config: PretrainedConfig, max_positions: int, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(config, tp)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.qkv_bias, self.qk_norm)
+            LlamaDecoderLayer(config, i, self.qkv_bias, self.qk_norm, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

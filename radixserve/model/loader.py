@@ -90,6 +90,42 @@ def read_architecture(folder: Path) -> str:
     )
 
 
+class CheckpointTensor:
+    """A checkpoint tensor not read yet: `read()` reads it whole, `read(dim, start, stop)`
+    only that range along `dim` (a tensor-parallel rank's slice), from the file."""
+
+    def __init__(self, file: Path, name: str, handle) -> None:
+        self.file, self.name, self._slice = file, name, handle.get_slice(name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def read(self, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        index: tuple[slice, ...] = (slice(None),)
+        if dim is not None:
+            index = (slice(None),) * dim + (slice(start, stop),)
+        try:
+            return self._slice[index]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"weights file {self.file} is unreadable or truncated: {e}") from e
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of every *.safetensors file in `folder`, as (name, CheckpointTensor),
+    each readable while it is the current item."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {folder} has no *.safetensors files")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, CheckpointTensor(file, name, f)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"weights file {file} is unreadable or truncated: {e}") from e
+
+
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every *.safetensors file in `folder`, as (name, tensor) on CPU."""
     files = sorted(folder.glob("*.safetensors"))

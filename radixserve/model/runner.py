@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
 from radixserve.cache.swa_pool import HybridSlotAllocator, swa_pool_size
-from radixserve.config import Config
+from radixserve.config import Config, parse_host_port
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
 from radixserve.model.attention import TorchNativeAttention
@@ -27,9 +27,17 @@ from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
-    iter_safetensors,
+    iter_checkpoint,
     read_architecture,
     resolve_model_folder,
+)
+from radixserve.model.parallel import (
+    SINGLE,
+    ForwardStep,
+    TensorParallel,
+    TensorParallelError,
+    init_tensor_parallel,
+    leave_tensor_parallel,
 )
 from radixserve.model.quantization import (
     DEQUANT_MIN_ROWS,
@@ -56,9 +64,24 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, progress: bool = True) -> None:
+    """`tp_rank`: this process's rank in its replica's tensor-parallel group
+    (`--tp-size` ranks meeting at `--dist-init-addr`); rank 0 serves the scheduler, the
+    others call `follow`."""
+
+    def __init__(self, config: Config, progress: bool = True, tp_rank: int = 0) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config.model)
+        parallel = config.parallel
+        if self.device.type == "cuda" and parallel.tp_size > 1:
+            self.device = torch.device("cuda", tp_rank % parallel.ranks_per_node)
+        self.tp = SINGLE
+        if parallel.tp_size > 1:
+            if parallel.dist_init_addr is None:
+                raise ValueError("--tp-size > 1 needs the ranks' --dist-init-addr")
+            addr = parse_host_port(parallel.dist_init_addr)
+            self.tp = init_tensor_parallel(
+                tp_rank, parallel.tp_size, addr, parallel.dist_timeout, self.device
+            )
         self.kv_dtype = resolve_kv_dtype(config.cache, self.dtype)
         self.kernels = KernelPlan.choose(
             config.model.kernels, self.device, self.dtype, self.kv_dtype
@@ -80,12 +103,21 @@ class ModelRunner:
             config.model.quantization,
             config.model.cache_dir,
             self.kernels,
+            self.tp,
         )
+        self.weight_bytes = self.tp.gather_ints(model_bytes(self.model))
+        if self.tp.size > 1 and self.tp.is_first:
+            logger.info(
+                "tensor parallel over %d ranks: weights per rank %s MiB (%.2f of their sum each)",
+                self.tp.size,
+                ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes),
+                max(self.weight_bytes) / sum(self.weight_bytes),
+            )
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
 
         self.swa_window = self._hybrid_swa_window()
-        self.max_total_tokens = self._kv_pool_size()
+        self.max_total_tokens = self.tp.broadcast_int(self._kv_pool_size())  # pools match
         self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
         logger.info(
@@ -109,7 +141,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             self.max_total_tokens,
             self.hf_config.num_hidden_layers,
-            self.hf_config.num_key_value_heads,
+            self.kv_heads,
             head_dim,
             self.kv_dtype,
             self.device,
@@ -131,7 +163,7 @@ class ModelRunner:
             self.kv_pool,
             self.req_to_token,
             self.model.attention_scale,
-            self.hf_config.num_attention_heads,
+            self.tp.split(self.hf_config.num_attention_heads, "attention heads"),
             use_kernel=self.kernels.decode_attention,
             kernel_dir=config.model.cache_dir / "kernels",
             windows=windows,
@@ -154,7 +186,14 @@ class ModelRunner:
             hidden_size=int(self.hf_config.hidden_size),
             kernel_plan=asdict(self.kernels),
             cpu=cpu_info().as_dict(),
+            tp_size=self.tp.size,
+            weight_bytes=self.weight_bytes,
         )
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of this rank's pool (all of them without tensor parallelism)."""
+        return self.tp.kv_heads(self.hf_config.num_key_value_heads)[0]
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -165,8 +204,38 @@ class ModelRunner:
                 ids.update(source if isinstance(source, list) else [source])
         return ids
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """One forward pass over `batch` (on every tensor-parallel rank: rank 0 sends it)."""
+        if self.tp.size > 1:
+            rows = self.req_to_token.table[batch.req_rows, : max(batch.seq_lens)]
+            self.tp.send_step(ForwardStep(batch, rows))
+        return self._forward(batch)
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run each step rank 0 sends, until it stops
+        (a dead or silent rank 0 raises TensorParallelError)."""
+        assert not self.tp.is_first
+        width = self.req_to_token.table.shape[1]
+        for step in self.tp.steps():
+            rows = step.table_rows
+            if rows.shape[1] > width:
+                raise TensorParallelError(f"a step reads {rows.shape[1]} positions of {width}")
+            self.req_to_token.table[step.batch.req_rows, : rows.shape[1]] = rows
+            self._forward(step.batch)
+
+    def keep_alive(self) -> None:
+        """The scheduler is idle: rank 0 tells the other ranks it is still there."""
+        self.tp.keep_alive()
+
+    def close(self) -> None:
+        """Rank 0 is done: the other ranks leave `follow`, and the group is left."""
+        if self.tp.size > 1:
+            if self.tp.is_first:
+                self.tp.stop()
+            leave_tensor_parallel()
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         meta = self.attention.prepare(batch)
         model = self.model
         x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta)
@@ -189,6 +258,7 @@ class ModelRunner:
             len(windows) != 1
             or self.config.cache.disable_hybrid_swa_memory
             or self.config.hicache.enable_hierarchical_cache
+            or self.tp.size > 1  # the other ranks would need the window slot map each step
         ):
             return 0
         return windows.pop()
@@ -224,10 +294,7 @@ class ModelRunner:
             window_layers = sum(1 for w in self.model.attention_windows if w)
             num_layers += (cache.swa_full_tokens_ratio - 1) * window_layers
         per_token = KVPool.bytes_per_token(
-            num_layers,
-            self.hf_config.num_key_value_heads,
-            head_dim_of(self.hf_config),
-            self.kv_dtype,
+            num_layers, self.kv_heads, head_dim_of(self.hf_config), self.kv_dtype
         )
         if self.device.type == "cuda":
             fraction = cache.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION
@@ -235,9 +302,10 @@ class ModelRunner:
             used = torch.cuda.memory_allocated(self.device)
         else:
             fraction = cache.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
+            # the tensor-parallel ranks of one machine share its memory
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            tensors = (*self.model.parameters(), *self.model.buffers())  # int8 weights are buffers
-            used = sum(t.numel() * t.element_size() for t in tensors)
+            total //= self.config.parallel.ranks_per_node
+            used = model_bytes(self.model)
         budget = int(total * fraction) - used
         tokens = budget // per_token
         if tokens < 1:
@@ -269,14 +337,16 @@ def build_model(
     quantization: str = "none",
     cache_dir: Path | None = None,
     kernels: KernelPlan | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, single
-    rows go to the one-row kernel (kernels cached under `cache_dir`)."""
+    rows go to the one-row kernel (kernels cached under `cache_dir`). Under tensor
+    parallelism (`tp`), this rank's slice of the model, and only that is read."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     try:
         with torch.device("meta"):
-            model = cls(hf_config, max_positions=hf_config.max_position_embeddings)
+            model = cls(hf_config, max_positions=hf_config.max_position_embeddings, tp=tp)
     except ValueError as e:  # a variant of the architecture this class does not run
         raise ModelLoadError(f"{folder}: {e}") from e
     model = model.to_empty(device="cpu")
@@ -284,7 +354,7 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
     try:
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(iter_checkpoint(folder))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
@@ -298,3 +368,20 @@ def build_model(
         rows = kernels.few_rows_max if few is not None else 0
         model.use_row_kernels(RowKernels(gemv, few, rows))
     return model
+
+
+def model_bytes(model: CausalLM) -> int:
+    """Bytes of the model's weights (int8 weights are buffers)."""
+    tensors = (*model.parameters(), *model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_follower(config: Config, tp_rank: int) -> None:
+    """A tensor-parallel rank other than 0: load this rank's slice, then run every step
+    rank 0 sends until it stops (the process's whole life; errors propagate)."""
+    torch.set_num_threads(config.parallel.threads_per_replica(len(os.sched_getaffinity(0))))
+    runner = ModelRunner(config, progress=False, tp_rank=tp_rank)
+    try:
+        runner.follow()
+    finally:
+        runner.close()

@@ -126,9 +126,15 @@ class Scheduler:
         self.last_step, run = self._next_batch()
         return outputs + run() if run is not None else outputs
 
+    def idle(self) -> None:
+        """Nothing to run this iteration (the other tensor-parallel ranks hear from us)."""
+        self.runner.keep_alive()
+
     def close(self) -> None:
-        """The loop ended: let the disk tier's queued writes land."""
+        """The loop ended: let the disk tier's queued writes land, release the other
+        tensor-parallel ranks."""
         self.kv.close()
+        self.runner.close()
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests are live."""
