@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -491,6 +492,23 @@ class ParallelConfig:
     def threads_per_replica(self, cores: int) -> int:
         """Threads of each scheduler or tensor-parallel rank process on this machine."""
         return self.cpu_threads or max(cores // (self.dp_size * self.ranks_per_node), 1)
+
+
+def free_loopback_addr() -> str:
+    """host:port of a loopback port free now: where the tensor-parallel ranks of one machine
+    meet when --dist-init-addr is not given."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def rank_addr(parallel: ParallelConfig, dp_rank: int) -> str:
+    """Where data-parallel replica `dp_rank`'s tensor-parallel ranks meet: --dist-init-addr
+    with its port + dp_rank, or a free loopback port."""
+    if parallel.dist_init_addr is None:
+        return free_loopback_addr()
+    host, port = parse_host_port(parallel.dist_init_addr)
+    return f"[{host}]:{port + dp_rank}" if ":" in host else f"{host}:{port + dp_rank}"
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:

@@ -25,7 +25,7 @@ import torch
 
 from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
-from radixserve.config import Config
+from radixserve.config import Config, free_loopback_addr
 from radixserve.core.embedding import EmbedParams
 from radixserve.core.errors import rejection
 from radixserve.core.messages import (
@@ -40,7 +40,6 @@ from radixserve.core.messages import (
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
-from radixserve.model.parallel import free_loopback_addr
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.native import expand_embedding, expand_request
 from radixserve.output import RequestState

@@ -155,6 +155,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # tensor parallelism: the ranks of a replica, and the bytes of weights each one holds
     tp_size: int = 1
     weight_bytes: list[int] = msgspec.field(default_factory=list)
+    tp_pids: list[int] = msgspec.field(default_factory=list)  # the ranks' processes
 
     @property
     def max_seq_len(self) -> int:

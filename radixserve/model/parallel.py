@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -157,7 +156,7 @@ class TensorParallel:
         except RuntimeError as e:  # gloo / NCCL: a peer died, hung, or closed its socket
             raise TensorParallelError(
                 f"tensor-parallel rank {self.rank} of {self.size}: a collective failed "
-                f"({str(e).splitlines()[0][:300]})"
+                f"({_first_words(e)}); another rank died or hung"
             ) from e
 
 
@@ -186,7 +185,7 @@ def init_tensor_parallel(
     except (RuntimeError, ValueError) as e:  # DistNetworkError / DistStoreError: timeouts
         raise TensorParallelError(
             f"tensor-parallel rank {rank} of {size} could not join the group at "
-            f"{host}:{port} within {timeout_s:.0f}s: {str(e).splitlines()[0][:300]}"
+            f"{host}:{port} within {timeout_s:.0f}s: {_first_words(e)}"
         ) from e
     group = dist.group.WORLD
     logger.info(
@@ -201,8 +200,10 @@ def leave_tensor_parallel() -> None:
         dist.destroy_process_group()
 
 
-def free_loopback_addr() -> str:
-    """host:port of a loopback port free now, for the ranks of one machine to meet at."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+def _first_words(error: BaseException) -> str:
+    """The gist of a gloo / store error: its first line, without the source location in
+    brackets and the boilerplate that follows the first sentence."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0][:300]

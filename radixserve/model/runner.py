@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,6 +107,7 @@ class ModelRunner:
             self.tp,
         )
         self.weight_bytes = self.tp.gather_ints(model_bytes(self.model))
+        self.tp_pids = self.tp.gather_ints(os.getpid())
         if self.tp.size > 1 and self.tp.is_first:
             logger.info(
                 "tensor parallel over %d ranks: weights per rank %s MiB (%.2f of their sum each)",
@@ -188,6 +190,7 @@ class ModelRunner:
             cpu=cpu_info().as_dict(),
             tp_size=self.tp.size,
             weight_bytes=self.weight_bytes,
+            tp_pids=self.tp_pids,
         )
 
     @property
@@ -376,11 +379,14 @@ def model_bytes(model: CausalLM) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_follower(config: Config, tp_rank: int) -> None:
-    """A tensor-parallel rank other than 0: load this rank's slice, then run every step
-    rank 0 sends until it stops (the process's whole life; errors propagate)."""
+def run_follower(config: Config, tp_rank: int, on_loaded: Callable[[], None] | None = None) -> None:
+    """A tensor-parallel rank other than 0: load this rank's slice (then `on_loaded`), then
+    run every step rank 0 sends until it stops (the process's whole life; errors
+    propagate)."""
     torch.set_num_threads(config.parallel.threads_per_replica(len(os.sched_getaffinity(0))))
     runner = ModelRunner(config, progress=False, tp_rank=tp_rank)
+    if on_loaded is not None:
+        on_loaded()
     try:
         runner.follow()
     finally:

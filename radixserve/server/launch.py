@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.chat_roles import derive_chat_roles
-from radixserve.config import Config
+from radixserve.config import Config, rank_addr
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
@@ -51,13 +51,34 @@ def _scheduler_main(*args: object) -> None:
     run_scheduler(*args)  # type: ignore[arg-type]
 
 
+def _tp_main(*args: object) -> None:
+    """A tensor-parallel rank other than 0 (model code, imported there only)."""
+    from radixserve.server.scheduler_process import run_tp_rank
+
+    run_tp_rank(*args)  # type: ignore[arg-type]
+
+
 def _detokenizer_main(*args: object) -> None:
     from radixserve.server.detokenizer import run_detokenizer
 
     run_detokenizer(*args)  # type: ignore[arg-type]
 
 
-CHILD_MAINS = {"scheduler": _scheduler_main, "detokenizer": _detokenizer_main}
+CHILD_MAINS = {"scheduler": _scheduler_main, "tp": _tp_main, "detokenizer": _detokenizer_main}
+
+
+def replica_config(config: Config, dp_rank: int) -> Config:
+    """Replica `dp_rank`'s config: under tensor parallelism, where its ranks meet."""
+    if config.parallel.tp_size == 1:
+        return config
+    parallel = dataclasses.replace(
+        config.parallel, dist_init_addr=rank_addr(config.parallel, dp_rank)
+    )
+    return dataclasses.replace(config, parallel=parallel)
+
+
+def with_model_path(config: Config, folder: str) -> Config:
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, model_path=folder))
 
 
 class _Server(uvicorn.Server):
@@ -93,6 +114,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def launch_server(config: Config, log_level: str = "info") -> int:
     """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
     process died or failed to start."""
+    if config.parallel.node_rank > 0:
+        return launch_node(config, log_level)
     sock = bind_socket(config.server.host, config.server.port)
     endpoints = Endpoints.fresh(config.parallel.dp_size)
     launcher = Launcher(config, endpoints, sock, log_level)
@@ -155,13 +178,18 @@ class Launcher:
         it names the model's folder, the other data-parallel replicas (on that folder, so
         none converts it again), the detokenizer and the tokenizer; all while HTTP already
         answers (503 "starting")."""
-        self.start_child("scheduler0", self.config, 0)
+        parallel = self.config.parallel
+        replicas = [replica_config(self.config, d) for d in range(parallel.dp_size)]
+        self.start_child("scheduler0", "scheduler", replicas[0], 0)
         folder = await self.manager.model_folder
-        model = dataclasses.replace(self.config.model, model_path=str(folder))
-        on_folder = dataclasses.replace(self.config, model=model)
-        for rank in range(1, self.config.parallel.dp_size):
-            self.start_child(f"scheduler{rank}", on_folder, rank)
-        self.start_child("detokenizer", folder)
+        for d, replica in enumerate(replicas):
+            on_folder = with_model_path(replica, str(folder))
+            if d:
+                self.start_child(f"scheduler{d}", "scheduler", on_folder, d)
+            for rank in range(1, parallel.ranks_per_node):  # this node's other TP ranks
+                name = f"tp{rank}" if parallel.dp_size == 1 else f"scheduler{d}-tp{rank}"
+                self.start_child(name, "tp", on_folder, rank, d)
+        self.start_child("detokenizer", "detokenizer", folder)
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
         except TokenizerLoadError as e:
@@ -170,10 +198,10 @@ class Launcher:
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.tokenizer = tokenizer
 
-    def start_child(self, name: str, first_arg: object, *rest: object) -> None:
-        """Start the child `name` (its role's entry: `scheduler<rank>` runs the scheduler)."""
+    def start_child(self, name: str, role: str, first_arg: object, *rest: object) -> None:
+        """Start the child `name` running `role`'s entry (CHILD_MAINS)."""
         child = multiprocessing.get_context("spawn").Process(
-            target=CHILD_MAINS[name.rstrip("0123456789")],
+            target=CHILD_MAINS[role],
             args=(first_arg, self.endpoints, self.log_level, os.getpid(), *rest),
             name=f"radixserve-{name}",
             daemon=True,
@@ -256,3 +284,50 @@ class Launcher:
             if child.is_alive():
                 child.kill()
                 child.join(1.0)
+
+
+def launch_node(config: Config, log_level: str = "info") -> int:
+    """A machine other than node 0 of --nnodes: its share of the tensor-parallel ranks and
+    no HTTP. Runs until a rank exits (rank 0 stopped, or the group broke: then the exit code
+    is 1) or a signal stops it."""
+    parallel = config.parallel
+    first = parallel.node_rank * parallel.ranks_per_node
+    ranks = range(first, first + parallel.ranks_per_node)
+    spawn = multiprocessing.get_context("spawn")
+    children = {
+        rank: spawn.Process(
+            target=_tp_main,
+            args=(config, None, log_level, os.getpid(), rank),
+            name=f"radixserve-tp{rank}",
+            daemon=True,
+        )
+        for rank in ranks
+    }
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
+    logger.info(
+        "node %d of %d: tensor-parallel ranks %d..%d of %d, meeting at %s (no HTTP here)",
+        parallel.node_rank, parallel.nnodes, ranks[0], ranks[-1], parallel.tp_size,
+        parallel.dist_init_addr,
+    )  # fmt: skip
+    for child in children.values():
+        child.start()
+    exit_code = 0
+    while not stop:
+        ended = [(rank, c.exitcode) for rank, c in children.items() if not c.is_alive()]
+        if ended:
+            rank, code = ended[0]
+            exit_code = 0 if code == 0 else 1
+            log = logger.info if code == 0 else logger.error
+            log("stopping: tensor-parallel rank %d exited with code %s", rank, code)
+            break
+        time.sleep(WATCH_INTERVAL_S)
+    for child in children.values():
+        if child.is_alive():
+            child.terminate()
+    for child in children.values():
+        child.join(CHILD_STOP_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+    return exit_code

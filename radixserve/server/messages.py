@@ -57,6 +57,7 @@ class ModelFolder(Message):
 class Failed(Message):
     role: str
     message: str
+    started: bool = False  # it failed while running (else: it could not start)
 
 
 AnyMessage = (

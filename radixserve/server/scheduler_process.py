@@ -16,7 +16,8 @@ from radixserve.config import Config
 from radixserve.core.messages import ControlReply, GenerateReq, Message, Rejected, SchedulerState
 from radixserve.core.output import ReqOutput
 from radixserve.model.loader import ModelLoadError, resolve_model_folder
-from radixserve.model.runner import ModelRunner
+from radixserve.model.parallel import TensorParallelError
+from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
@@ -75,7 +76,7 @@ def run_scheduler(
         model = dataclasses.replace(config.model, model_path=str(folder))
         runner = ModelRunner(dataclasses.replace(config, model=model), progress=False)
         scheduler = Scheduler.from_config(runner, config)
-    except (ModelLoadError, ValueError, OSError, zmq.ZMQError) as e:
+    except (ModelLoadError, ValueError, OSError, zmq.ZMQError, TensorParallelError) as e:
         to_main.send(Failed("scheduler", str(e)))
         ctx.destroy(linger=1000)
         raise SystemExit(1) from e
@@ -91,4 +92,36 @@ def run_scheduler(
     # (the disk tier's queued page writes land) instead of dying mid-write
     signal.signal(signal.SIGTERM, transport.stop)
     to_main.send(Ready(f"scheduler{dp_rank}", scheduler.info))
-    loop.run()
+    try:
+        loop.run()
+    except TensorParallelError as e:  # another rank died or hung: this replica is over
+        logger.error("%s", e)
+        to_main.send(Failed(f"scheduler{dp_rank}", str(e), started=True))
+        ctx.destroy(linger=1000)
+        raise SystemExit(1) from e
+
+
+def run_tp_rank(
+    config: Config,
+    endpoints: Endpoints | None,
+    log_level: str,
+    parent_pid: int,
+    tp_rank: int,
+    dp_rank: int = 0,
+) -> None:
+    """A tensor-parallel rank other than 0: its slice of the model, the steps rank 0 sends.
+    A failure is logged and, on node 0, reported to main (`endpoints`; None on the other
+    nodes); the process then exits 1."""
+    name = f"tp{tp_rank}" if config.parallel.dp_size == 1 else f"scheduler{dp_rank}-tp{tp_rank}"
+    prepare_child(name, log_level, parent_pid)
+    keep_freed_memory()
+    started = []  # the model loaded: a failure after it is one while running
+    try:
+        run_follower(config, tp_rank, on_loaded=lambda: started.append(True))
+    except (TensorParallelError, ModelLoadError, ValueError, OSError) as e:
+        logger.error("%s", e)
+        if endpoints is not None:
+            ctx = zmq.Context()
+            Sender(ctx, endpoints.main).send(Failed(name, str(e), started=bool(started)))
+            ctx.destroy(linger=1000)
+        raise SystemExit(1) from e

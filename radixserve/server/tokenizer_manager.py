@@ -215,7 +215,8 @@ class TokenizerManager:
             elif isinstance(msg, CacheEvents):
                 self.to_scheduler.on_cache_events(msg.replica, msg.inserted, msg.evicted)
             elif isinstance(msg, Failed):
-                self.fail_all(f"the {msg.role} failed to start: {msg.message}")
+                when = "failed" if msg.started else "failed to start"
+                self.fail_all(f"the {msg.role} {when}: {msg.message}")
             elif isinstance(msg, SchedulerState):
                 self.metrics.set_scheduler_state(msg.stats)
             else:
