@@ -90,6 +90,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         speculative,
         step_breakdown,
         streaming,
+        tp,
         vs_vllm,
     )
 
@@ -109,6 +110,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "programs": programs,
         "hicache": hicache,
         "dp": dp,
+        "tp": tp,
     }
     for name, module in benches.items():
         module.add_args(

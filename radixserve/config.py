@@ -456,6 +456,12 @@ class ParallelConfig:
         "host:port where the ranks meet (torch.distributed's TCP rendezvous, on node 0). "
         "Required with --nnodes > 1; default on one machine: a free loopback port.",
     )
+    tp_comm: str = _opt(
+        "auto",
+        "How tensor-parallel ranks sum their partial results on CPU: auto (through shared "
+        "memory when every rank of the replica is on this machine, else gloo), or gloo.",
+        choices=("auto", "gloo"),
+    )
     dist_timeout: float = _opt(
         60.0,
         "Seconds a rank waits in a collective (or for the next step) before it gives up: a "

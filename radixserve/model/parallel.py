@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from radixserve.model.shm_comm import SHM_DIR, ShmCommunicator, machine_id, new_segment_name
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +61,26 @@ class TensorParallel:
     """This rank's place in its replica's tensor-parallel group (`size` 1: alone, every
     collective is a no-op), and the shapes of its slice of a model."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, channel: Any = None):
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        group: Any = None,
+        channel: Any = None,
+        shm: ShmCommunicator | None = None,
+    ) -> None:
         self.rank, self.size = rank, size
         self.group = group  # the model's collectives (gloo on CPU, NCCL on CUDA)
         self.channel = channel  # the step channel (gloo)
+        self.shm = shm  # all ranks on this machine: all-reduce and gather in shared memory
         self._last_send = time.monotonic()
+
+    @property
+    def comm(self) -> str:
+        """What sums the ranks' partial results: "shm", "gloo", "nccl" or "none"."""
+        if self.size == 1:
+            return "none"
+        return "shm" if self.shm is not None else dist.get_backend(self.group)
 
     @property
     def is_first(self) -> bool:
@@ -91,7 +109,11 @@ class TensorParallel:
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
-        if self.size > 1:
+        if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.fits(x):
+            self._collective(self.shm.all_reduce, x)
+        else:
             self._collective(dist.all_reduce, x, group=self.group)
         return x
 
@@ -101,6 +123,9 @@ class TensorParallel:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            out = self._collective(self.shm.gather_columns, x)
+            return out[..., :vocab] if out is not None else x
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
         self._collective(dist.gather, x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1)[..., :vocab] if parts is not None else x
@@ -150,10 +175,10 @@ class TensorParallel:
         self._collective(dist.broadcast_object_list, [msg], src=0, group=self.channel)
         self._last_send = time.monotonic()
 
-    def _collective(self, op, *args: Any, **kwargs: Any) -> None:
+    def _collective(self, op, *args: Any, **kwargs: Any) -> Any:
         try:
-            op(*args, **kwargs)
-        except RuntimeError as e:  # gloo / NCCL: a peer died, hung, or closed its socket
+            return op(*args, **kwargs)
+        except RuntimeError as e:  # gloo / NCCL / shm: a peer died, hung, or closed its socket
             raise TensorParallelError(
                 f"tensor-parallel rank {self.rank} of {self.size}: a collective failed "
                 f"({_first_words(e)}); another rank died or hung"
@@ -164,9 +189,15 @@ SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, addr: tuple[str, int], timeout_s: float, device: torch.device
+    rank: int,
+    size: int,
+    addr: tuple[str, int],
+    timeout_s: float,
+    device: torch.device,
+    comm: str = "auto",
 ) -> TensorParallel:
-    """Join the replica's group at `addr` (rank 0 listens there) as `rank` of `size`."""
+    """Join the replica's group at `addr` (rank 0 listens there) as `rank` of `size`; with
+    `comm` "auto" on CPU, sum through shared memory when every rank is on this machine."""
     if size == 1:
         return SINGLE
     host, port = addr
@@ -188,14 +219,40 @@ def init_tensor_parallel(
             f"{host}:{port} within {timeout_s:.0f}s: {_first_words(e)}"
         ) from e
     group = dist.group.WORLD
+    tp = TensorParallel(rank, size, group, channel or group)
+    if comm == "auto" and device.type == "cpu":
+        tp.shm = tp._collective(_attach_shared_memory, tp, timeout_s)
     logger.info(
-        "tensor-parallel rank %d of %d joined the %s group at %s:%d in %.1fs",
-        rank, size, backend, host, port, time.perf_counter() - start,
+        "tensor-parallel rank %d of %d joined the %s group at %s:%d in %.1fs; sums via %s",
+        rank, size, backend, host, port, time.perf_counter() - start, tp.comm,
     )  # fmt: skip
-    return TensorParallel(rank, size, group, channel or group)
+    return tp
 
 
-def leave_tensor_parallel() -> None:
+def _attach_shared_memory(tp: TensorParallel, timeout_s: float) -> ShmCommunicator | None:
+    """A shared-memory communicator when every rank runs on this machine, else None."""
+    places: list[Any] = [None] * tp.size
+    dist.all_gather_object(places, (machine_id(), os.getpid()), group=tp.channel)
+    if len({machine for machine, _ in places}) > 1 or not SHM_DIR.is_dir():
+        return None
+    pids = [pid for _, pid in places]
+    box: list[Any] = [None]
+    shm = None
+    if tp.is_first:
+        box = [new_segment_name()]
+        shm = ShmCommunicator(box[0], 0, tp.size, pids, timeout_s)
+    dist.broadcast_object_list(box, src=0, group=tp.channel)
+    if shm is None:
+        shm = ShmCommunicator(box[0], tp.rank, tp.size, pids, timeout_s)
+    dist.barrier(group=tp.channel)  # every rank attached: the name can go
+    shm.unlink()
+    return shm
+
+
+def leave_tensor_parallel(tp: TensorParallel) -> None:
+    if tp.shm is not None:
+        tp.shm.close()
+        tp.shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -81,8 +81,9 @@ class ModelRunner:
                 raise ValueError("--tp-size > 1 needs the ranks' --dist-init-addr")
             addr = parse_host_port(parallel.dist_init_addr)
             self.tp = init_tensor_parallel(
-                tp_rank, parallel.tp_size, addr, parallel.dist_timeout, self.device
-            )
+                tp_rank, parallel.tp_size, addr, parallel.dist_timeout, self.device,
+                parallel.tp_comm,
+            )  # fmt: skip
         self.kv_dtype = resolve_kv_dtype(config.cache, self.dtype)
         self.kernels = KernelPlan.choose(
             config.model.kernels, self.device, self.dtype, self.kv_dtype
@@ -235,7 +236,7 @@ class ModelRunner:
         if self.tp.size > 1:
             if self.tp.is_first:
                 self.tp.stop()
-            leave_tensor_parallel()
+            leave_tensor_parallel(self.tp)
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
