@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import multiprocessing
-import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
@@ -40,12 +38,15 @@ from radixserve.core.messages import (
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
+from radixserve.hardware import place_process
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.native import expand_embedding, expand_request
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scoring import check_fits, plan_scoring
+
+logger = logging.getLogger(__name__)
 
 Sink = Callable[[ReqOutput | BaseException], None]
 
@@ -224,7 +225,7 @@ class Engine:
     def _build(self, progress: bool) -> None:
         parallel = self.config.parallel
         if parallel.tp_size > 1 or parallel.cpu_threads:  # each rank its share of the cores
-            torch.set_num_threads(parallel.threads_per_replica(len(os.sched_getaffinity(0))))
+            logger.info("tensor-parallel rank 0: %s", place_process(parallel, 0))
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
         self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)

@@ -20,12 +20,13 @@ runs) wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import asdict, dataclass
 
 import torch
 
-from radixserve.config import CacheConfig, ModelConfig
+from radixserve.config import CacheConfig, ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -198,3 +199,21 @@ def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dt
 def resolve_kv_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV pool's dtype: the model's unless --kv-cache-dtype names another."""
     return dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
+
+
+def place_process(parallel: ParallelConfig, index: int) -> str:
+    """Threads (and cores) of the `index`-th of this machine's scheduler / tensor-parallel
+    rank processes (replica d's local rank r is d * ranks_per_node + r): --cpu-threads
+    each, by default the cores divided among them; when they all fit, each is bound to its
+    own cores (a rank that waits for another spins on its own core, not on the other's),
+    else none is bound. The calling thread's affinity only (new threads inherit it). Returns
+    what was done, for the log."""
+    cores = sorted(os.sched_getaffinity(0))
+    threads = parallel.threads_per_replica(len(cores))
+    torch.set_num_threads(threads)
+    processes = parallel.dp_size * parallel.ranks_per_node
+    if processes == 1 or processes * threads > len(cores):
+        return f"{threads} threads"
+    mine = cores[index * threads : (index + 1) * threads]
+    os.sched_setaffinity(0, mine)
+    return f"{threads} threads on cores {','.join(map(str, mine))}"

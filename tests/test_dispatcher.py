@@ -42,6 +42,7 @@ def test_the_trie_holds_what_was_inserted_less_what_was_cut(ops, queries):
             }
     for q in queries:
         assert trie.match(q) == max((lcp(s, q) for s in held), default=0)
+    assert trie.tokens == len({s[:k] for s in held for k in range(1, len(s) + 1)})
 
 
 @settings(max_examples=150, deadline=None)
@@ -119,6 +120,19 @@ def test_misses_spread_over_the_replicas_at_concurrency_one():
         d.send(request(f"r{i}", [i] * 40))  # nothing in common
         d.done(f"r{i}")
     assert [len(r.sent) for r in recorders] == [3, 3]
+
+
+def test_a_miss_goes_where_there_is_room():
+    """A new prefix goes to the replica holding fewer tokens (cached or in flight), even a
+    little busier, so prefix groups split over the pools instead of crowding one."""
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(0, [[7] * 200], [])
+    d.send(request("a", [1] * 40))
+    d.send(request("b", [2] * 40))  # replica 1 is busier now, yet holds 80 tokens to 200
+    assert [len(r.sent) for r in recorders] == [0, 2]
+    d.send(request("c", [3] * 150))  # 80 to 200: replica 1 still
+    d.send(request("d", [4] * 40))  # 230 to 200: replica 0 now
+    assert [len(r.sent) for r in recorders] == [1, 3]
 
 
 def test_load_wins_over_hits_when_the_replicas_are_unbalanced():

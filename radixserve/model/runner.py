@@ -21,7 +21,13 @@ from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
 from radixserve.cache.swa_pool import HybridSlotAllocator, swa_pool_size
 from radixserve.config import Config, parse_host_port
 from radixserve.core.batch import ForwardBatch
-from radixserve.hardware import KernelPlan, cpu_info, resolve_device_and_dtype, resolve_kv_dtype
+from radixserve.hardware import (
+    KernelPlan,
+    cpu_info,
+    place_process,
+    resolve_device_and_dtype,
+    resolve_kv_dtype,
+)
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
@@ -74,6 +80,12 @@ class ModelRunner:
         self.device, self.dtype = resolve_device_and_dtype(config.model)
         parallel = config.parallel
         if self.device.type == "cuda" and parallel.tp_size > 1:
+            gpus = torch.cuda.device_count()
+            if parallel.ranks_per_node > gpus:  # NCCL takes one GPU per rank
+                raise ValueError(
+                    f"--tp-size {parallel.tp_size} puts {parallel.ranks_per_node} ranks on "
+                    f"this machine, which has {gpus} GPUs (one per rank)"
+                )
             self.device = torch.device("cuda", tp_rank % parallel.ranks_per_node)
         self.tp = SINGLE
         if parallel.tp_size > 1:
@@ -235,7 +247,10 @@ class ModelRunner:
         """Rank 0 is done: the other ranks leave `follow`, and the group is left."""
         if self.tp.size > 1:
             if self.tp.is_first:
-                self.tp.stop()
+                try:
+                    self.tp.stop()
+                except TensorParallelError:  # they are gone already (the server stopping)
+                    logger.debug("the other tensor-parallel ranks have left")
             leave_tensor_parallel(self.tp)
 
     @torch.inference_mode()
@@ -380,11 +395,18 @@ def model_bytes(model: CausalLM) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_follower(config: Config, tp_rank: int, on_loaded: Callable[[], None] | None = None) -> None:
+def run_follower(
+    config: Config,
+    tp_rank: int,
+    on_loaded: Callable[[], None] | None = None,
+    dp_rank: int = 0,
+) -> None:
     """A tensor-parallel rank other than 0: load this rank's slice (then `on_loaded`), then
     run every step rank 0 sends until it stops (the process's whole life; errors
     propagate)."""
-    torch.set_num_threads(config.parallel.threads_per_replica(len(os.sched_getaffinity(0))))
+    parallel = config.parallel
+    local = dp_rank * parallel.ranks_per_node + tp_rank % parallel.ranks_per_node
+    logger.info("tensor-parallel rank %d: %s", tp_rank, place_process(parallel, local))
     runner = ModelRunner(config, progress=False, tp_rank=tp_rank)
     if on_loaded is not None:
         on_loaded()

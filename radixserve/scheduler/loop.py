@@ -100,8 +100,7 @@ class SchedulerLoop:
                 self.transport.send_outputs(outputs)
             if decoded:
                 self.decode_loop_seconds += time.perf_counter() - start
-        else:
-            scheduler.idle()
+        scheduler.keep_alive()
         self.publish_cache_events()
         self.publish_state()
 

@@ -126,8 +126,9 @@ class Scheduler:
         self.last_step, run = self._next_batch()
         return outputs + run() if run is not None else outputs
 
-    def idle(self) -> None:
-        """Nothing to run this iteration (the other tensor-parallel ranks hear from us)."""
+    def keep_alive(self) -> None:
+        """Once per loop iteration: the other tensor-parallel ranks hear from rank 0 at least
+        every second, forward passes or not."""
         self.runner.keep_alive()
 
     def close(self) -> None:

@@ -10,8 +10,9 @@ scheduler replicas, by `--load-balance-method`:
   flight). It is balanced against load: when the busiest replica has more than
   `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, the idlest
   gets the request; and a miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to
-  the least loaded, ties in turn, so misses spread over the replicas instead of piling on
-  the first one (the failure of a router that breaks ties by index).
+  the replica with the most room (fewest tokens cached or in flight) among those not
+  overloaded, ties to the least loaded, then in turn, so misses spread over the replicas
+  instead of piling on the first one (the failure of a router that breaks ties by index).
 
 Aborts go to the replica running the request (all of them for abort-all); control
 requests (flush, state, checks) go to every replica, and the tokenizer manager gathers one
@@ -52,12 +53,23 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def _held(node: _Node) -> int:
+    """Tokens on the edges below `node`."""
+    total, stack = 0, [node]
+    while stack:
+        for edge, child in stack.pop().children.values():
+            total += len(edge)
+            stack.append(child)
+    return total
+
+
 class TokenTrie:
     """A set of token sequences closed under prefixes (a radix tree without KV): `match`
     is the longest prefix of a query that it holds."""
 
     def __init__(self) -> None:
         self.root = _Node()
+        self.tokens = 0  # tokens held (the sum of the edges' lengths)
 
     def insert(self, tokens: Sequence[int]) -> None:
         node, i = self.root, 0
@@ -65,6 +77,7 @@ class TokenTrie:
             entry = node.children.get(tokens[i])
             if entry is None:
                 node.children[tokens[i]] = (tuple(tokens[i:]), _Node())
+                self.tokens += len(tokens) - i
                 return
             edge, child = entry
             n = _common(edge, tokens[i:])
@@ -102,6 +115,7 @@ class TokenTrie:
             if _common(edge, tokens[i : keep + 1]) < min(len(edge), keep + 1 - i):
                 return  # the path leaves this edge before the cut: not held
             if i + len(edge) > keep:
+                self.tokens -= len(edge) - (keep - i) + _held(child)
                 if keep == i:
                     del node.children[tokens[i]]
                 else:  # the cut falls inside the edge: keep its head, drop the rest
@@ -122,6 +136,11 @@ class Replica:
     @property
     def load(self) -> int:
         return len(self.in_flight)
+
+    @property
+    def footprint(self) -> int:
+        """Tokens its tree holds, and the prompts in flight that it will hold."""
+        return self.cached.tokens + sum(len(p) for p in self.in_flight.values())
 
     def hit(self, ids: Sequence[int]) -> int:
         """The longest prefix of `ids` this replica holds or is computing."""
@@ -188,8 +207,19 @@ class Dispatcher:
         hits = [r.hit(ids) for r in self.replicas]
         best = max(hits)
         if best < min(MIN_HIT_TOKENS, len(ids)):
-            return self._least_loaded(range(self.size))
+            return self._roomiest()
         return self._least_loaded([i for i, h in enumerate(hits) if h == best])
+
+    def _roomiest(self) -> int:
+        """Where a miss goes: a new prefix starts a new working set, so the replica whose
+        tree (and prompts in flight) holds the fewest tokens, among those within
+        BALANCE_ABS requests of the least loaded; ties to the least loaded, then in turn.
+        Spreading misses by load alone lets one replica collect more prefix groups than its
+        pool holds while the other has room (they then evict each other's hits)."""
+        least = min(r.load for r in self.replicas)
+        near = [i for i, r in enumerate(self.replicas) if r.load <= least + BALANCE_ABS]
+        room = min(self.replicas[i].footprint for i in near)
+        return self._least_loaded([i for i in near if self.replicas[i].footprint == room])
 
     def _unbalanced(self) -> bool:
         loads = [r.load for r in self.replicas]

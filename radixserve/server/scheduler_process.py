@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 
-import torch
 import zmq
 
 from radixserve.config import Config
 from radixserve.core.messages import ControlReply, GenerateReq, Message, Rejected, SchedulerState
 from radixserve.core.output import ReqOutput
+from radixserve.hardware import place_process
 from radixserve.model.loader import ModelLoadError, resolve_model_folder
 from radixserve.model.parallel import TensorParallelError
 from radixserve.model.runner import ModelRunner, run_follower
@@ -66,7 +65,8 @@ def run_scheduler(
     prepare_child("scheduler" if config.parallel.dp_size == 1 else f"scheduler{dp_rank}",
                   log_level, parent_pid)  # fmt: skip
     keep_freed_memory()
-    torch.set_num_threads(config.parallel.threads_per_replica(len(os.sched_getaffinity(0))))
+    placed = place_process(config.parallel, dp_rank * config.parallel.ranks_per_node)
+    logger.info("scheduler %d: %s", dp_rank, placed)
     ctx = zmq.Context()
     to_main = Sender(ctx, endpoints.main)
     try:
@@ -117,7 +117,7 @@ def run_tp_rank(
     keep_freed_memory()
     started = []  # the model loaded: a failure after it is one while running
     try:
-        run_follower(config, tp_rank, on_loaded=lambda: started.append(True))
+        run_follower(config, tp_rank, on_loaded=lambda: started.append(True), dp_rank=dp_rank)
     except (TensorParallelError, ModelLoadError, ValueError, OSError) as e:
         logger.error("%s", e)
         if endpoints is not None:
