@@ -58,6 +58,11 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
         assert 0 <= case["decode_max_abs"] <= case["atol"]
         assert case["greedy_identical"] == case["greedy_prompts"] == 8
 
+    tp = report["parts"]["tensor_parallel"]  # --tp-size 2, rank 1 in its own process
+    assert tp["passed"] is True and tp["comm"] == "shm", tp
+    assert tp["greedy_identical"] == tp["greedy_prompts"] == 8
+    assert len(tp["weight_bytes_per_rank"]) == 2
+
     hicache = report["parts"]["hicache"]["cases"]
     assert sorted(hicache) == [
         "bfloat16 pool / bfloat16 host",

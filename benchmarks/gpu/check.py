@@ -17,6 +17,9 @@ Parts:
               scattered), loaded back into other device slots by `load`, by `load_async` +
               `wait()` and by `load_async` + `wait_layer(i)` before reading layer i, each
               checked bit for bit (int8: within amax/254 and the pool's rounding); GB/s.
+  tensor_parallel  --tp-size 2 (rank 1 in a process of its own) on the tiny Llama: the
+              fidelity part's logits and greedy tokens against transformers; NCCL on CUDA,
+              which takes two GPUs (skipped with fewer), shared memory on CPU.
   throughput  random weights in SmolLM2-135M's shape, bfloat16 (float32 on CPU): prefill
               and decode tokens/s through radixserve.bench.one_batch's workloads, each next
               to transformers (`generate` for decode) in the same run; peak GPU memory.
@@ -256,8 +259,11 @@ def fidelity(device: torch.device, sizes: Sizes, work: Path, deadline: float) ->
     return {"cases": cases}
 
 
-def fidelity_case(folder: Path, device: torch.device, dtype: str, steps: int) -> dict[str, Any]:
-    """The runner vs transformers on one model folder, both on `device` in `dtype`."""
+def fidelity_case(
+    folder: Path, device: torch.device, dtype: str, steps: int, runner=None
+) -> dict[str, Any]:
+    """The runner (by default a new one; else `runner`, e.g. tensor-parallel rank 0) vs
+    transformers on one model folder, both on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     from radixserve.config import Config
@@ -266,10 +272,11 @@ def fidelity_case(folder: Path, device: torch.device, dtype: str, steps: int) ->
     from tests.static_generator import StaticGenerator
     from tests.test_fidelity import ATOL, TEXTS, encode, greedy
 
-    config = Config.from_flat(
-        model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=8192
-    )
-    runner = ModelRunner(config, progress=False)
+    if runner is None:
+        config = Config.from_flat(
+            model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=8192
+        )
+        runner = ModelRunner(config, progress=False)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=runner.dtype)
     reference = reference.to(runner.device).eval()
     prompts = [encode(runner, t) for t in TEXTS]
@@ -662,8 +669,56 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def tensor_parallel(
+    device: torch.device, sizes: Sizes, work: Path, deadline: float
+) -> dict[str, Any]:
+    """--tp-size 2 on the tiny Llama (4 heads, 2 KV heads): the fidelity case's logits and
+    greedy tokens with rank 0 here and rank 1 in a process of its own (NCCL on CUDA, one GPU
+    per rank; shared memory / gloo on CPU)."""
+    import multiprocessing
+
+    from radixserve.config import Config, free_loopback_addr
+    from radixserve.model.runner import ModelRunner
+    from tests.conftest import build_tiny_model
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        gpus = torch.cuda.device_count()
+        return {"skipped": f"tensor parallelism takes one GPU per rank; this machine has {gpus}"}
+    folder = build_tiny_model(work / "tp-llama", "llama")
+    config = Config.from_flat(
+        model_path=str(folder), device=device.type, dtype="float32", max_total_tokens=8192,
+        tp_size=2, dist_init_addr=free_loopback_addr(),
+    )  # fmt: skip
+    follower = multiprocessing.get_context("spawn").Process(
+        target=_tp_follower, args=(str(REPO), config), daemon=True
+    )
+    follower.start()
+    start = time.perf_counter()
+    runner = ModelRunner(config, progress=False)
+    try:
+        case = fidelity_case(folder, device, "float32", sizes.greedy_steps, runner)
+    finally:
+        runner.close()
+        follower.join(30)
+        if follower.is_alive():
+            follower.kill()
+    return {**case, "comm": runner.tp.comm, "seconds": round(time.perf_counter() - start, 1),
+            "weight_bytes_per_rank": runner.weight_bytes}  # fmt: skip
+
+
+def _tp_follower(repo: str, config) -> None:
+    """Tensor-parallel rank 1 of the check (a spawned process: the stand-ins again)."""
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    provide_missing_modules()
+    from radixserve.model.runner import run_follower
+
+    run_follower(config, 1)
+
+
 PARTS: dict[str, Callable[..., dict[str, Any]]] = {
     "fidelity": fidelity,
+    "tensor_parallel": tensor_parallel,
     "hicache": hicache,
     "throughput": throughput,
 }
