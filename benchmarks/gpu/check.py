@@ -697,12 +697,13 @@ def tensor_parallel(
     runner = ModelRunner(config, progress=False)
     try:
         case = fidelity_case(folder, device, "float32", sizes.greedy_steps, runner)
+        case["comm"] = runner.tp.comm  # before close: it leaves the group
     finally:
         runner.close()
         follower.join(30)
         if follower.is_alive():
             follower.kill()
-    return {**case, "comm": runner.tp.comm, "seconds": round(time.perf_counter() - start, 1),
+    return {**case, "seconds": round(time.perf_counter() - start, 1),
             "weight_bytes_per_rank": runner.weight_bytes}  # fmt: skip
 
 
