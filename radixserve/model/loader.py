@@ -128,13 +128,5 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every *.safetensors file in `folder`, as (name, tensor) on CPU."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"model folder {folder} has no *.safetensors files")
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ModelLoadError(f"weights file {file} is unreadable or truncated: {e}") from e
+    for name, tensor in iter_checkpoint(folder):
+        yield name, tensor.read()
