@@ -157,8 +157,16 @@ def test_a_dead_worker_loses_no_request(cluster, client, model):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(2)
-    running = [state(w)["num_running"] for w in workers]
+    # the victim is a worker holding streams: wait until the router's choices show (on a
+    # busy machine the streams may still be queued or not yet sent after a fixed pause)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        live = [state(w) for w in workers]
+        running = [s["num_running"] + s["num_waiting"] for s in live]
+        if any(running) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    time.sleep(1)  # a few tokens streamed
     victim, survivor = (workers[0], workers[1]) if running[0] else (workers[1], workers[0])
     victim.proc.kill()  # no drain: the worker serving the streams is gone at once
     for t in threads:
