@@ -139,6 +139,7 @@ class Launcher:
         self.stopping = False  # a signal asked to stop (draining)
         self.failed = False  # a process died or could not start
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.roles: dict[str, str] = {}  # child name → its role (CHILD_MAINS)
 
     async def run(self) -> int:
         ctx = zmq.asyncio.Context()
@@ -208,6 +209,7 @@ class Launcher:
         )
         child.start()
         self.children[name] = child
+        self.roles[name] = role
 
     async def watch(self) -> None:
         """Announce readiness once; end everything if a child dies."""
@@ -275,15 +277,20 @@ class Launcher:
         self.server.should_exit = True
 
     def stop_children(self) -> None:
-        for child in self.children.values():
-            if child.is_alive():
-                child.terminate()
+        """The schedulers first: each releases its tensor-parallel ranks (they leave their
+        loop on rank 0's stop, instead of breaking its last collective), then the rest."""
         deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
-        for child in self.children.values():
-            child.join(max(deadline - time.monotonic(), 0.1))
-            if child.is_alive():
-                child.kill()
-                child.join(1.0)
+        schedulers = [c for name, c in self.children.items() if self.roles[name] == "scheduler"]
+        others = [c for name, c in self.children.items() if self.roles[name] != "scheduler"]
+        for group in (schedulers, others):
+            for child in group:
+                if child.is_alive():
+                    child.terminate()
+            for child in group:
+                child.join(max(deadline - time.monotonic(), 0.1))
+                if child.is_alive():
+                    child.kill()
+                    child.join(1.0)
 
 
 def launch_node(config: Config, log_level: str = "info") -> int:
