@@ -495,6 +495,10 @@ class ParallelConfig:
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
+    def rank_name(self, dp_rank: int, tp_rank: int) -> str:
+        """The process name of a tensor-parallel rank other than 0 (in logs and errors)."""
+        return f"tp{tp_rank}" if self.dp_size == 1 else f"scheduler{dp_rank}-tp{tp_rank}"
+
     def threads_per_replica(self, cores: int) -> int:
         """Threads of each scheduler or tensor-parallel rank process on this machine."""
         return self.cpu_threads or max(cores // (self.dp_size * self.ranks_per_node), 1)

@@ -225,7 +225,7 @@ class Engine:
     def _build(self, progress: bool) -> None:
         parallel = self.config.parallel
         if parallel.tp_size > 1 or parallel.cpu_threads:  # each rank its share of the cores
-            logger.info("tensor-parallel rank 0: %s", place_process(parallel, 0))
+            logger.info("scheduler thread: %s", place_process(parallel, 0))
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
         self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)

@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.kernels = kernels
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.
         A checkpoint's gate_proj / up_proj fill the halves of the fused gate_up_proj. Under
         tensor parallelism only this rank's slice of each tensor is read (`_rank_slice`)."""
@@ -149,36 +149,36 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:4]}")
 
-    def _rank_slice(self, name: str, source: torch.Tensor | CheckpointTensor) -> torch.Tensor:
-        """This rank's part of the checkpoint tensor `name`: rows (dim 0) of the column-
-        parallel projections (q/k/v by heads, gate/up by columns) and of the vocabulary,
-        columns (dim 1) of the row-parallel ones (o_proj, down_proj); the rest whole."""
+    def _rank_slice(self, name: str, source: CheckpointTensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor `name`, read from the file: rows (dim 0)
+        of the column-parallel projections (q/k/v by heads, gate/up by columns) and of the
+        vocabulary, columns (dim 1) of the row-parallel ones (o_proj, down_proj); the rest
+        (and everything without tensor parallelism) whole."""
+        span = self._rank_span(name)
+        if span is None:
+            return source.read()
+        dim, first, count = span
+        return source.read(dim, first, first + count)
+
+    def _rank_span(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, first, count) of this rank's part of the checkpoint tensor `name`, or None
+        where the rank holds it whole."""
         tp, config = self.tp, self.config
         if tp.size == 1:
-            return source if isinstance(source, torch.Tensor) else source.read()
-        head_dim = head_dim_of(config)
-        heads = tp.split(config.num_attention_heads, "attention heads")
-        kv_heads, first_kv = tp.kv_heads(config.num_key_value_heads)
-        columns = tp.split(config.intermediate_size, "MLP columns")
-        vocab_rows = tp.vocab_rows(config.vocab_size)
-        spans = {  # name suffix → (dim, first, count) of the checkpoint tensor
-            "q_proj": (0, tp.rank * heads * head_dim, heads * head_dim),
-            "k_proj": (0, first_kv * head_dim, kv_heads * head_dim),
-            "v_proj": (0, first_kv * head_dim, kv_heads * head_dim),
-            "o_proj": (1, tp.rank * heads * head_dim, heads * head_dim),
-            "gate_proj": (0, tp.rank * columns, columns),
-            "up_proj": (0, tp.rank * columns, columns),
-            "down_proj": (1, tp.rank * columns, columns),
-        }
-        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            return None
         if name in VOCAB_PARAMS:
-            first = tp.rank * vocab_rows
-            span = (0, first, max(min(vocab_rows, config.vocab_size - first), 0))
-        elif module in spans:
-            span = spans[module]
-        else:
-            return source if isinstance(source, torch.Tensor) else source.read()
-        dim, first, count = span
-        if isinstance(source, torch.Tensor):
-            return source.narrow(dim, first, count)
-        return source.read(dim, first, first + count)
+            rows = tp.vocab_rows(config.vocab_size)
+            first = tp.rank * rows
+            return 0, first, max(min(rows, config.vocab_size - first), 0)
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        head_dim = head_dim_of(config)
+        if module in ("q_proj", "o_proj"):
+            heads = tp.split(config.num_attention_heads, "attention heads")
+            return int(module == "o_proj"), tp.rank * heads * head_dim, heads * head_dim
+        if module in ("k_proj", "v_proj"):
+            kv_heads, first_kv = tp.kv_heads(config.num_key_value_heads)
+            return 0, first_kv * head_dim, kv_heads * head_dim
+        if module in ("gate_proj", "up_proj", "down_proj"):
+            columns = tp.split(config.intermediate_size, "MLP columns")
+            return int(module == "down_proj"), tp.rank * columns, columns
+        return None

@@ -122,12 +122,8 @@ class ModelRunner:
         self.weight_bytes = self.tp.gather_ints(model_bytes(self.model))
         self.tp_pids = self.tp.gather_ints(os.getpid())
         if self.tp.size > 1 and self.tp.is_first:
-            logger.info(
-                "tensor parallel over %d ranks: weights per rank %s MiB (%.2f of their sum each)",
-                self.tp.size,
-                ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes),
-                max(self.weight_bytes) / sum(self.weight_bytes),
-            )
+            mib = ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes)
+            logger.info("tensor parallel over %d ranks: weights per rank %s MiB", self.tp.size, mib)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.context_len = int(self.hf_config.max_position_embeddings)
 

@@ -188,8 +188,7 @@ class Launcher:
             if d:
                 self.start_child(f"scheduler{d}", "scheduler", on_folder, d)
             for rank in range(1, parallel.ranks_per_node):  # this node's other TP ranks
-                name = f"tp{rank}" if parallel.dp_size == 1 else f"scheduler{d}-tp{rank}"
-                self.start_child(name, "tp", on_folder, rank, d)
+                self.start_child(parallel.rank_name(d, rank), "tp", on_folder, rank, d)
         self.start_child("detokenizer", "detokenizer", folder)
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)

@@ -112,7 +112,7 @@ def run_tp_rank(
     """A tensor-parallel rank other than 0: its slice of the model, the steps rank 0 sends.
     A failure is logged and, on node 0, reported to main (`endpoints`; None on the other
     nodes); the process then exits 1."""
-    name = f"tp{tp_rank}" if config.parallel.dp_size == 1 else f"scheduler{dp_rank}-tp{tp_rank}"
+    name = config.parallel.rank_name(dp_rank, tp_rank)
     prepare_child(name, log_level, parent_pid)
     keep_freed_memory()
     started = []  # the model loaded: a failure after it is one while running
