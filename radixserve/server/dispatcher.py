@@ -139,14 +139,8 @@ class Replica:
 
     @property
     def footprint(self) -> int:
-        """Tokens its tree holds, and those of the prompts in flight that it will hold: each
-        prompt counts past what the tree or an earlier prompt in flight shares with it."""
-        held, seen = self.cached.tokens, []
-        for prompt in self.in_flight.values():
-            shared = max((_common(other, prompt) for other in seen), default=0)
-            held += len(prompt) - max(shared, self.cached.match(prompt))
-            seen.append(prompt)
-        return held
+        """Tokens its tree holds, and the prompts in flight that it will hold."""
+        return self.cached.tokens + sum(len(p) for p in self.in_flight.values())
 
     def hit(self, ids: Sequence[int]) -> int:
         """The longest prefix of `ids` this replica holds or is computing."""
