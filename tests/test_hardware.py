@@ -87,7 +87,13 @@ def test_kernel_plan_per_cpu():
     # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; bf16
     # models keep the attention kernel
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False, 0, 16)
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == KernelPlan(True, False, 0, 16)
+    # bf16 on AMX: the weights pre-blocked for oneDNN; not in fp32, nor without AMX
+    packed = torch.backends.mkldnn.is_available()
+    intel_bf16 = KernelPlan(True, False, 0, 16, packed_linear=packed)
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
+    assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
+    assert not KernelPlan.choose("auto", CPU, bf16, bf16, amd).packed_linear
+    assert not KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_linear
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)

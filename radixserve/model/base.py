@@ -20,6 +20,7 @@ from radixserve.model.layers import (
     RowKernels,
     VocabParallelEmbedding,
     logits_linear,
+    pack_weight,
 )
 from radixserve.model.loader import CheckpointTensor
 from radixserve.model.parallel import SINGLE, TensorParallel
@@ -52,6 +53,7 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hidden, tp.vocab_rows(vocab), bias=False)
         self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
+        self.lm_packed: torch.Tensor | None = None  # see pack_linears
 
     @property
     def attention_scale(self) -> float:
@@ -94,7 +96,10 @@ class CausalLM(nn.Module):
         """x (L, hidden), already normed → (L, vocab) in x's dtype (under tensor
         parallelism on rank 0; the other ranks get their vocabulary slice)."""
         if self.lm_head is None:
-            local = logits_linear(x, self.embed_tokens.weight, self.row_kernels)
+            weight = self.embed_tokens.weight
+            local = logits_linear(x, weight, self.row_kernels, self.lm_packed)
+        elif isinstance(self.lm_head, Linear) and self.lm_head.packed:
+            local = self.lm_head(x)
         elif isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
             local = logits_linear(x, self.lm_head.weight, self.row_kernels)
         else:
@@ -108,6 +113,16 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.kernels = kernels
+
+    def pack_linears(self) -> None:
+        """Every linear layer's weight, and the LM head's, in oneDNN's blocked layout (the
+        kernel plan's `packed_linear`); a tied head gets its own packed copy of the
+        embedding matrix, which the lookup keeps plain."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.lm_packed = pack_weight(self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.
