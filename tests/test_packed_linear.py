@@ -14,8 +14,8 @@ from radixserve.core.req import Req
 from radixserve.model.layers import Linear, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
-from tests.test_fidelity import greedy
 from tests.static_generator import StaticGenerator
+from tests.test_fidelity import greedy
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch was built without oneDNN"

@@ -356,7 +356,8 @@ def build_model(
 ) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, the
-    weights are pre-blocked for oneDNN (bf16 on AMX), or single rows go to the one-row kernel (kernels cached under `cache_dir`). Under tensor
+    weights are pre-blocked for oneDNN (bf16 on AMX), or single rows go to the one-row
+    kernel (kernels cached under `cache_dir`). Under tensor
     parallelism (`tp`), this rank's slice of the model, and only that is read."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     try:
