@@ -51,7 +51,7 @@ class CpuInfo:
 
     @property
     def avx512(self) -> bool:
-        return self.x86 and {"avx512f", "avx512bw", "avx512vl"} <= self.flags
+        return self.x86 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property
     def avx512_bf16(self) -> bool:
@@ -171,6 +171,10 @@ class KernelPlan:
     # (`layers.packed_linear`): bf16 on CPUs with AMX, where a plain bf16 F.linear re-blocks
     # the weight at every call (see PACKED_LINEAR)
     packed_linear: bool = False
+    # which build of the decode-attention kernel: "avx2" (decode_attention.cpp), or
+    # "avx512" (decode_attention_avx512.cpp: 16 lanes, and vdpbf16ps for a bf16 model's
+    # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION)
+    decode_attention_isa: str = "avx2"
 
     @classmethod
     def choose(
@@ -187,12 +191,14 @@ class KernelPlan:
         on_x86 = kernels == "auto" and device.type == "cpu" and cpu.avx2
         fp32_linears = on_x86 and dtype == torch.float32 and not cpu.avx512  # AVX2-only, fp32
         on_cpu = kernels == "auto" and device.type == "cpu" and torch.backends.mkldnn.is_available()
+        attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         return cls(
-            decode_attention=on_x86 and kv_dtype in KV_KERNEL_DTYPES,
+            decode_attention=attention,
             gemv=fp32_linears,
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
             packed_linear=on_cpu and dtype in PACKED_LINEAR_DTYPES and cpu.fast_bf16_matmul,
+            decode_attention_isa="avx512" if attention and cpu.avx512_bf16 and cpu.avx512 else "avx2",
         )
 
 

@@ -14,13 +14,23 @@ from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
-from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import cpu_runs, gemm_small_kernel, gemv_kernel
 from tests.conftest import FP32
 
 pytestmark = pytest.mark.skipif(
     decode_attention_kernel() is None or gemv_kernel() is None or gemm_small_kernel() is None,
     reason="the C++ kernels cannot be built on this machine",
 )
+# each build of the decode-attention kernel; the AVX-512 one where this CPU runs it
+ISAS = [
+    "avx2",
+    pytest.param(
+        "avx512",
+        marks=pytest.mark.skipif(
+            not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
+        ),
+    ),
+]
 
 
 def attend_both_ways(
@@ -35,6 +45,7 @@ def attend_both_ways(
     q_dtype=torch.float32,
     window=0,
     inputs=None,
+    isa="avx2",
 ):
     """(kernel output, torch output) of one layer over a pool with scattered slots (a
     sliding-window layer with `window` > 0); `inputs`, a dict, gets the pool, the table,
@@ -73,34 +84,40 @@ def attend_both_ways(
     results = []
     for use_kernel in (True, False):
         backend = TorchNativeAttention(
-            pool, table, dim**-0.5, heads, use_kernel=use_kernel, windows=[window]
+            pool, table, dim**-0.5, heads, use_kernel=use_kernel, windows=[window], kernel_isa=isa
         )
+        if use_kernel and kernel_fits:
+            assert backend.decode_kernel is decode_attention_kernel(None, isa)
         assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
         results.append(backend.forward(0, q, k, v, backend.prepare(batch)))
     return results
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 1, 32)]
 )
-def test_decode_kernel_matches_torch_path(heads, kv_heads, dim):
-    # ragged lengths around the kernel's 8-position blocks, a first token with no prefix
-    prefix_lens = [0, 1, 5, 7, 8, 15, 37, 140, 3, 300]
-    kernel, reference = attend_both_ways(heads, kv_heads, dim, prefix_lens, [1] * 10)
-    assert kernel.shape == reference.shape == (10, heads * dim)
+def test_decode_kernel_matches_torch_path(heads, kv_heads, dim, isa):
+    # ragged lengths around the kernels' 8- and 16-position blocks, a first token with no
+    # prefix
+    prefix_lens = [0, 1, 5, 7, 8, 15, 16, 31, 37, 140, 3, 300]
+    n = len(prefix_lens)
+    kernel, reference = attend_both_ways(heads, kv_heads, dim, prefix_lens, [1] * n, isa=isa)
+    assert kernel.shape == reference.shape == (n, heads * dim)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_reads_16_bit_pools_like_the_torch_path(kv_dtype, q_dtype):
+def test_decode_kernel_reads_16_bit_pools_like_the_torch_path(kv_dtype, q_dtype, isa):
     """--kv-cache-dtype bfloat16/float16 (under an fp32 or a bf16 model): the kernel widens
     the pool's 16-bit rows in registers; the torch path gathers them and widens the copy.
     Both read the same rounded values, so they agree to fp32 rounding; with bf16 queries
     to bf16's (SDPA computes in bf16, the kernel in fp32)."""
     prefix_lens = [0, 3, 8, 21, 130]
     kernel, reference = attend_both_ways(
-        9, 3, 64, prefix_lens, [1] * 5, kv_dtype=kv_dtype, q_dtype=q_dtype
+        9, 3, 64, prefix_lens, [1] * 5, kv_dtype=kv_dtype, q_dtype=q_dtype, isa=isa
     )
     assert kernel.dtype == reference.dtype == q_dtype
     tol = {"atol": 2e-6, "rtol": 1e-5} if q_dtype == torch.float32 else {"atol": 1e-2, "rtol": 0}
@@ -116,10 +133,33 @@ def test_shapes_the_kernel_does_not_take_stay_on_the_torch_path(heads, kv_heads,
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
-def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike():
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_kernel_bf16_products_are_exact(isa):
+    """A bf16 model over a bf16 pool: the AVX-512 kernel takes q . k with vdpbf16ps (bf16
+    pairs multiplied exactly, summed in fp32), the AVX2 kernel widens both to fp32; either
+    equals attention computed in fp64 on the same bf16 values, to the bf16 rounding of the
+    output."""
+    inputs = {}
+    prefix_lens = [0, 3, 8, 15, 16, 21, 130, 411]
+    kernel, _ = attend_both_ways(
+        9, 3, 64, prefix_lens, [1] * 8, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+        inputs=inputs, isa=isa,
+    )
+    pool, table, batch, q = inputs["pool"], inputs["table"], inputs["batch"], inputs["q"]
+    for i, (row, n) in enumerate(zip(batch.req_rows.tolist(), prefix_lens, strict=True)):
+        slots = table.table[row, : n + 1]
+        keys = pool.k[0][slots].double().repeat_interleave(3, dim=1)  # (S, H, D)
+        values = pool.v[0][slots].double().repeat_interleave(3, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[i].double(), keys) * 64**-0.5
+        exact = torch.einsum("hs,shd->hd", torch.softmax(scores, -1), values).flatten()
+        torch.testing.assert_close(kernel[i].double(), exact, atol=2**-8, rtol=2**-8)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     """Jump-forward makes extend batches of one-token rows beside longer rows: the one-token
     rows go to the kernel, the others to SDPA; the result equals the torch path's."""
-    kernel, reference = attend_both_ways(9, 3, 64, [10, 0, 33, 4], [1, 6, 1, 3])
+    kernel, reference = attend_both_ways(9, 3, 64, [10, 0, 33, 4], [1, 6, 1, 3], isa=isa)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
@@ -153,14 +193,15 @@ def plain_windowed_attention(inputs: dict, window: int, scale: float) -> torch.T
     ],
     ids=["decode", "mixed", "causal"],
 )
-def test_sliding_window_attends_only_the_last_window_keys(prefix_lens, extend_lens):
+@pytest.mark.parametrize("isa", ISAS)
+def test_sliding_window_attends_only_the_last_window_keys(prefix_lens, extend_lens, isa):
     """A sliding-window layer (Gemma 3's local layers): the decode kernel, which starts
     each request's keys `window` positions back, and the torch path's masks (decode, with a
     cached prefix, and per-request causal SDPA) both equal plain attention over the
     window."""
     window, inputs = 16, {}
     kernel, torch_path = attend_both_ways(
-        4, 1, 64, prefix_lens, extend_lens, window=window, inputs=inputs
+        4, 1, 64, prefix_lens, extend_lens, window=window, inputs=inputs, isa=isa
     )
     reference = plain_windowed_attention(inputs, window, 64**-0.5)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)

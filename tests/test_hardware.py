@@ -84,12 +84,16 @@ def test_kernel_plan_per_cpu():
     avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48)
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
-    # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; bf16
-    # models keep the attention kernel
-    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == KernelPlan(True, False, 0, 16)
+    # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; fp32
+    # and bf16
+    # models keep the attention kernel, its AVX-512 build (AVX512-BF16 too)
+    intel_fp32 = KernelPlan(True, False, 0, 16, decode_attention_isa="avx512")
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
+    no_bf16 = cpu(INTEL_FLAGS.replace("avx512_bf16", ""), "AVX512")
+    assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == KernelPlan(True, False, 0, 16)
     # bf16 on AMX: the weights pre-blocked for oneDNN; not in fp32, nor without AMX
     packed = torch.backends.mkldnn.is_available()
-    intel_bf16 = KernelPlan(True, False, 0, 16, packed_linear=packed)
+    intel_bf16 = KernelPlan(True, False, 0, 16, packed, decode_attention_isa="avx512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     assert not KernelPlan.choose("auto", CPU, bf16, bf16, amd).packed_linear

@@ -81,8 +81,9 @@ class TorchNativeAttention:
     fp32 model) is read in its own dtype and the gathered K/V widened to the queries'.
 
     With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
-    steps) go to the C++ decode kernel instead (`decode_attention.cpp`), which reads K/V
-    where they lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask.
+    steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
+    "avx512" its AVX-512 variant), which reads K/V where they lie in the pool, in fp32, bf16
+    or fp16: no gathered copy, no padding, no mask.
 
     `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
     position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
@@ -105,6 +106,7 @@ class TorchNativeAttention:
         kernel_dir: Path | None = None,
         windows: Sequence[int] = (),
         window_map: torch.Tensor | None = None,
+        kernel_isa: str = "avx2",
     ) -> None:
         self.kv_pool = kv_pool
         self.window_map = window_map  # (pool size + 1,) full slot → window slot, or None
@@ -114,7 +116,9 @@ class TorchNativeAttention:
         if any(w < 0 for w in self.windows):
             raise ValueError(f"sliding windows must be >= 0, got {sorted(set(self.windows))}")
         pool = kv_pool.k[0]
-        kernel = decode_attention_kernel(kernel_dir) if use_kernel else None
+        kernel = decode_attention_kernel(kernel_dir, kernel_isa) if use_kernel else None
+        if use_kernel and kernel is None and kernel_isa != "avx2":
+            kernel = decode_attention_kernel(kernel_dir)
         _, kv_heads, head_dim = pool.shape
         if kernel is not None and not kernel.supports(num_heads, kv_heads, head_dim):
             kernel = None  # head size not a multiple of 32, or over 8 query heads per KV head
@@ -349,6 +353,7 @@ class TorchNativeAttention:
 
 
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BF16_QUERY_CODE = 3  # a bf16 pool read by a bf16 query (the AVX-512 kernel's vdpbf16ps path)
 
 
 class DecodeKernel:
@@ -380,6 +385,9 @@ class DecodeKernel:
         self, q, k_pool, v_pool, table, rows, seq_lens, scale: float, window: int = 0
     ) -> torch.Tensor:
         batch, heads, dim = q.shape
+        code = KV_DTYPE_CODES[k_pool.dtype]
+        if q.dtype == torch.bfloat16 and k_pool.dtype == torch.bfloat16:
+            code = BF16_QUERY_CODE
         q32 = q.contiguous().float()
         out = torch.empty(batch, heads * dim, dtype=torch.float32)
         rows, seq_lens = rows.contiguous(), seq_lens.contiguous()
@@ -399,17 +407,18 @@ class DecodeKernel:
                 table.stride(0),
                 scale,
                 torch.get_num_threads(),
-                KV_DTYPE_CODES[k_pool.dtype],
+                code,
                 window,
             )
         return out.to(q.dtype)
 
 
 @functools.cache
-def decode_attention_kernel(kernel_dir: Path | None = None) -> DecodeKernel | None:
-    """The C++ decode attention (`decode_attention.cpp`, built into `kernel_dir`), or None
-    where it cannot be built."""
-    library = load_kernel("decode_attention", kernel_dir)
+def decode_attention_kernel(kernel_dir: Path | None = None, isa: str = "avx2") -> DecodeKernel | None:
+    """The C++ decode attention built into `kernel_dir` (`decode_attention.cpp`, or for
+    isa "avx512" `decode_attention_avx512.cpp`), or None where it cannot be built."""
+    name = "decode_attention" if isa == "avx2" else f"decode_attention_{isa}"
+    library = load_kernel(name, kernel_dir, isa)
     return None if library is None else DecodeKernel(library)
 
 

@@ -1,10 +1,11 @@
-"""The project's C++ CPU kernels (x86 AVX2 + FMA + F16C), compiled with the system compiler on
-first use and loaded with ctypes.
+"""The project's C++ CPU kernels (x86 AVX2 + FMA + F16C; `*_avx512.cpp` variants for AVX-512
+with AVX512-BF16), compiled with the system compiler on first use and loaded with ctypes.
 
 Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
 built once per source version into a cache folder (~/.cache/radixserve/kernels by default)
-and shared by every process after. Where the CPU lacks AVX2, or no compiler is found, or
-the build fails, `load_kernel` warns and returns None and the caller keeps its torch path.
+and shared by every process after. Where the CPU lacks the kernel's instruction set, or no
+compiler is found, or the build fails, `load_kernel` warns and returns None and the caller
+keeps its torch path (or the AVX2 variant).
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ from radixserve.hardware import cpu_info
 logger = logging.getLogger(__name__)
 
 KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# the instruction sets a kernel is built for: compiler flags beyond KERNEL_FLAGS
+ISA_FLAGS = {
+    "avx2": (),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+}
+
+
+def cpu_runs(isa: str) -> bool:
+    """This CPU executes kernels built for `isa`."""
+    cpu = cpu_info()
+    avx2 = cpu.avx2 and "f16c" in cpu.flags
+    if isa == "avx512":
+        return avx2 and cpu.avx512 and cpu.avx512_bf16
+    return avx2
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:
@@ -44,16 +59,17 @@ def kernel_dir() -> Path:
 
 
 @functools.cache
-def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
-    """The library built from `<name>.cpp` (compiled into `folder` when not there yet);
-    None, with a warning that names the reason, where this machine cannot build it."""
-    cpu = cpu_info()
-    if not (cpu.avx2 and "f16c" in cpu.flags):
-        logger.warning("no AVX2 + FMA + F16C on this CPU: the %s kernel is not used", name)
+def load_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> ctypes.CDLL | None:
+    """The library built from `<name>.cpp` for `isa` (compiled into `folder` when not there
+    yet); None, with a warning that names the reason, where this machine cannot run or
+    build it."""
+    if not cpu_runs(isa):
+        logger.warning("this CPU lacks the %s kernel's instructions (%s): not used", name, isa)
         return None
+    flags = (*KERNEL_FLAGS, *ISA_FLAGS[isa])
     source_path = Path(__file__).with_name(f"{name}.cpp")
     source = source_path.read_bytes()
-    digest = hashlib.sha256(source + " ".join(KERNEL_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     folder = folder or kernel_dir()
     path = folder / f"{name}-{digest}.so"
     if not path.is_file():
@@ -65,7 +81,7 @@ def load_kernel(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             built = Path(tmp) / path.name
             result = subprocess.run(
-                [compiler, *KERNEL_FLAGS, str(source_path), "-o", str(built)],
+                [compiler, *flags, str(source_path), "-o", str(built)],
                 capture_output=True,
                 text=True,
             )

@@ -222,7 +222,8 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
 extern "C" {
 
 // q, out: (B, H, D) fp32; k_pool, v_pool: (slots, KH, D) in the pool's dtype, kv_dtype 0
-// fp32, 1 bf16, 2 fp16; table: (rows, table_stride) int64; rows, seq_lens: (B,) int64.
+// fp32, 1 bf16, 2 fp16 (3: bf16 with a bf16 query, which the AVX-512 variant treats apart;
+// here as 1); table: (rows, table_stride) int64; rows, seq_lens: (B,) int64.
 // Every tensor contiguous. D must be a multiple of 32 and H / KH at most kMaxGroup
 // (decode_attention_supports says so to the caller). window > 0: each request attends only
 // its last `window` positions (a sliding-window layer); 0: all of them.
@@ -231,7 +232,7 @@ void decode_attention(const float* q, const void* k_pool, const void* v_pool,
                       float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t table_stride, float scale, int num_threads, int kv_dtype,
                       int64_t window) {
-    auto run = kv_dtype == 1 ? attend<Bf16> : kv_dtype == 2 ? attend<Fp16> : attend<Fp32>;
+    auto run = kv_dtype == 1 || kv_dtype == 3 ? attend<Bf16> : kv_dtype == 2 ? attend<Fp16> : attend<Fp32>;
     run(q, k_pool, v_pool, table, rows, seq_lens, out, batch, heads, kv_heads, dim, table_stride,
         scale, num_threads, window);
 }

@@ -1,0 +1,247 @@
+// Decode attention over the KV pool for x86 CPUs with AVX-512 (F, BW, VL, DQ) and
+// AVX512-BF16: the same computation and C interface as decode_attention.cpp (read that file
+// first), 16 lanes wide, chosen at run time where the CPU has them (radixserve/hardware.py).
+//
+//   out[b, h] = softmax_s(q[b, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
+//
+// What differs from the AVX2 kernel:
+// - scores are computed 16 positions at a time and their 16 lane-sums reduced by one
+//   transpose-and-add tree (45 shuffles/adds for 16 positions, 3 per position);
+// - a bf16 pool read by a bf16 query (kv_dtype code 3: a bf16 model's own queries) takes
+//   the q . k products with vdpbf16ps: pairs of bf16 multiplied exactly and summed in fp32,
+//   32 dims per instruction, no widening of K. A bf16 pool under an fp32 query (code 1)
+//   widens K to fp32 as the AVX2 kernel does, so an fp32 query is never rounded.
+// - the softmax and the weighted sum of V in fp32, 16 lanes (V widened in registers).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
+constexpr int64_t kAhead = 32;    // positions prefetched ahead
+
+// r[i] = sum of a[i]'s 16 lanes, for i < 16 (unused a[i] may be anything: their lanes are
+// ignored by the caller).
+inline __m512 hsum16(const __m512* a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit block: [a0 02, a1 02, a0 13, a1 13] partials
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per block: the block's sums of a[4i..4i+3]
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // blocks of v0: [u0 b0+b1, u0 b2+b3, u1 b0+b1, u1 b2+b3]; v1 likewise of u2, u3
+    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                              _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                              _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    // blocks: [u0 total, u1 total, u2 total, u3 total]: lane 4k + i = sum of a[4k + i]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+// e^x for 16 lanes, the AVX2 kernel's exp8 (same reduction and polynomial), inputs <= 0.
+inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(~underflow, e);
+}
+
+// 16 pool values at p as fp32 lanes, per element type.
+struct Fp32 {
+    using T = float;
+    static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+};
+struct Bf16 {
+    using T = uint16_t;
+    static __m512 load(const T* p) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));  // bf16 = the fp32's top half
+    }
+};
+struct Fp16 {
+    using T = uint16_t;
+    static __m512 load(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+};
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+    const char* bytes = (const char*)p;
+    for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
+// The query of head g in the form the dot products take: fp32 (Kv's widened rows), or bf16
+// pairs for vdpbf16ps (code 3). q_bf16 has room for group * dim values.
+struct Fp32Dot {
+    template <typename Kv>
+    static __m512 dot(const float* q, const uint16_t*, const typename Kv::T* k, int64_t dim) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), Kv::load(k + d), acc);
+        return acc;
+    }
+};
+struct Bf16Dot {
+    template <typename Kv>
+    static __m512 dot(const float*, const uint16_t* q, const typename Kv::T* k, int64_t dim) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                                   (__m512bh)_mm512_loadu_si512(k + d));
+        return acc;
+    }
+};
+
+// scores[g * len + s] = q[g] . k(s) * scale for s in [0, len), 16 positions per pass, the
+// rows 32 positions ahead prefetched.
+template <typename Kv, typename Dot>
+void scores_of(const float* q, const uint16_t* q_bf16, const typename Kv::T* k_pool,
+               const int64_t* slots, int64_t len, int64_t group, int64_t kv_heads, int64_t kh,
+               int64_t dim, float scale, float* scores) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
+    for (int64_t s0 = 0; s0 < len; s0 += 16) {
+        const int64_t n = len - s0 < 16 ? len - s0 : 16;
+        for (int64_t s = s0 + kAhead; s < len && s < s0 + kAhead + 16; s++)
+            prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
+        const typename Kv::T* k[16];
+        for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
+        for (int64_t g = 0; g < group; g++) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) acc[t] = Dot::template dot<Kv>(q + g * dim, q_bf16 + g * dim, k[t], dim);
+            __m512 sums = _mm512_mul_ps(hsum16(acc), vscale);
+            _mm512_mask_storeu_ps(scores + g * len + s0, (__mmask16)((1u << n) - 1), sums);
+        }
+    }
+}
+
+// row[0..len) = softmax(row), in place.
+void softmax(float* row, int64_t len) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < len; s += 16) {
+        __mmask16 m = len - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - s)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + s));
+    }
+    const __m512 vpeak = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vtotal = _mm512_setzero_ps();
+    for (int64_t s = 0; s < len; s += 16) {
+        __mmask16 m = len - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - s)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + s);
+        __m512 e = exp16(_mm512_sub_ps(x, vpeak));  // -inf - peak: e = 0 past the end
+        _mm512_mask_storeu_ps(row + s, m, e);
+        vtotal = _mm512_add_ps(vtotal, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vtotal));
+    for (int64_t s = 0; s < len; s += 16) {
+        __mmask16 m = len - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - s)) - 1);
+        _mm512_mask_storeu_ps(row + s, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + s), inv));
+    }
+}
+
+// out[g] = sum_s p[g * len + s] * v(s) for the group's query heads, 32 dims per pass with
+// every head's accumulators in registers; the first pass prefetches whole rows ahead.
+template <typename Kv>
+void weighted_values(const float* p, const typename Kv::T* v_pool, const int64_t* slots, int64_t len,
+                     int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float* out) {
+    for (int64_t d = 0; d < dim; d += 32) {
+        __m512 acc[kMaxGroup][2];
+        for (int64_t g = 0; g < group; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+        if (d == 0)
+            for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(v_pool + (slots[s] * kv_heads + kh) * dim, dim);
+        for (int64_t s = 0; s < len; s++) {
+            if (d == 0 && s + kAhead < len) prefetch_row(v_pool + (slots[s + kAhead] * kv_heads + kh) * dim, dim);
+            const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
+            __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 w = _mm512_set1_ps(p[g * len + s]);
+                acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            _mm512_storeu_ps(out + g * dim + d, acc[g][0]);
+            _mm512_storeu_ps(out + g * dim + d + 16, acc[g][1]);
+        }
+    }
+}
+
+template <typename Kv, typename Dot>
+void attend(const float* q, const void* k_pool_, const void* v_pool_, const int64_t* table,
+            const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
+            int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
+            int num_threads, int64_t window) {
+    const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
+    const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
+    const int64_t group = heads / kv_heads;
+    const int64_t tasks = batch * kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores;     // (G, S) of the current task
+        std::vector<uint16_t> q_bf16;  // (G, D): the query as bf16 (Bf16Dot)
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / kv_heads, kh = task % kv_heads;
+            const int64_t first_pos = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+            const int64_t len = seq_lens[b] - first_pos;
+            const int64_t* slots = table + rows[b] * table_stride + first_pos;
+            const int64_t first = (b * heads + kh * group) * dim;
+            scores.resize(group * len);
+            if (std::is_same<Dot, Bf16Dot>::value) {
+                // a bf16 query arrives widened to fp32: its top halves are its bf16 values
+                q_bf16.resize(group * dim);
+                for (int64_t i = 0; i < group * dim; i++) {
+                    uint32_t bits;
+                    __builtin_memcpy(&bits, q + first + i, 4);
+                    q_bf16[i] = (uint16_t)(bits >> 16);
+                }
+            }
+            scores_of<Kv, Dot>(q + first, q_bf16.data(), k_pool, slots, len, group, kv_heads, kh,
+                               dim, scale, scores.data());
+            for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
+            weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim, out + first);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// As decode_attention.cpp's, with kv_dtype 3: a bf16 pool and a query whose values are
+// bf16 (widened to fp32 exactly), whose products go through vdpbf16ps.
+void decode_attention(const float* q, const void* k_pool, const void* v_pool,
+                      const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
+                      float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t table_stride, float scale, int num_threads, int kv_dtype,
+                      int64_t window) {
+    auto run = kv_dtype == 3   ? attend<Bf16, Bf16Dot>
+               : kv_dtype == 1 ? attend<Bf16, Fp32Dot>
+               : kv_dtype == 2 ? attend<Fp16, Fp32Dot>
+                               : attend<Fp32, Fp32Dot>;
+    run(q, k_pool, v_pool, table, rows, seq_lens, out, batch, heads, kv_heads, dim, table_stride,
+        scale, num_threads, window);
+}
+
+int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
+    return heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && dim % 32 == 0;
+}
+
+}  // extern "C"
