@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
-from radixserve.model.cpu_kernels import cpu_runs, gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import cpu_runs, fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.layers import RMSNorm, RotaryTables
 from tests.conftest import FP32
 
 pytestmark = pytest.mark.skipif(
     decode_attention_kernel() is None or gemv_kernel() is None or gemm_small_kernel() is None,
     reason="the C++ kernels cannot be built on this machine",
 )
+BF16 = torch.bfloat16
 # each build of the decode-attention kernel; the AVX-512 one where this CPU runs it
 ISAS = [
     "avx2",
@@ -142,8 +145,15 @@ def test_decode_kernel_bf16_products_are_exact(isa):
     inputs = {}
     prefix_lens = [0, 3, 8, 15, 16, 21, 130, 411]
     kernel, _ = attend_both_ways(
-        9, 3, 64, prefix_lens, [1] * 8, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
-        inputs=inputs, isa=isa,
+        9,
+        3,
+        64,
+        prefix_lens,
+        [1] * 8,
+        kv_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16,
+        inputs=inputs,
+        isa=isa,
     )
     pool, table, batch, q = inputs["pool"], inputs["table"], inputs["batch"], inputs["q"]
     for i, (row, n) in enumerate(zip(batch.req_rows.tolist(), prefix_lens, strict=True)):
@@ -260,3 +270,49 @@ def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch
         outputs.append(([r["output_ids"] for r in batched], alone["output_ids"]))
     assert outputs[0] == outputs[1]
     assert all(len(ids) == 24 for ids in outputs[0][0])
+
+
+def bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference between two bf16 tensors in units of ref's last place."""
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-30)
+    return ((out.float() - ref.float()).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_rms_norm_matches_the_torch_ops(rows):
+    """`RMSNorm` in bf16 through fused_ops.cpp against its own torch ops: within one bf16
+    rounding (the mean of squares is summed in another order)."""
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(BF16)
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(BF16)
+    reference = norm(x)
+    norm.fused = fused_ops()
+    out = norm(x)
+    assert out.dtype == BF16 and out.shape == x.shape
+    assert bf16_ulps(out, reference) <= 1.0
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 1, 128)])
+def test_fused_rotary_matches_the_torch_ops(tokens, heads, kv_heads, dim):
+    """The rotary embedding in place, rounding each product and the sum as torch does: the
+    same bits."""
+    gen = torch.Generator().manual_seed(tokens)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(BF16)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(BF16)
+    angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(BF16)
+    sin = torch.cat([angles.sin()] * 2, -1).to(BF16)
+    ref_q, ref_k = RotaryTables(cos, sin).apply(q, k)
+    out_q, out_k = RotaryTables(cos, sin, fused_ops()).apply(q.clone(), k.clone())
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_fused_silu_mul_matches_the_torch_ops(rows):
+    gen = torch.Generator().manual_seed(rows)
+    h = (4 * torch.randn(rows, 2 * 1536, generator=gen)).to(BF16)
+    reference = F.silu(h[:, :1536]) * h[:, 1536:]
+    out = fused_ops().silu_mul(h)
+    assert out.shape == (rows, 1536)
+    assert bf16_ulps(out, reference) <= 1.0

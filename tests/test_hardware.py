@@ -93,10 +93,13 @@ def test_kernel_plan_per_cpu():
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == KernelPlan(True, False, 0, 16)
     # bf16 on AMX: the weights pre-blocked for oneDNN; not in fp32, nor without AMX
     packed = torch.backends.mkldnn.is_available()
-    intel_bf16 = KernelPlan(True, False, 0, 16, packed, decode_attention_isa="avx512")
+    # (and bf16 models on any x86 CPU: the fused element-wise ops)
+    intel_bf16 = KernelPlan(True, False, 0, 16, packed, "avx512", fused_elementwise=True)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
-    assert not KernelPlan.choose("auto", CPU, bf16, bf16, amd).packed_linear
+    amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
+    assert not amd_bf16.packed_linear and amd_bf16.fused_elementwise
+    assert not KernelPlan.choose("auto", CPU, f32, f32, intel).fused_elementwise
     assert not KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_linear
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)

@@ -1,7 +1,8 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_linear`, bf16
-on CPUs with AMX): the product against F.linear, and a whole bf16 model packed against the
-same model unpacked, on any CPU (the packing is forced here; which machines get it by
-default is tests/test_hardware.py's business)."""
+on CPUs with AMX): the product against F.linear, and a whole bf16 model packed and with the
+fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model with torch's
+ops, on any CPU (both are forced here; which machines get them by default is
+tests/test_hardware.py's business; the ops alone: tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from radixserve.config import Config
 from radixserve.core.req import Req
+from radixserve.model.cpu_kernels import fused_ops
 from radixserve.model.layers import Linear, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -52,7 +54,8 @@ def test_a_packed_layer_keeps_its_shape_and_frees_the_plain_weight():
 
 
 def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
-    """A bf16 runner with the torch kernels (nothing chosen by this CPU), packed or not."""
+    """A bf16 runner with the torch kernels (nothing chosen by this CPU), or that model
+    packed and with the fused ops (where they can be built)."""
     config = Config.from_flat(
         model_path=str(folder),
         max_total_tokens=1024,
@@ -63,6 +66,8 @@ def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
     runner = ModelRunner(config, progress=False)
     if pack:
         runner.model.pack_linears()
+        if fused_ops() is not None:
+            runner.model.use_fused_ops(fused_ops())
     return runner
 
 
@@ -77,8 +82,9 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tenso
 
 
 # llama: untied LM head; qwen2: q/k/v biases and a tied head (its own packed copy of the
-# embedding); gemma3: its MLP and soft-capped logits
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+# embedding); qwen3: q/k norms (fused); gemma3: its MLP and norms (torch ops), soft-capped
+# logits
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_cache_dir, arch):
     plain = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=False)
     packed = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=True)
@@ -88,8 +94,8 @@ def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
     ours, ref = prefill_logits(packed, prompts), prefill_logits(plain, prompts)
     # the same up to bf16 rounding of sums taken in another order (measured on an Intel
-    # Xeon with AMX: llama and qwen2 0, gemma3 0.060; the bf16 mode's own drift against
-    # transformers is bounded by 0.25 in tests/test_fidelity_bf16.py)
+    # Xeon with AMX, packed alone: llama and qwen2 0, gemma3 0.060; the bf16 mode's own
+    # drift against transformers is bounded by 0.25 in tests/test_fidelity_bf16.py)
     drift = (torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max().item()
     print(f"\n{arch}: packed vs plain bf16, max logprob drift {drift:.3g}")
     assert drift < 0.12

@@ -51,7 +51,7 @@ def classify(name: str) -> str | None:
         return "matmul"
     if name in ATTENTION_OPS or "scaled_dot_product" in name:
         return "attention"
-    if name.startswith("aten::"):
+    if name.startswith("aten::") or name == "kernel:elementwise":  # fused_ops.cpp
         return "elementwise"
     return None
 

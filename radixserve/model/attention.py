@@ -414,7 +414,9 @@ class DecodeKernel:
 
 
 @functools.cache
-def decode_attention_kernel(kernel_dir: Path | None = None, isa: str = "avx2") -> DecodeKernel | None:
+def decode_attention_kernel(
+    kernel_dir: Path | None = None, isa: str = "avx2"
+) -> DecodeKernel | None:
     """The C++ decode attention built into `kernel_dir` (`decode_attention.cpp`, or for
     isa "avx512" `decode_attention_avx512.cpp`), or None where it cannot be built."""
     name = "decode_attention" if isa == "avx2" else f"decode_attention_{isa}"

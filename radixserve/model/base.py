@@ -10,13 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
+from radixserve.model.cpu_kernels import FusedOps
 from radixserve.model.layers import (
     NO_ROW_KERNELS,
+    GatedMLP,
     Linear,
+    RMSNorm,
+    RotaryEmbedding,
     RowKernels,
     VocabParallelEmbedding,
     logits_linear,
@@ -113,6 +118,15 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.kernels = kernels
+
+    def use_fused_ops(self, ops: FusedOps) -> None:
+        """bf16 RMSNorms, rotary embeddings and SiLU gated MLPs through `fused_ops.cpp`
+        (Gemma's norms and GELU keep their torch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = ops
+            elif isinstance(module, GatedMLP) and module.act is F.silu:
+                module.fused = ops
 
     def pack_linears(self) -> None:
         """Every linear layer's weight, and the LM head's, in oneDNN's blocked layout (the

@@ -143,3 +143,64 @@ def gemm_small_kernel(folder: Path | None = None) -> LinearKernel | None:
     if library is None:
         return None
     return LinearKernel(library, "fp32_gemm_small", takes_rows=True)
+
+
+class FusedOps:
+    """`fused_ops.cpp`: RMSNorm, rotary and SiLU(gate) * up of bf16 tensors, one pass each
+    (the torch ops they replace round to bf16 between every step, as these do). Each method
+    takes what `fits` says yes to."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._rms = library.rms_norm_bf16
+        self._rms.argtypes = [p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+        self._rotary = library.rotary_bf16
+        self._rotary.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+        self._silu_mul = library.silu_mul_bf16
+        self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
+        for f in (self._rms, self._rotary, self._silu_mul):
+            f.restype = None
+
+    @staticmethod
+    def fits(*tensors: torch.Tensor, multiple: int = 8) -> bool:
+        """bf16, contiguous, last dimension a multiple of `multiple` (the kernels' width)."""
+        return all(
+            t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[-1] % multiple == 0
+            for t in tensors
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x (..., D) normed over D, times weight (D,)."""
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        with profiled("kernel:elementwise"):
+            self._rms(
+                x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q (T, H, D), k (T, KH, D) rotated in place by cos/sin (T, 1, D)."""
+        tokens, heads, dim = q.shape
+        with profiled("kernel:elementwise"):
+            self._rotary(
+                q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+                k.shape[1], dim, torch.get_num_threads(),
+            )  # fmt: skip
+        return q, k
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """h (M, 2I) = [gate | up] → silu(gate) * up (M, I)."""
+        rows, width = h.shape
+        out = h.new_empty(rows, width // 2)
+        with profiled("kernel:elementwise"):
+            self._silu_mul(h.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def fused_ops(folder: Path | None = None) -> FusedOps | None:
+    """The fused bf16 element-wise ops, or None where they cannot be built."""
+    library = load_kernel("fused_ops", folder)
+    return None if library is None else FusedOps(library)

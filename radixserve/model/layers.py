@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.model.cpu_kernels import FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
@@ -132,12 +133,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm; with `fused` (the kernel plan's fused bf16 ops) bf16 rows go to one
+    C++ pass (`fused_ops.cpp`) that rounds where these torch ops do."""
+
+    fused: FusedOps | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.fits(x, self.weight):
+            return self.fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -187,7 +195,10 @@ def rope_inv_freq(
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to the context length, indexed per token
-    (`layer_type`: the RoPE of that kind of layer, see `rope_inv_freq`)."""
+    (`layer_type`: the RoPE of that kind of layer, see `rope_inv_freq`); `fused`: the
+    tables it hands out rotate bf16 q/k in one C++ pass."""
+
+    fused: FusedOps | None = None
 
     def __init__(
         self,
@@ -217,17 +228,20 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows for the batch's positions (T,), looked up once per forward pass."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)  # (T, 1, D)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return RotaryTables(cos, sin)
+        return RotaryTables(cos, sin, self.fused)
 
 
 @dataclass
 class RotaryTables:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor  # (T, 1, D)
+    fused: FusedOps | None = None
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (T, H, D), k (T, KH, D) rotated by their positions."""
+        """q (T, H, D), k (T, KH, D) rotated by their positions (in place when fused)."""
         cos, sin = self.cos, self.sin
+        if self.fused is not None and self.fused.fits(q, k, cos, sin, multiple=16):
+            return self.fused.rotary_(q, k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -263,6 +277,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
+        self.fused: FusedOps | None = None  # silu(gate) * up in one pass (bf16, silu only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self._local(x))
@@ -279,4 +294,6 @@ class GatedMLP(nn.Module):
             weight = gate_up.weight
             return self.down_proj(self.act(F.linear(x, weight[:half])) * F.linear(x, weight[half:]))
         h = gate_up(x)
+        if self.fused is not None and h.dim() == 2 and self.fused.fits(h):
+            return self.down_proj(self.fused.silu_mul(h))
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])

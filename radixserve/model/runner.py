@@ -30,7 +30,7 @@ from radixserve.hardware import (
 )
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
-from radixserve.model.cpu_kernels import gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import fused_ops, gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
@@ -386,6 +386,9 @@ def build_model(
         few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
         rows = kernels.few_rows_max if few is not None else 0
         model.use_row_kernels(RowKernels(gemv, few, rows))
+    fused = fused_ops(kernel_dir) if kernels is not None and kernels.fused_elementwise else None
+    if fused is not None:
+        model.use_fused_ops(fused)
     return model
 
 
