@@ -191,32 +191,41 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
     const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
-    const int64_t tasks = batch * kv_heads;
+    // One task per request when there are enough of them: its KV heads one after the other
+    // on one core, so the rows the first head's pass brings in (a position's heads lie side
+    // by side in the pool) serve the others from that core's cache. Else one per (request,
+    // KV head), so that a small batch still keeps every thread busy.
+    const int64_t heads_per_task = batch >= 2 * num_threads ? kv_heads : 1;
+    const int64_t tasks = batch * kv_heads / heads_per_task;
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores;     // (G, S) of the current task
+        std::vector<float> scores;     // (G, S) of the current KV head
         std::vector<uint16_t> q_bf16;  // (G, D): the query as bf16 (Bf16Dot)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t b = task / kv_heads, kh = task % kv_heads;
+            const int64_t b = task * heads_per_task / kv_heads;
+            const int64_t first_kh = task * heads_per_task % kv_heads;
             const int64_t first_pos = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
             const int64_t len = seq_lens[b] - first_pos;
             const int64_t* slots = table + rows[b] * table_stride + first_pos;
-            const int64_t first = (b * heads + kh * group) * dim;
-            scores.resize(group * len);
-            if (std::is_same<Dot, Bf16Dot>::value) {
-                // a bf16 query arrives widened to fp32: its top halves are its bf16 values
-                q_bf16.resize(group * dim);
-                for (int64_t i = 0; i < group * dim; i++) {
-                    uint32_t bits;
-                    __builtin_memcpy(&bits, q + first + i, 4);
-                    q_bf16[i] = (uint16_t)(bits >> 16);
+            for (int64_t kh = first_kh; kh < first_kh + heads_per_task; kh++) {
+                const int64_t first = (b * heads + kh * group) * dim;
+                scores.resize(group * len);
+                if (std::is_same<Dot, Bf16Dot>::value) {
+                    // a bf16 query arrives widened to fp32: its top halves are its bf16 values
+                    q_bf16.resize(group * dim);
+                    for (int64_t i = 0; i < group * dim; i++) {
+                        uint32_t bits;
+                        __builtin_memcpy(&bits, q + first + i, 4);
+                        q_bf16[i] = (uint16_t)(bits >> 16);
+                    }
                 }
+                scores_of<Kv, Dot>(q + first, q_bf16.data(), k_pool, slots, len, group, kv_heads,
+                                   kh, dim, scale, scores.data());
+                for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
+                weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim,
+                                    out + first);
             }
-            scores_of<Kv, Dot>(q + first, q_bf16.data(), k_pool, slots, len, group, kv_heads, kh,
-                               dim, scale, scores.data());
-            for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
-            weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim, out + first);
         }
     }
 }
