@@ -12,7 +12,7 @@ torch 2.13.0, 2 threads):
   Intel 266 / 509 / 1,494 GFLOP/s (oneDNN on AMX: 2.5-6.4x fp32).
 
 Hence: bf16 weights and activations by default only where AMX runs them (`auto_dtype`),
-with the weights pre-blocked for oneDNN there (`KernelPlan.packed_linear`);
+with the weights pre-blocked for oneDNN on AVX-512 CPUs (`KernelPlan.packed_rows`);
 the one-row fp32 kernel only where MKL's sgemv is the slower one, i.e. on AVX2-only CPUs
 (`KernelPlan.gemv`); the decode-attention kernel wherever x86 AVX2 is there, for fp32, bf16
 and fp16 KV pools, built for AVX-512 where the CPU has it with AVX512-BF16
@@ -152,12 +152,23 @@ FEW_ROWS_MAX = 32
 
 KV_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Linear layers in bf16 on AMX: oneDNN with the weights blocked once at load
-# (`torch.ops.mkldnn._reorder_linear_weight`) instead of at every call. Intel Xeon
-# (Sapphire Rapids class, AMX), SmolLM2's shapes, 1 thread, packed vs plain F.linear:
-# 1.5-2.3x at 1-16 rows, 1.5-1.9x at 64, 1.1-1.35x at 256; the 49k-row LM head 2.5x at
-# 1-16 rows, 3.8x at 64. Outputs bit-identical to F.linear in bf16.
-PACKED_LINEAR_DTYPES = (torch.bfloat16,)
+# PACKED_LINEAR: linear layers through oneDNN with the weights blocked once at load
+# (`torch.ops.mkldnn._reorder_linear_weight`), on AVX-512 CPUs. Intel Xeon (Sapphire
+# Rapids class, AMX), SmolLM2's shapes:
+# - bf16, packed vs plain F.linear (which re-blocks the weight at every call), 1 thread:
+#   1.5-2.3x at 1-16 rows, 1.5-1.9x at 64, 1.1-1.35x at 256; the 49k-row LM head 2.5x at
+#   1-16 rows, 3.8x at 64. Bit-identical outputs. Every product packed.
+# - fp32, packed vs MKL, decode steps in the model (2 threads, 64-token prompts): 1.5x at 2
+#   running, 1.5x at 4, 1.3x at 16, 1.1x at 64; at 1 running slower (44 vs 33-38 ms: MKL's
+#   sgemv streams one row at 39 GB/s), so single rows keep the plain weight and MKL; so do
+#   prefill products (past 64 rows the gain is 0-6%, and oneDNN's order of the sums moved
+#   SmolLM2's fp32 prefill logits 1.1e-4 from transformers', over the fidelity bar of 1e-4).
+PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, last or None)
+
+# AVX512_ATTENTION: decode attention on AVX-512 + AVX512-BF16 (16 lanes, vdpbf16ps for q.k
+# of a bf16 model) against the AVX2 build, SmolLM2 bf16, context 512, ms per step of
+# attention: 17.3 -> 15.1 at 16 running, 60.9 -> 53.3 at 64 (it reads K/V from memory at
+# ~13-16 GB/s either way); with a request's KV heads in one task 13.3 and 49.1.
 
 # FUSED_ELEMENTWISE: in a bf16 prefill of 16 x 544 tokens (SmolLM2, Intel Xeon AMX, 2
 # threads) torch's element-wise ops took 45% of the forward (mul 19%, add 6%, copies 6%,
@@ -179,10 +190,10 @@ class KernelPlan:
     # wins below it). AVX-512: 16 (there MKL fp32 streams 39 GB/s, and the AVX2 int8 kernel
     # measured slower than MKL fp32 at 16 rows: multi-turn serving 0.84x fp32).
     int8_dequant_min_rows: int = 48
-    # every linear layer and the LM head with its weight pre-blocked for oneDNN
-    # (`layers.packed_linear`): bf16 on CPUs with AMX, where a plain bf16 F.linear re-blocks
-    # the weight at every call (see PACKED_LINEAR)
-    packed_linear: bool = False
+    # products of (first, last) rows (last None: no bound) in every linear layer and the LM
+    # head with the weight pre-blocked for oneDNN (`layers.packed_linear`); None: off.
+    # AVX-512 CPUs: bf16 (AMX) every product, fp32 2-64 rows (see PACKED_LINEAR)
+    packed_rows: tuple[int, int | None] | None = None
     # which build of the decode-attention kernel: "avx2" (decode_attention.cpp), or
     # "avx512" (decode_attention_avx512.cpp: 16 lanes, and vdpbf16ps for a bf16 model's
     # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION)
@@ -205,7 +216,8 @@ class KernelPlan:
         cpu = cpu or cpu_info()
         on_x86 = kernels == "auto" and device.type == "cpu" and cpu.avx2
         fp32_linears = on_x86 and dtype == torch.float32 and not cpu.avx512  # AVX2-only, fp32
-        on_cpu = kernels == "auto" and device.type == "cpu" and torch.backends.mkldnn.is_available()
+        onednn = kernels == "auto" and device.type == "cpu" and torch.backends.mkldnn.is_available()
+        packed = onednn and cpu.avx512 and (dtype == torch.float32 or cpu.fast_bf16_matmul)
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         avx512_attention = attention and cpu.avx512 and cpu.avx512_bf16
         return cls(
@@ -213,7 +225,7 @@ class KernelPlan:
             gemv=fp32_linears,
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
-            packed_linear=on_cpu and dtype in PACKED_LINEAR_DTYPES and cpu.fast_bf16_matmul,
+            packed_rows=PACKED_ROWS.get(dtype) if packed else None,
             decode_attention_isa="avx512" if avx512_attention else "avx2",
             fused_elementwise=on_x86 and dtype == torch.bfloat16,
         )

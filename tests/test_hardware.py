@@ -85,22 +85,26 @@ def test_kernel_plan_per_cpu():
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; fp32
-    # and bf16
-    # models keep the attention kernel, its AVX-512 build (AVX512-BF16 too)
-    intel_fp32 = KernelPlan(True, False, 0, 16, decode_attention_isa="avx512")
+    # and bf16 models keep the attention kernel, its AVX-512 build (AVX512-BF16 too); oneDNN
+    # on pre-blocked weights from 2 rows up in fp32, for every product in bf16 (AMX)
+    onednn = torch.backends.mkldnn.is_available()
+    fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
+    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "avx512")
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = cpu(INTEL_FLAGS.replace("avx512_bf16", ""), "AVX512")
-    assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == KernelPlan(True, False, 0, 16)
-    # bf16 on AMX: the weights pre-blocked for oneDNN; not in fp32, nor without AMX
-    packed = torch.backends.mkldnn.is_available()
+    no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows)
+    assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
     # (and bf16 models on any x86 CPU: the fused element-wise ops)
-    intel_bf16 = KernelPlan(True, False, 0, 16, packed, "avx512", fused_elementwise=True)
+    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "avx512", True)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
-    assert not amd_bf16.packed_linear and amd_bf16.fused_elementwise
+    assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise
     assert not KernelPlan.choose("auto", CPU, f32, f32, intel).fused_elementwise
-    assert not KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_linear
+    assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
+    # bf16 without AMX (AVX-512 alone): not packed, unmeasured there
+    no_amx = cpu(INTEL_FLAGS.replace("amx_bf16", ""), "AVX512")
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).packed_rows is None
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)

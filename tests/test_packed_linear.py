@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.model.cpu_kernels import fused_ops
-from radixserve.model.layers import Linear, pack_weight, packed_linear
+from radixserve.model.layers import Linear, PackedRows, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.static_generator import StaticGenerator
@@ -47,10 +47,25 @@ def test_a_packed_layer_keeps_its_shape_and_frees_the_plain_weight():
     layer = Linear(48, 32, bias=True).to(BF16)
     x = torch.randn(5, 48).to(BF16)
     expected = layer(x)
-    layer.pack()
-    assert layer.packed and layer.weight.is_mkldnn and layer.weight.shape == (32, 48)
-    assert not layer.weight.requires_grad
+    layer.pack(PackedRows())
+    assert layer.weight.is_mkldnn and layer.packed_weight.is_mkldnn
+    assert layer.weight.shape == (32, 48) and not layer.weight.requires_grad
     bf16_close(layer(x), expected)
+
+
+def test_fp32_single_rows_and_prefill_keep_the_plain_weight():
+    """Rows 2..64 (fp32 on AVX-512) through the packed copy; one row and prefill products
+    through F.linear on the plain weight (MKL)."""
+    layer = Linear(64, 48, bias=True)
+    x = torch.randn(3, 64)
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.pack(PackedRows(2, 64))
+    assert not layer.weight.is_mkldnn and layer.packed_weight.is_mkldnn
+    assert layer.uses_packed(x) and not layer.uses_packed(x[:1])
+    assert layer.uses_packed(torch.zeros(64, 64)) and not layer.uses_packed(torch.zeros(65, 64))
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    one = F.linear(x[:1], layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x[:1]), one, atol=0, rtol=0)
 
 
 def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
@@ -89,7 +104,7 @@ def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_
     plain = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=False)
     packed = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=True)
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed for m in linears)
+    assert linears and all(m.packed_weight is not None for m in linears)
     assert (packed.model.lm_packed is not None) == (packed.model.lm_head is None)
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
     ours, ref = prefill_logits(packed, prompts), prefill_logits(plain, prompts)

@@ -17,9 +17,11 @@ from transformers import PretrainedConfig
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.cpu_kernels import FusedOps
 from radixserve.model.layers import (
+    EVERY_ROW,
     NO_ROW_KERNELS,
     GatedMLP,
     Linear,
+    PackedRows,
     RMSNorm,
     RotaryEmbedding,
     RowKernels,
@@ -59,6 +61,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(hidden, tp.vocab_rows(vocab), bias=False)
         self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
         self.lm_packed: torch.Tensor | None = None  # see pack_linears
+        self.lm_packed_rows = EVERY_ROW
 
     @property
     def attention_scale(self) -> float:
@@ -101,9 +104,9 @@ class CausalLM(nn.Module):
         """x (L, hidden), already normed → (L, vocab) in x's dtype (under tensor
         parallelism on rank 0; the other ranks get their vocabulary slice)."""
         if self.lm_head is None:
-            weight = self.embed_tokens.weight
-            local = logits_linear(x, weight, self.row_kernels, self.lm_packed)
-        elif isinstance(self.lm_head, Linear) and self.lm_head.packed:
+            packed = self.lm_packed if self.lm_packed_rows.covers(x) else None
+            local = logits_linear(x, self.embed_tokens.weight, self.row_kernels, packed)
+        elif isinstance(self.lm_head, Linear) and self.lm_head.uses_packed(x):
             local = self.lm_head(x)
         elif isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None:
             local = logits_linear(x, self.lm_head.weight, self.row_kernels)
@@ -128,15 +131,16 @@ class CausalLM(nn.Module):
             elif isinstance(module, GatedMLP) and module.act is F.silu:
                 module.fused = ops
 
-    def pack_linears(self) -> None:
-        """Every linear layer's weight, and the LM head's, in oneDNN's blocked layout (the
-        kernel plan's `packed_linear`); a tied head gets its own packed copy of the
-        embedding matrix, which the lookup keeps plain."""
+    def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
+        """Products of `rows` rows in every linear layer and the LM head with the weight in
+        oneDNN's blocked layout (the kernel plan's `packed_rows`); a tied head gets its own
+        packed copy of the embedding matrix, which the lookup keeps plain."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(rows)
         if self.lm_head is None:
             self.lm_packed = pack_weight(self.embed_tokens.weight)
+            self.lm_packed_rows = rows
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered.

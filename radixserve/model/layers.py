@@ -43,6 +43,26 @@ class RowKernels:
 NO_ROW_KERNELS = RowKernels()
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """The products that go to `packed_linear`: those of first..last rows (the kernel plan's
+    `packed_rows`)."""
+
+    first: int = 1
+    last: int | None = None  # None: no upper bound
+
+    @property
+    def every(self) -> bool:
+        return self.first <= 1 and self.last is None
+
+    def covers(self, x: torch.Tensor) -> bool:
+        rows = x.shape[0]
+        return rows >= self.first and (self.last is None or rows <= self.last)
+
+
+EVERY_ROW = PackedRows()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight (N, K) in oneDNN's blocked layout for `packed_linear` (an opaque tensor of
     the same shape and dtype: a copy, the plain weight is not needed after)."""
@@ -54,29 +74,36 @@ def packed_linear(
 ) -> torch.Tensor:
     """x (M, K) @ weight.T + bias through oneDNN with the weight already in its blocked
     layout: a plain bf16 F.linear re-blocks the weight on every call. Bit-identical to
-    F.linear in bf16 (both oneDNN, fp32 accumulation). Measured on Intel Xeon (AMX), bf16,
-    SmolLM2's shapes, 1 thread: 1.5-2.5x plain F.linear at 1-16 rows, 1.5-1.9x at 64, 1.1-1.3x
-    at 256; the LM head 2.5x at 1-16 rows, 3.8x at 64."""
+    F.linear in bf16 (both oneDNN, fp32 accumulation); in fp32 equal to MKL's F.linear up to
+    the order of the sums. Measured figures: `radixserve.hardware.PACKED_LINEAR`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
     """nn.Linear that hands one row, or a few, to the project's kernels when the model was
     given them (`RowKernels`): on CPU in float32 they stream the weights faster than MKL's
-    sgemv / sgemm do at those sizes, which is what decode steps are made of. After `pack()`
-    its weight is in oneDNN's blocked layout and every product goes to `packed_linear`."""
+    sgemv / sgemm do at those sizes, which is what decode steps are made of. After
+    `pack(rows)` products of those rows go to `packed_linear` with a copy of the weight in
+    oneDNN's blocked layout."""
 
     kernels: RowKernels = NO_ROW_KERNELS
-    packed: bool = False
+    packed_weight: torch.Tensor | None = None
+    packed_rows: PackedRows | None = None
 
-    def pack(self) -> None:
-        """Replace the weight by its oneDNN-blocked copy (the plain one is freed)."""
-        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
-        self.packed = True
+    def pack(self, rows: PackedRows) -> None:
+        """Keep a oneDNN-blocked copy of the weight for products of `rows` rows; for every
+        row count it replaces the plain weight, which nothing reads then."""
+        packed = pack_weight(self.weight)
+        if rows.every:
+            self.weight = nn.Parameter(packed, requires_grad=False)  # an alias, no copy
+        self.packed_weight, self.packed_rows = packed, rows
+
+    def uses_packed(self, x: torch.Tensor) -> bool:
+        return self.packed_rows is not None and self.packed_rows.covers(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return packed_linear(x, self.weight, self.bias)
+        if self.uses_packed(x):
+            return packed_linear(x, self.packed_weight, self.bias)
         kernel = self.kernels.pick(x)
         if kernel is not None:
             return kernel(x, self.weight, self.bias)
@@ -285,7 +312,7 @@ class GatedMLP(nn.Module):
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, half = self.gate_up_proj, self.intermediate
         cpu_rows = isinstance(gate_up, nn.Linear) and x.device.type == "cpu" and x.dim() == 2
-        cpu_rows = cpu_rows and not getattr(gate_up, "packed", False)
+        cpu_rows = cpu_rows and not (isinstance(gate_up, Linear) and gate_up.uses_packed(x))
         cpu_rows = cpu_rows and getattr(gate_up, "kernels", NO_ROW_KERNELS).pick(x) is None
         if cpu_rows and 1 < x.shape[0] < SMALL_BATCH_ROWS:
             h = gate_up.weight @ x.t()  # (2I, M)

@@ -31,7 +31,7 @@ from radixserve.hardware import (
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.cpu_kernels import fused_ops, gemm_small_kernel, gemv_kernel
-from radixserve.model.layers import RotaryEmbedding, RowKernels
+from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
     iter_checkpoint,
@@ -357,7 +357,7 @@ def build_model(
 ) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, the
-    weights are pre-blocked for oneDNN (bf16 on AMX), or single rows go to the one-row
+    weights are pre-blocked for oneDNN (AVX-512 CPUs), or single rows go to the one-row
     kernel (kernels cached under `cache_dir`). Under tensor
     parallelism (`tp`), this rank's slice of the model, and only that is read."""
     cls = MODEL_CLASSES[read_architecture(folder)]
@@ -379,8 +379,8 @@ def build_model(
     if quantization == "int8":
         rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
         quantize_model_int8(model, kernel_dir, rows)
-    elif kernels is not None and kernels.packed_linear:
-        model.pack_linears()
+    elif kernels is not None and kernels.packed_rows is not None:
+        model.pack_linears(PackedRows(*kernels.packed_rows))
     elif kernels is not None and (kernels.gemv or kernels.few_rows_max):
         gemv = gemv_kernel(kernel_dir) if kernels.gemv else None
         few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
