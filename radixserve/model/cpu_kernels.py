@@ -69,7 +69,8 @@ def load_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> cty
     flags = (*KERNEL_FLAGS, *ISA_FLAGS[isa])
     source_path = Path(__file__).with_name(f"{name}.cpp")
     source = source_path.read_bytes()
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    digest = hashlib.sha256(source + headers + " ".join(flags).encode()).hexdigest()[:16]
     folder = folder or kernel_dir()
     path = folder / f"{name}-{digest}.so"
     if not path.is_file():

@@ -24,17 +24,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_avx2.h"
+
 namespace {
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
 constexpr int64_t kAhead = 32;    // positions prefetched ahead
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using simd::exp8;
+using simd::hsum;
 
 // The 8 sums of a[0..7]'s lanes, as one vector (sum of a[i] in lane i).
 inline __m256 hsum8(const __m256* a) {
@@ -47,35 +45,9 @@ inline __m256 hsum8(const __m256* a) {
     return _mm256_add_ps(lo, hi);
 }
 
-// e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 minimax polynomial
-// (relative error ~2e-7, fp32 rounding), 2^n put into the exponent bits. Inputs here are
-// <= 0 (scores minus their maximum); below -87 the result flushes to 0.
-inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(underflow, e);
-}
-
 // 8 pool values at p as fp32 lanes, for each element type a pool may hold.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p, std::true_type /*bf16*/) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 = the fp32's top half
-}
+inline __m256 load8(const uint16_t* p, std::true_type /*bf16*/) { return simd::load_bf16(p); }
 inline __m256 load8(const uint16_t* p, std::false_type /*fp16*/) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));  // F16C
 }

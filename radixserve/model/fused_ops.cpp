@@ -11,40 +11,17 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd_avx2.h"
+
 namespace {
 
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which one thread does the work
 
-inline __m256 load_bf16(const uint16_t* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+using simd::exp8;
+using simd::hsum;
+using simd::load_bf16;
 
-// 8 fp32 lanes rounded to bf16 (nearest, ties to even; inputs are finite), stored at p.
-inline void store_bf16(uint16_t* p, __m256 v) {
-    __m256i bits = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    bits = _mm256_srli_epi32(bits, 16);  // 8 x 16-bit values in the low halves of 32-bit lanes
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128((__m128i*)p, packed);
-}
-
-inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-
+// 8 fp32 lanes rounded to bf16 (nearest, ties to even; inputs are finite), kept as fp32.
 inline __m256 round_bf16(__m256 v) {
     __m256i bits = _mm256_castps_si256(v);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -52,31 +29,11 @@ inline __m256 round_bf16(__m256 v) {
     return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000)));
 }
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// e^x for 8 lanes (decode_attention.cpp's exp8, for any x: overflow to inf past 88).
-inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+// 8 fp32 lanes rounded to bf16, stored at p.
+inline void store_bf16(uint16_t* p, __m256 v) {
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i*)p, packed);
 }
 
 }  // namespace
