@@ -34,3 +34,17 @@ def greedy_of_folder(folder, prompts: list[list[int]], steps: int) -> list[list[
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return [reference_greedy(reference, p, steps) for p in prompts]
+
+
+FREE_VERIFICATION = (1.0, 1e-3)  # (a, b) seconds: a step of 1000 tokens costs as one
+
+
+def verification_free(engine):
+    """`engine` with its speculation controller counting verification as free, so that it
+    drafts whatever this CPU's step times say about whether drafting pays (on an AVX-512
+    CPU the tiny models' multi-token steps cost so much more than one-token ones that the
+    real controller drafts almost nothing): for tests of what drafts do to the outputs.
+    The controller's own rules are tested in tests/test_speculative.py."""
+    if engine.scheduler.spec is not None:
+        engine.scheduler.spec.cost.coefficients = lambda: FREE_VERIFICATION
+    return engine

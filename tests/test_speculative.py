@@ -19,9 +19,10 @@ from radixserve.config import SpeculativeConfig
 from radixserve.spec.controller import Acceptance, CostModel, plan
 from radixserve.spec.ngram import NgramDrafter, NgramIndex, SharedIndex
 from tests.conftest import FP32
-from tests.reference import reference_greedy
+from tests.reference import reference_greedy, verification_free
 from tests.test_constrained import DATE, NESTED, PERSON
-from tests.test_engine import PROMPTS, finish, greedy, make_engine
+from tests.test_engine import PROMPTS, finish, greedy
+from tests.test_engine import make_engine as make_plain_engine
 
 STEPS = 40
 NGRAM = {"speculative_algorithm": "ngram"}  # the default, named where it matters
@@ -34,6 +35,13 @@ LOOPY = [[3] * 20, [7, 8] * 10, PROMPTS[2], PROMPTS[0]]
 @pytest.fixture(scope="module")
 def expected(reference) -> list[list[int]]:
     return [reference_greedy(reference, p, STEPS) for p in LOOPY]
+
+
+def make_engine(tiny_model_dirs, **flags):
+    """test_engine's engine, its speculation controller counting verification as free
+    (`verification_free`): these tests pin what drafts do to the outputs. The controller's
+    own rules are tested below, and with SmolLM2 at the end of this module."""
+    return verification_free(make_plain_engine(tiny_model_dirs, **flags))
 
 
 def accepted(engine) -> int:
@@ -271,7 +279,7 @@ def test_sampling_with_speculation_draws_from_the_model(tiny_model_dirs, referen
     prompt, n, temperature = LOOPY[1], 300, 0.3
     engine = make_engine(tiny_model_dirs, max_total_tokens=8192, **NGRAM)
     params = {"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True}
-    samples = [  # one at a time: at batch 1 drafting pays whatever the controller measures
+    samples = [  # one at a time
         engine.generate(input_ids=prompt, sampling_params={**params, "sampling_seed": s})[
             "output_ids"
         ]

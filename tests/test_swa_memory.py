@@ -26,7 +26,7 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.scheduler.kv_manager import KVManager
 from tests.conftest import FP32, TINY_GEMMA3_WINDOW
-from tests.reference import greedy_of_folder, greedy_params
+from tests.reference import greedy_of_folder, greedy_params, verification_free
 
 W = TINY_GEMMA3_WINDOW
 STEPS = 24
@@ -246,8 +246,10 @@ def expected(tiny_model_dirs) -> list[list[int]]:
 
 
 def _engine(tiny_model_dirs, **config) -> Engine:
+    """The tiny Gemma 3, drafting whatever its step times say (`verification_free`)."""
     config = {"max_total_tokens": 2048, **config}
-    return Engine(str(tiny_model_dirs["gemma3"]), progress=False, dtype=FP32, **config)
+    engine = Engine(str(tiny_model_dirs["gemma3"]), progress=False, dtype=FP32, **config)
+    return verification_free(engine)
 
 
 def _check_and_flush(engine: Engine) -> None:
