@@ -1,8 +1,9 @@
-"""Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_linear`, bf16
-on CPUs with AMX): the product against F.linear, and a whole bf16 model packed and with the
-fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model with torch's
-ops, on any CPU (both are forced here; which machines get them by default is
-tests/test_hardware.py's business; the ops alone: tests/test_cpu_kernels.py)."""
+"""Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
+CPUs with AMX, 2-64-row fp32 products on AVX-512 CPUs): the product against F.linear, and a
+whole bf16 model packed and with the fused element-wise ops (`KernelPlan.fused_elementwise`)
+against the same model with torch's ops, on any CPU (both are forced here; which machines
+get them by default is tests/test_hardware.py's business; the ops alone:
+tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
