@@ -64,8 +64,8 @@ EVERY_ROW = PackedRows()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) in oneDNN's blocked layout for `packed_linear` (an opaque tensor of
-    the same shape and dtype: a copy, the plain weight is not needed after)."""
+    """A copy of weight (N, K) in oneDNN's blocked layout for `packed_linear` (an opaque
+    tensor of the same shape and dtype)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
