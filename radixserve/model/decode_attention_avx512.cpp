@@ -211,9 +211,9 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
             for (int64_t kh = first_kh; kh < first_kh + heads_per_task; kh++) {
                 const int64_t first = (b * heads + kh * group) * dim;
                 scores.resize(group * len);
+                q_bf16.resize(group * dim);  // sized either way: scores_of offsets into it
                 if (std::is_same<Dot, Bf16Dot>::value) {
                     // a bf16 query arrives widened to fp32: its top halves are its bf16 values
-                    q_bf16.resize(group * dim);
                     for (int64_t i = 0; i < group * dim; i++) {
                         uint32_t bits;
                         __builtin_memcpy(&bits, q + first + i, 4);
