@@ -175,6 +175,16 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # pow 5%, silu 5%): each reads and writes the whole tensor, in bf16, through several
 # passes. fp32 models keep torch's ops: they are the fidelity reference.
 
+# AMX_LINEAR: bf16 linear layers through bf16_linear_amx.cpp (AMX tiles, the weight laid out
+# once in the order the kernel reads it) against oneDNN with pre-blocked weights, Intel Xeon
+# (AMX), 2 threads, 30 layers of SmolLM2's 6 products each with every weight read from
+# memory (as in a decode step), ms per pass: 14.4 -> 9.2 at 1 row, 15.1 -> 9.4 at 16, 16.4
+# -> 11.8 at 32, 18.6 -> 15.4 at 64, 26.3 -> 22.1 at 128, 42.1 -> 38.3 at 256 (~24 GB/s
+# of weights against ~15). The same outputs up to 32 rows (bit for bit), within a bf16
+# rounding past. A product whose weight stays in cache turns the other way at 512-2048
+# rows (prefill: oneDNN 1.2-1.7x faster there), so decode-sized products only.
+AMX_ROWS = 64
+
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -201,6 +211,9 @@ class KernelPlan:
     # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each (fused_ops.cpp)
     # instead of chains of torch ops that each round to bf16 (see FUSED_ELEMENTWISE)
     fused_elementwise: bool = False
+    # bf16 products of 1..amx_rows rows (decode steps) through bf16_linear_amx.cpp, ahead of
+    # packed_rows; 0: off. CPUs with AMX-BF16 (see AMX_LINEAR)
+    amx_rows: int = 0
 
     @classmethod
     def choose(
@@ -228,6 +241,7 @@ class KernelPlan:
             packed_rows=PACKED_ROWS.get(dtype) if packed else None,
             decode_attention_isa="avx512" if avx512_attention else "avx2",
             fused_elementwise=on_x86 and dtype == torch.bfloat16,
+            amx_rows=AMX_ROWS if packed and dtype == torch.bfloat16 and cpu.amx_bf16 else 0,
         )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from radixserve.config import CacheConfig, ModelConfig
 from radixserve.hardware import (
+    AMX_ROWS,
     FEW_ROWS_MAX,
     CpuInfo,
     KernelPlan,
@@ -94,8 +95,10 @@ def test_kernel_plan_per_cpu():
     no_bf16 = cpu(INTEL_FLAGS.replace("avx512_bf16", ""), "AVX512")
     no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows)
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
-    # (and bf16 models on any x86 CPU: the fused element-wise ops)
-    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "avx512", True)
+    # (and bf16 models on any x86 CPU: the fused element-wise ops; with AMX, decode-sized
+    # products through the AMX kernel)
+    amx_rows = AMX_ROWS if onednn else 0
+    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "avx512", True, amx_rows)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
@@ -105,6 +108,8 @@ def test_kernel_plan_per_cpu():
     # bf16 without AMX (AVX-512 alone): not packed, unmeasured there
     no_amx = cpu(INTEL_FLAGS.replace("amx_bf16", ""), "AVX512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).packed_rows is None
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).amx_rows == 0
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel).amx_rows == 0  # bf16 only
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)

@@ -1,9 +1,10 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
-CPUs with AMX, 2-64-row fp32 products on AVX-512 CPUs): the product against F.linear, and a
-whole bf16 model packed and with the fused element-wise ops (`KernelPlan.fused_elementwise`)
-against the same model with torch's ops, on any CPU (both are forced here; which machines
-get them by default is tests/test_hardware.py's business; the ops alone:
-tests/test_cpu_kernels.py)."""
+CPUs with AMX, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX tiles for the
+project's kernel (`KernelPlan.amx_rows`: bf16 decode-sized products on CPUs with AMX): the
+product against F.linear, and a whole bf16 model packed, with the AMX kernel and with the
+fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model with torch's
+ops, on any CPU (all forced here where the CPU runs them; which machines get them by default
+is tests/test_hardware.py's business; the ops alone: tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 from radixserve.config import Config
 from radixserve.core.req import Req
-from radixserve.model.cpu_kernels import fused_ops
+from radixserve.hardware import cpu_info
+from radixserve.model.cpu_kernels import amx_linear, fused_ops
 from radixserve.model.layers import Linear, PackedRows, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -30,6 +32,10 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 needs_onednn_bf16 = pytest.mark.skipif(
     not ONEDNN_BF16, reason="oneDNN runs no bf16 products on this CPU"
 )
+
+
+AMX = amx_linear() if cpu_info().amx_bf16 else None
+needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has no AMX-BF16")
 
 
 def bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -77,6 +83,42 @@ def test_fp32_single_rows_and_prefill_keep_the_plain_weight():
     torch.testing.assert_close(layer(x[:1]), one, atol=0, rtol=0)
 
 
+def test_the_amx_kernel_is_there_wherever_the_cpu_has_amx():
+    """On an AMX CPU a failed build or a refused tile permission must not pass unseen."""
+    if cpu_info().amx_bf16:
+        assert AMX is not None
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (192, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_amx_product_matches_f_linear(rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    weight = torch.randn(n, k, generator=gen).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    out = AMX(x, AMX.pack(weight), n, None if b is None else b.float())
+    assert out.shape == (rows, n) and out.dtype == BF16
+    bf16_close(out, F.linear(x, weight, b))
+
+
+@needs_amx
+def test_the_amx_layer_takes_few_rows_and_leaves_the_rest_to_onednn():
+    layer = Linear(64, 48, bias=True).to(BF16)
+    small, big = torch.randn(7, 64).to(BF16), torch.randn(9, 64).to(BF16)
+    expected = F.linear(small, layer.weight, layer.bias), F.linear(big, layer.weight, layer.bias)
+    layer.use_amx(AMX, PackedRows(1, 8))
+    layer.pack(PackedRows())
+    assert layer.uses_amx(small) and not layer.uses_amx(big) and layer.uses_packed(big)
+    assert layer.amx_weight.numel() == 64 * 48
+    bf16_close(layer(small), expected[0])
+    bf16_close(layer(big), expected[1])
+    odd = Linear(64, 40).to(BF16)  # 40 output features: not whole 16-wide tiles
+    odd.use_amx(AMX, PackedRows(1, 8))
+    assert odd.amx is None and not odd.uses_amx(small)
+
+
 def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
     """A bf16 runner with the torch kernels (nothing chosen by this CPU), or that model
     packed (where oneDNN runs bf16 products) and with the fused ops (where they can be
@@ -90,6 +132,8 @@ def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
     )
     runner = ModelRunner(config, progress=False)
     if pack:
+        if AMX is not None:  # the products of up to 64 rows: every one in these tests
+            runner.model.use_amx_linears(AMX, PackedRows(1, 64))
         if ONEDNN_BF16:
             runner.model.pack_linears()
         if fused_ops() is not None:
@@ -120,6 +164,10 @@ def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_
         linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
         assert linears and all(m.packed_weight is not None for m in linears)
         assert (packed.model.lm_packed is not None) == (packed.model.lm_head is None)
+    if AMX is not None:
+        linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.amx is not None for m in linears)
+        assert (packed.model.lm_amx is not None) == (packed.model.lm_head is None)
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
     ours, ref = prefill_logits(packed, prompts), prefill_logits(plain, prompts)
     # the same up to bf16 rounding of sums taken in another order (measured on an Intel

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import FusedOps
+from radixserve.model.cpu_kernels import AmxLinear, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -62,6 +62,8 @@ class CausalLM(nn.Module):
         self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
         self.lm_packed: torch.Tensor | None = None  # see pack_linears
         self.lm_packed_rows = EVERY_ROW
+        self.lm_amx: AmxLinear | None = None  # see use_amx_linears
+        self.lm_amx_rows: PackedRows | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -103,7 +105,9 @@ class CausalLM(nn.Module):
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (L, hidden), already normed → (L, vocab) in x's dtype (under tensor
         parallelism on rank 0; the other ranks get their vocabulary slice)."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.lm_amx_rows is not None and self.lm_amx_rows.covers(x):
+            local = self.lm_amx(x, self.lm_amx_weight, self.embed_tokens.weight.shape[0], None)
+        elif self.lm_head is None:
             packed = self.lm_packed if self.lm_packed_rows.covers(x) else None
             local = logits_linear(x, self.embed_tokens.weight, self.row_kernels, packed)
         elif isinstance(self.lm_head, Linear) and self.lm_head.uses_packed(x):
@@ -130,6 +134,18 @@ class CausalLM(nn.Module):
                 module.fused = ops
             elif isinstance(module, GatedMLP) and module.act is F.silu:
                 module.fused = ops
+
+    def use_amx_linears(self, kernel: AmxLinear, rows: PackedRows) -> None:
+        """bf16 products of `rows` rows in every linear layer and the LM head through the
+        AMX kernel (`bf16_linear_amx.cpp`), each weight copied once into its tile layout; a
+        tied head gets a copy of the embedding matrix. Before `pack_linears`."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_amx(kernel, rows)
+        if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
+            packed = kernel.pack(self.embed_tokens.weight)
+            self.register_buffer("lm_amx_weight", packed, persistent=False)
+            self.lm_amx, self.lm_amx_rows = kernel, rows
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

@@ -1,5 +1,5 @@
 """The project's C++ CPU kernels (x86 AVX2 + FMA + F16C; `*_avx512.cpp` variants for AVX-512
-with AVX512-BF16), compiled with the system compiler on first use and loaded with ctypes.
+with AVX512-BF16; `*_amx.cpp` for AMX-BF16), compiled with the system compiler on first use and loaded with ctypes.
 
 Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
 built once per source version into a cache folder (~/.cache/radixserve/kernels by default)
@@ -33,6 +33,10 @@ KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPI
 ISA_FLAGS = {
     "avx2": (),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+    "amx": (
+        *("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+        *("-mamx-tile", "-mamx-bf16"),
+    ),
 }
 
 
@@ -40,8 +44,11 @@ def cpu_runs(isa: str) -> bool:
     """This CPU executes kernels built for `isa`."""
     cpu = cpu_info()
     avx2 = cpu.avx2 and "f16c" in cpu.flags
+    avx512 = avx2 and cpu.avx512 and cpu.avx512_bf16
+    if isa == "amx":
+        return avx512 and cpu.amx_bf16
     if isa == "avx512":
-        return avx2 and cpu.avx512 and cpu.avx512_bf16
+        return avx512
     return avx2
 
 
@@ -205,3 +212,63 @@ def fused_ops(folder: Path | None = None) -> FusedOps | None:
     """The fused bf16 element-wise ops, or None where they cannot be built."""
     library = load_kernel("fused_ops", folder)
     return None if library is None else FusedOps(library)
+
+
+class AmxLinear:
+    """`bf16_linear_amx.cpp`: bf16 products of few rows with the weight laid out once as
+    AMX tiles (`pack`). Takes what `fits` says yes to."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._pack = library.bf16_amx_pack
+        self._pack.argtypes = [p, p, i64, i64]
+        self._pack.restype = None
+        self._linear = library.bf16_amx_linear
+        self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self._linear.restype = None
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """A 2-D bf16 weight of a multiple of 16 rows (output features) by a multiple of 32
+        columns (the tiles' sizes)."""
+        return (
+            weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 32 == 0
+        )
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight (N, K) in the kernel's tile layout: a flat bf16 tensor of N * K."""
+        weight = weight.detach().contiguous()
+        out = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), out.data_ptr(), *weight.shape)
+        return out
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x (M, K) bf16 @ the packed (n, K) weight .T + bias (fp32 or None) → (M, n) bf16."""
+        x = x.contiguous()
+        m, k = x.shape
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        with profiled("kernel:linear"):
+            self._linear(
+                x.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), m, n, k,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+
+@functools.cache
+def amx_linear(folder: Path | None = None) -> AmxLinear | None:
+    """The AMX bf16 linear kernel, or None where it cannot be built or Linux does not
+    grant this process the AMX tile state."""
+    library = load_kernel("bf16_linear_amx", folder, isa="amx")
+    if library is None:
+        return None
+    if not library.bf16_amx_enable():
+        logger.warning("Linux refused this process AMX's tile state: the AMX kernel is not used")
+        return None
+    return AmxLinear(library)

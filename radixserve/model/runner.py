@@ -30,7 +30,7 @@ from radixserve.hardware import (
 )
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
-from radixserve.model.cpu_kernels import fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import amx_linear, fused_ops, gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
@@ -380,6 +380,9 @@ def build_model(
         rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
         quantize_model_int8(model, kernel_dir, rows)
     elif kernels is not None and kernels.packed_rows is not None:
+        amx = amx_linear(kernel_dir) if kernels.amx_rows else None
+        if amx is not None:
+            model.use_amx_linears(amx, PackedRows(1, kernels.amx_rows))
         model.pack_linears(PackedRows(*kernels.packed_rows))
     elif kernels is not None and (kernels.gemv or kernels.few_rows_max):
         gemv = gemv_kernel(kernel_dir) if kernels.gemv else None

@@ -1,0 +1,176 @@
+// bf16 linear layers of few rows (decode steps) on Intel AMX:
+//
+//   out (m, n) bf16 = x (m, k) bf16 @ W.T + bias,  W (n, k) bf16, bias fp32 or none
+//
+// Decode steps are bound by reading the weights from memory: each step streams every
+// weight once for a handful of rows. oneDNN's AMX kernels, given the same pre-blocked
+// weights, read them at ~15 GB/s on 2 cores in a decode step of SmolLM2; this kernel lays
+// each weight out once (`bf16_amx_pack`) as the AMX B tiles it consumes, in the order it
+// consumes them, so a product is a few sequential streams (~24 GB/s measured; see
+// radixserve/hardware.py AMX_LINEAR).
+//
+// Layout: W is cut into blocks of 16 output features; a block is k / 32 tiles of 16 rows
+// x 32 bf16 (1 KiB), tile j holding, in row p and pair c, W[16 b + c][32 j + 2 p + {0, 1}]
+// (the pairs `_tile_dpbf16ps` multiplies with a row of x's 32-column slice j). Blocks are
+// stored one after the other, each a contiguous k * 32 bytes.
+//
+// Compute: each thread takes whole groups of up to 4 blocks (4 accumulator tiles, one A
+// tile for x's slice, two B tiles loaded in turn), all of x's rows in chunks of 16 rows
+// (x zero-padded to a multiple of 16 rows past 16), the fp32 sums rounded to bf16 (round
+// to nearest even, as torch rounds) after the bias is added in fp32. The products are
+// exact bf16 x bf16 summed in fp32: the same arithmetic as oneDNN's, in another order.
+//
+// The kernel needs the tile data permission from Linux (arch_prctl ARCH_REQ_XCOMP_PERM;
+// `bf16_amx_enable`, called once before any product), AMX-TILE, AMX-BF16 and AVX512-BF16.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16 * 32;  // bf16 elements of one B tile (16 rows of 64 bytes)
+constexpr int kGroup = 4;           // output blocks per group: the accumulator tiles
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0..3: accumulators (rows x 16 fp32); 4: x's slice (rows x 32 bf16); 5, 6: W's
+// tiles (16 pairs x 16 features).
+void configure(int rows) {
+    TileConfig cfg;
+    for (int t = 0; t < 5; t++) cfg.rows[t] = rows, cfg.colsb[t] = 64;
+    cfg.rows[5] = cfg.rows[6] = 16, cfg.colsb[5] = cfg.colsb[6] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// The sums of `count` blocks (starting at w, `stride` elements apart) for one chunk of
+// x's rows (x: its first row; ldx: elements per row), into tiles 0..count-1.
+template <int count>
+inline void accumulate(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t stride,
+                       int64_t slices) {
+    _tile_zero(0);
+    if constexpr (count > 1) _tile_zero(1);
+    if constexpr (count > 2) _tile_zero(2);
+    if constexpr (count > 3) _tile_zero(3);
+    for (int64_t j = 0; j < slices; j++, w += kTile) {
+        _tile_loadd(4, x + j * 32, ldx * 2);
+        _tile_loadd(5, w, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (count > 1) {
+            _tile_loadd(6, w + stride, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if constexpr (count > 2) {
+            _tile_loadd(5, w + 2 * stride, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if constexpr (count > 3) {
+            _tile_loadd(6, w + 3 * stride, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+}
+
+// The rows of a tile stored in scratch (16 fp32 each) + bias, rounded to bf16, into out's
+// rows (ldo apart). (The tile intrinsics take their tile number as a literal.)
+inline void store(const float* scratch, int64_t rows, const float* bias, uint16_t* out,
+                  int64_t ldo) {
+    __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + r * 16), b);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+}
+
+template <int count>
+void group(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t stride,
+           const float* bias, uint16_t* out, int64_t n, float* scratch) {
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        int64_t rows = m - r0 < 16 ? m - r0 : 16;
+        accumulate<count>(x + r0 * k, k, w, stride, k / 32);
+        uint16_t* o = out + r0 * n;
+        _tile_stored(0, scratch, 64);
+        store(scratch, rows, bias, o, n);
+        if constexpr (count > 1) {
+            _tile_stored(1, scratch, 64);
+            store(scratch, rows, bias ? bias + 16 : nullptr, o + 16, n);
+        }
+        if constexpr (count > 2) {
+            _tile_stored(2, scratch, 64);
+            store(scratch, rows, bias ? bias + 32 : nullptr, o + 32, n);
+        }
+        if constexpr (count > 3) {
+            _tile_stored(3, scratch, 64);
+            store(scratch, rows, bias ? bias + 48 : nullptr, o + 48, n);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int bf16_amx_enable() {
+    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+// W (n, k) → the tile layout above; n a multiple of 16, k of 32.
+extern "C" void bf16_amx_pack(const uint16_t* w, uint16_t* out, int64_t n, int64_t k) {
+    const int64_t slices = k / 32;
+#pragma omp parallel for
+    for (int64_t b = 0; b < n / 16; b++)
+        for (int64_t j = 0; j < slices; j++) {
+            uint16_t* tile = out + (b * slices + j) * kTile;
+            for (int64_t p = 0; p < 16; p++)
+                for (int64_t c = 0; c < 16; c++) {
+                    const uint16_t* src = w + (b * 16 + c) * k + j * 32 + 2 * p;
+                    tile[p * 32 + c * 2] = src[0];
+                    tile[p * 32 + c * 2 + 1] = src[1];
+                }
+        }
+}
+
+// out (m, n) = x (m, k) @ W.T + bias; x contiguous, n a multiple of 16, k of 32; bias (n,)
+// fp32 or null.
+extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias,
+                                uint16_t* out, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t blocks = n / 16, stride = k / 32 * kTile;
+    // past 16 rows x is read in chunks of 16 rows: the last one zero-padded
+    std::vector<uint16_t> padded;
+    if (m > 16 && m % 16) {
+        padded.assign((m + 15) / 16 * 16 * k, 0);
+        memcpy(padded.data(), x, m * k * sizeof(uint16_t));
+        x = padded.data();
+    }
+    // blocks per group: fewer than 4 where that leaves a thread without work
+    int64_t per_thread = (blocks + threads - 1) / threads;
+    const int64_t size = per_thread < kGroup ? (per_thread < 1 ? 1 : per_thread) : kGroup;
+    const int64_t groups = (blocks + size - 1) / size;
+#pragma omp parallel num_threads(threads)
+    {
+        configure(m < 16 ? static_cast<int>(m) : 16);
+        alignas(64) float scratch[16 * 16];
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int64_t g = groups * id / nt; g < groups * (id + 1) / nt; g++) {
+            const int64_t b = g * size, count = blocks - b < size ? blocks - b : size;
+            const uint16_t* w = packed + b * stride;
+            const float* gb = bias ? bias + b * 16 : nullptr;
+            uint16_t* o = out + b * 16;
+            switch (count) {
+                case 1: group<1>(x, m, k, w, stride, gb, o, n, scratch); break;
+                case 2: group<2>(x, m, k, w, stride, gb, o, n, scratch); break;
+                case 3: group<3>(x, m, k, w, stride, gb, o, n, scratch); break;
+                default: group<4>(x, m, k, w, stride, gb, o, n, scratch); break;
+            }
+        }
+        _tile_release();
+    }
+}
