@@ -1,5 +1,6 @@
 """The project's C++ CPU kernels (x86 AVX2 + FMA + F16C; `*_avx512.cpp` variants for AVX-512
-with AVX512-BF16; `*_amx.cpp` for AMX-BF16), compiled with the system compiler on first use and loaded with ctypes.
+with AVX512-BF16; `*_amx.cpp` for AMX-BF16), compiled with the system compiler on first
+use and loaded with ctypes.
 
 Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
 built once per source version into a cache folder (~/.cache/radixserve/kernels by default)
