@@ -181,9 +181,11 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # memory (as in a decode step), ms per pass: 14.4 -> 9.2 at 1 row, 15.1 -> 9.4 at 16, 16.4
 # -> 11.8 at 32, 18.6 -> 15.4 at 64, 26.3 -> 22.1 at 128, 42.1 -> 38.3 at 256 (~24 GB/s
 # of weights against ~15). The same outputs up to 32 rows (bit for bit), within a bf16
-# rounding past. A product whose weight stays in cache turns the other way at 512-2048
-# rows (prefill: oneDNN 1.2-1.7x faster there), so decode-sized products only.
-AMX_ROWS = 64
+# rounding past. In the model (bf16 extend batches after a 512-token cached prefix, ms per
+# forward, oneDNN -> AMX above 64 rows): 128 rows 79.8 -> 72.6, 256 rows 136.1 -> 127.9,
+# 512 rows 259.9 -> 242.8; but 2048 rows 741 -> 883 (oneDNN's blocking for large products
+# wins there). So decode steps and mixed batches up to 256 rows; prefill chunks oneDNN.
+AMX_ROWS = 256
 
 
 @dataclass(frozen=True)
