@@ -90,7 +90,7 @@ def test_the_amx_kernel_is_there_wherever_the_cpu_has_amx():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64, 200])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (192, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_amx_product_matches_f_linear(rows, n, k, bias):

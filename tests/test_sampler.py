@@ -25,6 +25,7 @@ from radixserve.model.sampler import (
     SamplingBatch,
     exponential_noise,
     filtered_probs,
+    first_argmax,
     process_logits,
 )
 
@@ -131,6 +132,17 @@ def test_greedy_rows_are_argmax():
     logits = random_logits(64, 100, seed=1)
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)] * 64
     assert torch.equal(sample(logits, params).next_ids, logits.argmax(dim=-1))
+
+
+def test_first_argmax_breaks_ties_as_argmax_does():
+    """Rows full of ties (bf16 logits widened to fp32 have many), NaN and all -inf rows:
+    the same index as argmax, the first of the largest."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (16, 49152), generator=gen).float()
+    x[3, 100] = float("nan")
+    x[5] = -math.inf
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    assert first_argmax(torch.tensor([[1.0, 7.0, 7.0, 2.0]])).item() == 1
 
 
 def test_greedy_rows_stay_exact_in_a_mixed_batch():

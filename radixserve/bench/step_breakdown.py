@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from radixserve.config import CacheConfig, ModelConfig, add_config_args, config_from_args
 from radixserve.model.cpu_kernels import profiled
+from radixserve.model.sampler import first_argmax
 
 PARTS = (ModelConfig, CacheConfig)
 CHUNK_REQS = 16  # most requests prefilled in one extend batch
@@ -192,7 +193,7 @@ def measure(runner, batch: int, context_len: int, steps: int, gen: torch.Generat
             begin = time.perf_counter()
             with profiled(STEP_LABEL):  # nothing while the profiler is off
                 logits = runner.forward(builder.decode(reqs)).logits
-                for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+                for req, token in zip(reqs, first_argmax(logits).tolist(), strict=True):
                     req.output_ids.append(token)
             return time.perf_counter() - begin
 
