@@ -165,6 +165,27 @@ def test_decode_kernel_bf16_products_are_exact(isa):
         torch.testing.assert_close(kernel[i].double(), exact, atol=2**-8, rtol=2**-8)
 
 
+@pytest.mark.skipif(not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16")
+def test_bf16_query_and_output_passed_as_they_are_change_nothing():
+    """The AVX-512 build reads a bf16 query and writes a bf16 output itself (code 4): the
+    same bits as the query widened to fp32 and the fp32 output rounded by torch (code 3)."""
+    kernel = decode_attention_kernel(isa="avx512")
+    assert kernel.bf16_io
+    gen = torch.Generator().manual_seed(4)
+    k_pool, v_pool = (torch.randn(600, 3, 64, generator=gen).to(BF16) for _ in range(2))
+    table = torch.randperm(600, generator=gen)[:594].view(3, 198).contiguous()
+    q = torch.randn(3, 9, 64, generator=gen).to(BF16)
+    rows, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([198, 17, 1])
+    direct = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125)
+    kernel.bf16_io = False
+    try:
+        widened = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125)
+    finally:
+        kernel.bf16_io = True
+    assert direct.dtype == widened.dtype == BF16
+    assert torch.equal(direct, widened)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     """Jump-forward makes extend batches of one-token rows beside longer rows: the one-token

@@ -12,6 +12,8 @@
 //   32 dims per instruction, no widening of K. A bf16 pool under an fp32 query (code 1)
 //   widens K to fp32 as the AVX2 kernel does, so an fp32 query is never rounded.
 // - the softmax and the weighted sum of V in fp32, 16 lanes (V widened in registers).
+// - kv_dtype code 4 is code 3 with the query and the output in bf16 (the model's own
+//   tensors, no widened copies): the output rounded to nearest even, as torch rounds.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -88,23 +90,26 @@ inline void prefetch_row(const T* p, int64_t dim) {
     for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
-// The query of head g in the form the dot products take: fp32 (Kv's widened rows), or bf16
-// pairs for vdpbf16ps (code 3). q_bf16 has room for group * dim values.
+// The query of head g (at offset g * dim) in the form the dot products take: fp32 (Kv's
+// widened rows), or bf16 pairs for vdpbf16ps (codes 3, 4; then q is not read: it may be
+// null). q_bf16 has room for group * dim values.
 struct Fp32Dot {
     template <typename Kv>
-    static __m512 dot(const float* q, const uint16_t*, const typename Kv::T* k, int64_t dim) {
+    static __m512 dot(const float* q, const uint16_t*, int64_t at, const typename Kv::T* k,
+                      int64_t dim) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), Kv::load(k + d), acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + at + d), Kv::load(k + d), acc);
         return acc;
     }
 };
 struct Bf16Dot {
     template <typename Kv>
-    static __m512 dot(const float*, const uint16_t* q, const typename Kv::T* k, int64_t dim) {
+    static __m512 dot(const float*, const uint16_t* q, int64_t at, const typename Kv::T* k,
+                      int64_t dim) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 32)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + at + d),
                                    (__m512bh)_mm512_loadu_si512(k + d));
         return acc;
     }
@@ -126,7 +131,7 @@ void scores_of(const float* q, const uint16_t* q_bf16, const typename Kv::T* k_p
         for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
         for (int64_t g = 0; g < group; g++) {
             __m512 acc[16];
-            for (int t = 0; t < 16; t++) acc[t] = Dot::template dot<Kv>(q + g * dim, q_bf16 + g * dim, k[t], dim);
+            for (int t = 0; t < 16; t++) acc[t] = Dot::template dot<Kv>(q, q_bf16, g * dim, k[t], dim);
             __m512 sums = _mm512_mul_ps(hsum16(acc), vscale);
             _mm512_mask_storeu_ps(scores + g * len + s0, (__mmask16)((1u << n) - 1), sums);
         }
@@ -183,11 +188,15 @@ void weighted_values(const float* p, const typename Kv::T* v_pool, const int64_t
     }
 }
 
-template <typename Kv, typename Dot>
-void attend(const float* q, const void* k_pool_, const void* v_pool_, const int64_t* table,
-            const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
+// q and out in fp32, or in bf16 (code 4: the query's bf16 values taken as they are, the
+// output rounded to bf16)
+template <typename Kv, typename Dot, bool bf16_io = false>
+void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int64_t* table,
+            const int64_t* rows, const int64_t* seq_lens, void* out_, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
             int num_threads, int64_t window) {
+    const float* q = (const float*)q_;  // fp32 io only
+    float* out = (float*)out_;
     const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
     const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
@@ -201,6 +210,7 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     {
         std::vector<float> scores;     // (G, S) of the current KV head
         std::vector<uint16_t> q_bf16;  // (G, D): the query as bf16 (Bf16Dot)
+        std::vector<float> out32;      // (G, D): a head group's output before rounding (bf16 io)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task * heads_per_task / kv_heads;
@@ -212,7 +222,9 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
                 const int64_t first = (b * heads + kh * group) * dim;
                 scores.resize(group * len);
                 q_bf16.resize(group * dim);  // sized either way: scores_of offsets into it
-                if (std::is_same<Dot, Bf16Dot>::value) {
+                if (bf16_io) {
+                    __builtin_memcpy(q_bf16.data(), (const uint16_t*)q_ + first, group * dim * 2);
+                } else if (std::is_same<Dot, Bf16Dot>::value) {
                     // a bf16 query arrives widened to fp32: its top halves are its bf16 values
                     for (int64_t i = 0; i < group * dim; i++) {
                         uint32_t bits;
@@ -220,11 +232,22 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
                         q_bf16[i] = (uint16_t)(bits >> 16);
                     }
                 }
-                scores_of<Kv, Dot>(q + first, q_bf16.data(), k_pool, slots, len, group, kv_heads,
-                                   kh, dim, scale, scores.data());
+                const float* q32 = bf16_io ? nullptr : q + first;
+                scores_of<Kv, Dot>(q32, q_bf16.data(), k_pool, slots, len, group, kv_heads, kh,
+                                   dim, scale, scores.data());
                 for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
-                weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh, dim,
-                                    out + first);
+                if (bf16_io) {
+                    out32.resize(group * dim);
+                    weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh,
+                                        dim, out32.data());
+                    uint16_t* o = (uint16_t*)out_ + first;
+                    for (int64_t i = 0; i < group * dim; i += 16)
+                        _mm256_storeu_si256((__m256i*)(o + i),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(&out32[i])));
+                } else {
+                    weighted_values<Kv>(scores.data(), v_pool, slots, len, group, kv_heads, kh,
+                                        dim, out + first);
+                }
             }
         }
     }
@@ -235,13 +258,15 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
 extern "C" {
 
 // As decode_attention.cpp's, with kv_dtype 3: a bf16 pool and a query whose values are
-// bf16 (widened to fp32 exactly), whose products go through vdpbf16ps.
-void decode_attention(const float* q, const void* k_pool, const void* v_pool,
+// bf16 (widened to fp32 exactly), whose products go through vdpbf16ps; 4: the same with q
+// and out bf16 tensors.
+void decode_attention(const void* q, const void* k_pool, const void* v_pool,
                       const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
-                      float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                      void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t table_stride, float scale, int num_threads, int kv_dtype,
                       int64_t window) {
-    auto run = kv_dtype == 3   ? attend<Bf16, Bf16Dot>
+    auto run = kv_dtype == 4   ? attend<Bf16, Bf16Dot, true>
+               : kv_dtype == 3 ? attend<Bf16, Bf16Dot>
                : kv_dtype == 1 ? attend<Bf16, Fp32Dot>
                : kv_dtype == 2 ? attend<Fp16, Fp32Dot>
                                : attend<Fp32, Fp32Dot>;
@@ -252,5 +277,8 @@ void decode_attention(const float* q, const void* k_pool, const void* v_pool,
 int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
     return heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && dim % 32 == 0;
 }
+
+// This build takes kv_dtype 4 (bf16 query and output).
+int decode_attention_bf16_io() { return 1; }
 
 }  // extern "C"
