@@ -168,7 +168,10 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # AVX512_ATTENTION: decode attention on AVX-512 + AVX512-BF16 (16 lanes, vdpbf16ps for q.k
 # of a bf16 model) against the AVX2 build, SmolLM2 bf16, context 512, ms per step of
 # attention: 17.3 -> 15.1 at 16 running, 60.9 -> 53.3 at 64 (it reads K/V from memory at
-# ~13-16 GB/s either way); with a request's KV heads in one task 13.3 and 49.1.
+# ~13-16 GB/s either way); with a request's KV heads in one task 13.3 and 49.1. The AMX
+# build (q . k of 16 positions per tile product, the K rows read in place where 16 slots
+# are consecutive), 30 layers, context 550, K/V from memory: 13.5 -> 12.4 ms at 16 running,
+# 51.3 -> 48.3 at 64; with K/V in cache 8.2 -> 6.4 (the rest is the wait for memory).
 
 # FUSED_ELEMENTWISE: in a bf16 prefill of 16 x 544 tokens (SmolLM2, Intel Xeon AMX, 2
 # threads) torch's element-wise ops took 45% of the forward (mul 19%, add 6%, copies 6%,
@@ -208,7 +211,8 @@ class KernelPlan:
     packed_rows: tuple[int, int | None] | None = None
     # which build of the decode-attention kernel: "avx2" (decode_attention.cpp), or
     # "avx512" (decode_attention_avx512.cpp: 16 lanes, and vdpbf16ps for a bf16 model's
-    # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION)
+    # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION), or "amx" (that
+    # source built with AMX: a bf16 model's q . k on the tile unit) where AMX-BF16 is there
     decode_attention_isa: str = "avx2"
     # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each (fused_ops.cpp)
     # instead of chains of torch ops that each round to bf16 (see FUSED_ELEMENTWISE)
@@ -241,7 +245,9 @@ class KernelPlan:
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
             packed_rows=PACKED_ROWS.get(dtype) if packed else None,
-            decode_attention_isa="avx512" if avx512_attention else "avx2",
+            decode_attention_isa=(
+                ("amx" if cpu.amx_bf16 else "avx512") if avx512_attention else "avx2"
+            ),
             fused_elementwise=on_x86 and dtype == torch.bfloat16,
             amx_rows=AMX_ROWS if packed and dtype == torch.bfloat16 and cpu.amx_bf16 else 0,
         )

@@ -33,6 +33,9 @@ ISAS = [
             not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
         ),
     ),
+    pytest.param(
+        "amx", marks=pytest.mark.skipif(not cpu_runs("amx"), reason="this CPU has no AMX-BF16")
+    ),
 ]
 
 
@@ -49,10 +52,11 @@ def attend_both_ways(
     window=0,
     inputs=None,
     isa="avx2",
+    consecutive=False,
 ):
-    """(kernel output, torch output) of one layer over a pool with scattered slots (a
-    sliding-window layer with `window` > 0); `inputs`, a dict, gets the pool, the table,
-    the batch and q, k, v."""
+    """(kernel output, torch output) of one layer over a pool with scattered slots, or
+    with each request's slots in a row (`consecutive`) (a sliding-window layer with
+    `window` > 0); `inputs`, a dict, gets the pool, the table, the batch and q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     size = sum(seq_lens) + 7
@@ -60,7 +64,8 @@ def attend_both_ways(
     pool.k[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
     pool.v[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
     table = ReqToTokenPool(len(seq_lens) + 2, 512, "cpu")
-    slots = (torch.randperm(size, generator=gen) + 1).tolist()  # scattered over the pool
+    order = torch.arange(size) if consecutive else torch.randperm(size, generator=gen)
+    slots = (order + 1).tolist()  # scattered over the pool, or in a row
     rows, out_slots = [], []
     for i, n in enumerate(seq_lens):
         row = len(seq_lens) + 1 - i  # rows out of order too
@@ -137,11 +142,13 @@ def test_shapes_the_kernel_does_not_take_stay_on_the_torch_path(heads, kv_heads,
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_decode_kernel_bf16_products_are_exact(isa):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_decode_kernel_bf16_products_are_exact(isa, consecutive):
     """A bf16 model over a bf16 pool: the AVX-512 kernel takes q . k with vdpbf16ps (bf16
-    pairs multiplied exactly, summed in fp32), the AVX2 kernel widens both to fp32; either
-    equals attention computed in fp64 on the same bf16 values, to the bf16 rounding of the
-    output."""
+    pairs multiplied exactly, summed in fp32), its AMX build on the tile unit (K rows read
+    in place where 16 slots are consecutive, else copied), the AVX2 kernel widens both to
+    fp32; each equals attention computed in fp64 on the same bf16 values, to the bf16
+    rounding of the output."""
     inputs = {}
     prefix_lens = [0, 3, 8, 15, 16, 21, 130, 411]
     kernel, _ = attend_both_ways(
@@ -154,6 +161,7 @@ def test_decode_kernel_bf16_products_are_exact(isa):
         q_dtype=torch.bfloat16,
         inputs=inputs,
         isa=isa,
+        consecutive=consecutive,
     )
     pool, table, batch, q = inputs["pool"], inputs["table"], inputs["batch"], inputs["q"]
     for i, (row, n) in enumerate(zip(batch.req_rows.tolist(), prefix_lens, strict=True)):
@@ -165,15 +173,18 @@ def test_decode_kernel_bf16_products_are_exact(isa):
         torch.testing.assert_close(kernel[i].double(), exact, atol=2**-8, rtol=2**-8)
 
 
-@pytest.mark.skipif(not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16")
-def test_bf16_query_and_output_passed_as_they_are_change_nothing():
-    """The AVX-512 build reads a bf16 query and writes a bf16 output itself (code 4): the
-    same bits as the query widened to fp32 and the fp32 output rounded by torch (code 3)."""
-    kernel = decode_attention_kernel(isa="avx512")
+@pytest.mark.parametrize("isa", ISAS[1:])
+def test_bf16_query_and_output_passed_as_they_are_change_nothing(isa):
+    """The AVX-512 builds read a bf16 query and write a bf16 output themselves (code 4):
+    the same bits as the query widened to fp32 and the fp32 output rounded by torch (code 3).
+    The slots are shuffled (AMX: K rows copied) but for two runs of 16 in a row (read in
+    place)."""
+    kernel = decode_attention_kernel(isa=isa)
     assert kernel.bf16_io
     gen = torch.Generator().manual_seed(4)
     k_pool, v_pool = (torch.randn(600, 3, 64, generator=gen).to(BF16) for _ in range(2))
     table = torch.randperm(600, generator=gen)[:594].view(3, 198).contiguous()
+    table[0, 16:48] = torch.arange(200, 232)  # one more occurrence of a slot: harmless
     q = torch.randn(3, 9, 64, generator=gen).to(BF16)
     rows, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([198, 17, 1])
     direct = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125)

@@ -90,7 +90,7 @@ def test_kernel_plan_per_cpu():
     # on pre-blocked weights from 2 rows up in fp32, for every product in bf16 (AMX)
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
-    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "avx512")
+    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx")  # the build with AMX
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = cpu(INTEL_FLAGS.replace("avx512_bf16", ""), "AVX512")
     no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows)
@@ -98,7 +98,7 @@ def test_kernel_plan_per_cpu():
     # (and bf16 models on any x86 CPU: the fused element-wise ops; with AMX, decode-sized
     # products through the AMX kernel)
     amx_rows = AMX_ROWS if onednn else 0
-    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "avx512", True, amx_rows)
+    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", True, amx_rows)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
@@ -109,6 +109,7 @@ def test_kernel_plan_per_cpu():
     no_amx = cpu(INTEL_FLAGS.replace("amx_bf16", ""), "AVX512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).packed_rows is None
     assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).amx_rows == 0
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).decode_attention_isa == "avx512"
     assert KernelPlan.choose("auto", CPU, f32, f32, intel).amx_rows == 0  # bf16 only
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)

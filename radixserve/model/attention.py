@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.cache.allocator import PADDING_SLOT
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.model.cpu_kernels import load_kernel, profiled
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +65,9 @@ class TorchNativeMetadata:
     window_out_slots: torch.Tensor | None = None  # (T,) hybrid window memory: window slots
 
 
+KERNEL_ISAS = ("amx", "avx512", "avx2")  # the decode kernel's builds, best first
+
+
 class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> object: ...
 
@@ -82,8 +88,8 @@ class TorchNativeAttention:
 
     With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
-    "avx512" its AVX-512 variant), which reads K/V where they lie in the pool, in fp32, bf16
-    or fp16: no gathered copy, no padding, no mask.
+    "avx512" its AVX-512 variant, "amx" that one built with AMX), which reads K/V where they
+    lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask.
 
     `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
     position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
@@ -115,14 +121,15 @@ class TorchNativeAttention:
         self.windows = [int(w) for w in windows]  # per layer; missing or 0: no window
         if any(w < 0 for w in self.windows):
             raise ValueError(f"sliding windows must be >= 0, got {sorted(set(self.windows))}")
-        pool = kv_pool.k[0]
-        kernel = decode_attention_kernel(kernel_dir, kernel_isa) if use_kernel else None
-        if use_kernel and kernel is None and kernel_isa != "avx2":
-            kernel = decode_attention_kernel(kernel_dir)
-        _, kv_heads, head_dim = pool.shape
-        if kernel is not None and not kernel.supports(num_heads, kv_heads, head_dim):
-            kernel = None  # head size not a multiple of 32, or over 8 query heads per KV head
-        self.decode_kernel = kernel
+        _, kv_heads, head_dim = kv_pool.k[0].shape
+        self.decode_kernel = None
+        # the plan's build, else the next one down, that loads and takes these heads (head
+        # size a multiple of 32, at most 8 query heads per KV head; AMX: head size <= 256)
+        for isa in KERNEL_ISAS[KERNEL_ISAS.index(kernel_isa) :] if use_kernel else ():
+            kernel = decode_attention_kernel(kernel_dir, isa)
+            if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
+                self.decode_kernel = kernel
+                break
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         """The groups every full-attention layer uses, and those of each sliding window
@@ -421,11 +428,17 @@ class DecodeKernel:
 def decode_attention_kernel(
     kernel_dir: Path | None = None, isa: str = "avx2"
 ) -> DecodeKernel | None:
-    """The C++ decode attention built into `kernel_dir` (`decode_attention.cpp`, or for
-    isa "avx512" `decode_attention_avx512.cpp`), or None where it cannot be built."""
-    name = "decode_attention" if isa == "avx2" else f"decode_attention_{isa}"
+    """The C++ decode attention built into `kernel_dir` (`decode_attention.cpp`; for isa
+    "avx512" `decode_attention_avx512.cpp`; for "amx" the same source built with AMX, which
+    takes a bf16 model's q . k on the tile unit), or None where it cannot be built or run."""
+    name = "decode_attention" if isa == "avx2" else "decode_attention_avx512"
     library = load_kernel(name, kernel_dir, isa)
-    return None if library is None else DecodeKernel(library)
+    if library is None:
+        return None
+    if isa == "amx" and not library.decode_attention_amx_enable():
+        logger.warning("Linux refused this process AMX's tile state: decode attention without it")
+        return None
+    return DecodeKernel(library)
 
 
 def _band_mask(n: int, window: int, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,11 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <type_traits>
 #include <vector>
@@ -138,6 +143,74 @@ void scores_of(const float* q, const uint16_t* q_bf16, const typename Kv::T* k_p
     }
 }
 
+#ifdef __AMX_BF16__
+// Built with AMX (the kernel plan's "amx" build): q . k of a bf16 query over a bf16 pool on
+// the tile unit. Per 16 positions: C (16 positions x 16 columns, fp32) = A (the positions'
+// K rows, 32 dims per tile) x B (the group's query, its dims in pairs, one column per query
+// head, unused columns 0), one tile product per 32 dims. Exact bf16 products summed in
+// fp32, as vdpbf16ps does, in another order. Tiles: 0 C, 1 A, 2 B.
+constexpr int64_t kAmxMaxDim = 256;
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 3; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// b (dim / 32 tiles of 16 x 32 bf16): b[c][p][2n + j] = q[n][32c + 2p + j] for the group's
+// heads n, 0 in the other columns.
+void amx_query_tiles(const uint16_t* q, int64_t group, int64_t dim, uint16_t* b) {
+    memset(b, 0, dim / 32 * 1024);
+    for (int64_t c = 0; c < dim / 32; c++)
+        for (int64_t p = 0; p < 16; p++)
+            for (int64_t n = 0; n < group; n++) {
+                b[c * 512 + p * 32 + 2 * n] = q[n * dim + 32 * c + 2 * p];
+                b[c * 512 + p * 32 + 2 * n + 1] = q[n * dim + 32 * c + 2 * p + 1];
+            }
+}
+
+// As scores_of, on the tile unit; b from amx_query_tiles, rows: 16 x dim bf16 scratch.
+void scores_amx(const uint16_t* b, const uint16_t* k_pool, const int64_t* slots, int64_t len,
+                int64_t group, int64_t kv_heads, int64_t kh, int64_t dim, float scale,
+                float* scores, uint16_t* rows) {
+    alignas(64) float c[16 * 16];
+    const int64_t row_stride = kv_heads * dim;  // elements between consecutive slots' rows
+    for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
+    for (int64_t s0 = 0; s0 < len; s0 += 16) {
+        const int64_t n = len - s0 < 16 ? len - s0 : 16;
+        for (int64_t s = s0 + kAhead; s < len && s < s0 + kAhead + 16; s++)
+            prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
+        // 16 consecutive slots: the tile reads the pool rows in place; else a copy
+        bool consecutive = n == 16;
+        for (int64_t t = 1; consecutive && t < 16; t++) consecutive = slots[s0 + t] == slots[s0] + t;
+        const uint16_t* a;
+        int64_t stride;
+        if (consecutive) {
+            a = k_pool + (slots[s0] * kv_heads + kh) * dim, stride = row_stride * 2;
+        } else {
+            for (int64_t t = 0; t < n; t++)
+                memcpy(rows + t * dim, k_pool + (slots[s0 + t] * kv_heads + kh) * dim, dim * 2);
+            a = rows, stride = dim * 2;
+        }
+        _tile_zero(0);
+        for (int64_t ch = 0; ch < dim / 32; ch++) {
+            _tile_loadd(1, a + ch * 32, stride);
+            _tile_loadd(2, b + ch * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, c, 64);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t t = 0; t < n; t++) scores[g * len + s0 + t] = c[t * 16 + g] * scale;
+    }
+}
+#endif
+
 // row[0..len) = softmax(row), in place.
 void softmax(float* row, int64_t len) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -211,6 +284,11 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
         std::vector<float> scores;     // (G, S) of the current KV head
         std::vector<uint16_t> q_bf16;  // (G, D): the query as bf16 (Bf16Dot)
         std::vector<float> out32;      // (G, D): a head group's output before rounding (bf16 io)
+#ifdef __AMX_BF16__
+        constexpr bool amx = std::is_same<Dot, Bf16Dot>::value;
+        alignas(64) uint16_t b_tiles[kAmxMaxDim / 32 * 512], k_rows[16 * kAmxMaxDim];
+        if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task * heads_per_task / kv_heads;
@@ -233,6 +311,13 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
                     }
                 }
                 const float* q32 = bf16_io ? nullptr : q + first;
+#ifdef __AMX_BF16__
+                if (amx) {
+                    amx_query_tiles(q_bf16.data(), group, dim, b_tiles);
+                    scores_amx(b_tiles, (const uint16_t*)k_pool, slots, len, group, kv_heads, kh,
+                               dim, scale, scores.data(), k_rows);
+                } else
+#endif
                 scores_of<Kv, Dot>(q32, q_bf16.data(), k_pool, slots, len, group, kv_heads, kh,
                                    dim, scale, scores.data());
                 for (int64_t g = 0; g < group; g++) softmax(scores.data() + g * len, len);
@@ -250,6 +335,9 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
                 }
             }
         }
+#ifdef __AMX_BF16__
+        if (amx) _tile_release();
+#endif
     }
 }
 
@@ -275,10 +363,18 @@ void decode_attention(const void* q, const void* k_pool, const void* v_pool,
 }
 
 int decode_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
+#ifdef __AMX_BF16__
+    if (dim > kAmxMaxDim) return 0;
+#endif
     return heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && dim % 32 == 0;
 }
 
 // This build takes kv_dtype 4 (bf16 query and output).
 int decode_attention_bf16_io() { return 1; }
+
+#ifdef __AMX_BF16__
+// The AMX build: Linux's permission for the tile state (once per process), before any call.
+int decode_attention_amx_enable() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+#endif
 
 }  // extern "C"
