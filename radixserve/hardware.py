@@ -176,7 +176,9 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # FUSED_ELEMENTWISE: in a bf16 prefill of 16 x 544 tokens (SmolLM2, Intel Xeon AMX, 2
 # threads) torch's element-wise ops took 45% of the forward (mul 19%, add 6%, copies 6%,
 # pow 5%, silu 5%): each reads and writes the whole tensor, in bf16, through several
-# passes. fp32 models keep torch's ops: they are the fidelity reference.
+# passes. fp32 models keep torch's ops: they are the fidelity reference. The AVX-512 build
+# (16 lanes) on CPUs with AVX-512 and AVX512-BF16, against the AVX2 one: SiLU * up 1.6-2.7x,
+# RMSNorm 1.3-1.6x, rotary 1.4-1.8x (figures in fused_ops_avx512.cpp).
 
 # AMX_LINEAR: bf16 linear layers through bf16_linear_amx.cpp (AMX tiles, the weight laid out
 # once in the order the kernel reads it) against oneDNN with pre-blocked weights, Intel Xeon
@@ -214,9 +216,10 @@ class KernelPlan:
     # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION), or "amx" (that
     # source built with AMX: a bf16 model's q . k on the tile unit) where AMX-BF16 is there
     decode_attention_isa: str = "avx2"
-    # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each (fused_ops.cpp)
-    # instead of chains of torch ops that each round to bf16 (see FUSED_ELEMENTWISE)
-    fused_elementwise: bool = False
+    # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each instead of chains of
+    # torch ops that each round to bf16 (see FUSED_ELEMENTWISE), built for this ISA:
+    # "avx2" (fused_ops.cpp) or "avx512" (fused_ops_avx512.cpp, AVX512-BF16 too); "": off
+    fused_elementwise: str = ""
     # bf16 products of 1..amx_rows rows (decode steps) through bf16_linear_amx.cpp, ahead of
     # packed_rows; 0: off. CPUs with AMX-BF16 (see AMX_LINEAR)
     amx_rows: int = 0
@@ -248,7 +251,11 @@ class KernelPlan:
             decode_attention_isa=(
                 ("amx" if cpu.amx_bf16 else "avx512") if avx512_attention else "avx2"
             ),
-            fused_elementwise=on_x86 and dtype == torch.bfloat16,
+            fused_elementwise=(
+                ("avx512" if cpu.avx512 and cpu.avx512_bf16 else "avx2")
+                if on_x86 and dtype == torch.bfloat16
+                else ""
+            ),
             amx_rows=AMX_ROWS if packed and dtype == torch.bfloat16 and cpu.amx_bf16 else 0,
         )
 

@@ -98,11 +98,11 @@ def test_kernel_plan_per_cpu():
     # (and bf16 models on any x86 CPU: the fused element-wise ops; with AMX, decode-sized
     # products through the AMX kernel)
     amx_rows = AMX_ROWS if onednn else 0
-    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", True, amx_rows)
+    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
-    assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise
+    assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
     assert not KernelPlan.choose("auto", CPU, f32, f32, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
     # bf16 without AMX (AVX-512 alone): not packed, unmeasured there

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
-from radixserve.model.cpu_kernels import amx_linear, fused_ops
+from radixserve.model.cpu_kernels import amx_linear, cpu_runs, fused_ops
 from radixserve.model.layers import Linear, PackedRows, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -35,6 +35,7 @@ needs_onednn_bf16 = pytest.mark.skipif(
 
 
 AMX = amx_linear() if cpu_info().amx_bf16 else None
+FUSED = fused_ops(None, "avx512") if cpu_runs("avx512") else fused_ops()  # the plan's build
 needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has no AMX-BF16")
 
 
@@ -136,8 +137,8 @@ def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
             runner.model.use_amx_linears(AMX, PackedRows(1, 64))
         if ONEDNN_BF16:
             runner.model.pack_linears()
-        if fused_ops() is not None:
-            runner.model.use_fused_ops(fused_ops())
+        if FUSED is not None:
+            runner.model.use_fused_ops(FUSED)
     return runner
 
 
@@ -156,7 +157,7 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tenso
 # logits
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_cache_dir, arch):
-    if not ONEDNN_BF16 and fused_ops() is None:
+    if not ONEDNN_BF16 and FUSED is None:
         pytest.skip("neither oneDNN's bf16 products nor the fused ops run on this CPU")
     plain = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=False)
     packed = runner_of(tiny_model_dirs[arch], model_cache_dir, pack=True)

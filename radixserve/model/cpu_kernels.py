@@ -155,11 +155,12 @@ def gemm_small_kernel(folder: Path | None = None) -> LinearKernel | None:
 
 
 class FusedOps:
-    """`fused_ops.cpp`: RMSNorm, rotary and SiLU(gate) * up of bf16 tensors, one pass each
-    (the torch ops they replace round to bf16 between every step, as these do). Each method
-    takes what `fits` says yes to."""
+    """`fused_ops.cpp` (8 lanes) or `fused_ops_avx512.cpp` (16): RMSNorm, rotary and
+    SiLU(gate) * up of bf16 tensors, one pass each (the torch ops they replace round to bf16
+    between every step, as these do). Each method takes what `fits` says yes to."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, lanes: int = 8) -> None:
+        self.lanes = lanes
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._rms = library.rms_norm_bf16
         self._rms.argtypes = [p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -170,11 +171,13 @@ class FusedOps:
         for f in (self._rms, self._rotary, self._silu_mul):
             f.restype = None
 
-    @staticmethod
-    def fits(*tensors: torch.Tensor, multiple: int = 8) -> bool:
-        """bf16, contiguous, last dimension a multiple of `multiple` (the kernels' width)."""
+    def fits(self, *tensors: torch.Tensor, widths: int = 1) -> bool:
+        """bf16, contiguous, last dimension a multiple of `widths` times the kernels' width
+        in lanes (rotary and SiLU * up: 2, for their halves)."""
         return all(
-            t.dtype == torch.bfloat16 and t.is_contiguous() and t.shape[-1] % multiple == 0
+            t.dtype == torch.bfloat16
+            and t.is_contiguous()
+            and t.shape[-1] % (widths * self.lanes) == 0
             for t in tensors
         )
 
@@ -209,10 +212,12 @@ class FusedOps:
 
 
 @functools.cache
-def fused_ops(folder: Path | None = None) -> FusedOps | None:
-    """The fused bf16 element-wise ops, or None where they cannot be built."""
-    library = load_kernel("fused_ops", folder)
-    return None if library is None else FusedOps(library)
+def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
+    """The fused bf16 element-wise ops built for `isa` ("avx2" or "avx512"), or None where
+    they cannot be built."""
+    name = "fused_ops" if isa == "avx2" else f"fused_ops_{isa}"
+    library = load_kernel(name, folder, isa)
+    return None if library is None else FusedOps(library, 16 if isa == "avx512" else 8)
 
 
 class AmxLinear:

@@ -26,7 +26,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_avx512.h"
+
 namespace {
+
+using simd512::exp16;
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
 constexpr int64_t kAhead = 32;    // positions prefetched ahead
@@ -50,28 +54,6 @@ inline __m512 hsum16(const __m512* a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
 }
 
-// e^x for 16 lanes, the AVX2 kernel's exp8 (same reduction and polynomial), inputs <= 0.
-inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_maskz_mov_ps(~underflow, e);
-}
-
 // 16 pool values at p as fp32 lanes, per element type.
 struct Fp32 {
     using T = float;
@@ -79,10 +61,7 @@ struct Fp32 {
 };
 struct Bf16 {
     using T = uint16_t;
-    static __m512 load(const T* p) {
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));  // bf16 = the fp32's top half
-    }
+    static __m512 load(const T* p) { return simd512::load_bf16(p); }
 };
 struct Fp16 {
     using T = uint16_t;

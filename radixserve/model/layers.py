@@ -286,7 +286,7 @@ class RotaryTables:
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H, D), k (T, KH, D) rotated by their positions (in place when fused)."""
         cos, sin = self.cos, self.sin
-        if self.fused is not None and self.fused.fits(q, k, cos, sin, multiple=16):
+        if self.fused is not None and self.fused.fits(q, k, cos, sin, widths=2):
             return self.fused.rotary_(q, k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
@@ -340,6 +340,6 @@ class GatedMLP(nn.Module):
             weight = gate_up.weight
             return self.down_proj(self.act(F.linear(x, weight[:half])) * F.linear(x, weight[half:]))
         h = gate_up(x)
-        if self.fused is not None and h.dim() == 2 and self.fused.fits(h):
+        if self.fused is not None and h.dim() == 2 and self.fused.fits(h, widths=2):
             return self.down_proj(self.fused.silu_mul(h))
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])

@@ -389,7 +389,9 @@ def build_model(
         few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
         rows = kernels.few_rows_max if few is not None else 0
         model.use_row_kernels(RowKernels(gemv, few, rows))
-    fused = fused_ops(kernel_dir) if kernels is not None and kernels.fused_elementwise else None
+    fused = None
+    if kernels is not None and kernels.fused_elementwise:
+        fused = fused_ops(kernel_dir, kernels.fused_elementwise) or fused_ops(kernel_dir)
     if fused is not None:
         model.use_fused_ops(fused)
     return model
