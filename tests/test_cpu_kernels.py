@@ -331,6 +331,25 @@ def test_fused_rms_norm_matches_the_torch_ops(rows, isa):
 
 
 @pytest.mark.parametrize("isa", FUSED_ISAS)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_residual_add_and_norm_match_the_torch_ops(rows, isa):
+    """A decoder layer's residual add and the norm after it in one pass: the sum bit for
+    bit as torch's bf16 add rounds it, its norm bit for bit the fused norm of that sum (so
+    within a bf16 rounding of torch's norm, two where the weight's product rounds again)."""
+    gen = torch.Generator().manual_seed(rows + 1)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(BF16)
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(BF16)
+    delta = torch.randn(rows, 576, generator=gen).to(BF16)
+    ref_sum, ref_norm = norm.add_forward(x, delta)  # torch's ops
+    norm.fused = fused_ops(None, isa)
+    total, normed = norm.add_forward(x, delta)
+    assert torch.equal(total, x + delta) and torch.equal(total, ref_sum)
+    assert torch.equal(normed, norm(total))
+    assert bf16_ulps(normed, ref_norm) <= 2.0
+
+
+@pytest.mark.parametrize("isa", FUSED_ISAS)
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 1, 128)])
 def test_fused_rotary_matches_the_torch_ops(tokens, heads, kv_heads, dim, isa):
     """The rotary embedding in place, rounding each product and the sum as torch does: the

@@ -4,6 +4,9 @@ one the tests run on."""
 
 from __future__ import annotations
 
+import platform
+import sys
+
 import torch
 
 from radixserve.config import CacheConfig, ModelConfig
@@ -14,6 +17,7 @@ from radixserve.hardware import (
     KernelPlan,
     auto_dtype,
     cpu_info,
+    keep_freed_memory,
     parse_cpuinfo,
     resolve_device_and_dtype,
     resolve_kv_dtype,
@@ -125,3 +129,11 @@ def test_this_machine_is_described():
     report = info.as_dict()
     assert set(report["flags"]) <= info.flags
     assert report["avx2"] == info.avx2
+
+
+def test_malloc_keeps_freed_memory_where_the_c_library_is_glibc():
+    """The model runner tunes glibc's malloc once per process (hardware.MALLOC): mallopt
+    accepts both settings there; elsewhere the call reports that nothing was done."""
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is glibc
+    assert keep_freed_memory() is glibc  # once per process: the cached answer

@@ -168,7 +168,9 @@ class FusedOps:
         self._rotary.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
         self._silu_mul = library.silu_mul_bf16
         self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
-        for f in (self._rms, self._rotary, self._silu_mul):
+        self._add_rms = library.add_rms_norm_bf16
+        self._add_rms.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+        for f in (self._rms, self._rotary, self._silu_mul, self._add_rms):
             f.restype = None
 
     def fits(self, *tensors: torch.Tensor, widths: int = 1) -> bool:
@@ -191,6 +193,19 @@ class FusedOps:
                 torch.get_num_threads(),
             )  # fmt: skip
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, that sum normed over D times weight (D,)) for x, delta (..., D)."""
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        dim = x.shape[-1]
+        with profiled("kernel:elementwise"):
+            self._add_rms(
+                x.data_ptr(), delta.data_ptr(), weight.data_ptr(), total.data_ptr(),
+                out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
+            )  # fmt: skip
+        return total, out
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q (T, H, D), k (T, KH, D) rotated in place by cos/sin (T, 1, D)."""

@@ -62,6 +62,29 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t 
     }
 }
 
+// sum[r] = bf16(x[r] + delta[r]) (the residual stream, as torch's bf16 add rounds it), then
+// out[r] = that row normed as rms_norm_bf16 norms it: one pass for a decoder layer's
+// residual add and the norm after it. sum may be x itself.
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* sum,
+                       uint16_t* out, int64_t rows, int64_t dim, float eps, int num_threads) {
+    const int threads = rows * dim >= kParallelMin ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t* sr = sum + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            __m256 v = round_bf16(_mm256_add_ps(load_bf16(x + r * dim + d), load_bf16(delta + r * dim + d)));
+            store_bf16(sr + d, v);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)dim + eps));
+        for (int64_t d = 0; d < dim; d += 8) {
+            __m256 normed = round_bf16(_mm256_mul_ps(load_bf16(sr + d), scale));
+            store_bf16(out + r * dim + d, _mm256_mul_ps(load_bf16(w + d), normed));
+        }
+    }
+}
+
 // q (T, H, D) and k (T, KH, D) bf16, rotated in place by their token's cos/sin rows (T, D)
 // (bf16, the halves equal): x * cos + rotate_half(x) * sin with rotate_half(x) =
 // [-x2, x1], each product and the sum rounded to bf16 as the torch ops round them. D a

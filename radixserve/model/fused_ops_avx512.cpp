@@ -43,6 +43,26 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t 
     }
 }
 
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* sum,
+                       uint16_t* out, int64_t rows, int64_t dim, float eps, int num_threads) {
+    const int threads = rows * dim >= kParallelMin ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t* sr = sum + r * dim;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            __m512 v = round_bf16(_mm512_add_ps(load_bf16(x + r * dim + d), load_bf16(delta + r * dim + d)));
+            store_bf16(sr + d, v);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+        for (int64_t d = 0; d < dim; d += 16) {
+            __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(sr + d), scale));
+            store_bf16(out + r * dim + d, _mm512_mul_ps(load_bf16(w + d), normed));
+        }
+    }
+}
+
 void rotary_bf16(uint16_t* q, uint16_t* k, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
                  int64_t heads, int64_t kv_heads, int64_t dim, int num_threads) {
     const int64_t half = dim / 2, per_token = heads + kv_heads;

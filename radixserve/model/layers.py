@@ -197,6 +197,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of that sum): a residual add and the norm after it, in one
+        pass where the fused ops take them; the same values as the two steps."""
+        if self.fused is not None and self.fused.fits(x, delta, self.weight):
+            return self.fused.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: x * (1 + weight), all in fp32, then back to x's dtype (the checkpoint

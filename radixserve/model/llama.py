@@ -90,9 +90,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act, tp)
 
-    def forward(self, x, rotary, attn, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attn, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, rotary, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives as x + delta (delta None in the first layer) and
+        leaves the same way: each residual add is done with the norm after it (one pass
+        with the fused ops), the last one by the caller."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, attn, meta))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -117,11 +124,11 @@ class LlamaForCausalLM(CausalLM):
         attn: AttentionBackend,
         meta: object,
     ) -> torch.Tensor:  # (T, hidden), before the final norm
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rotary, attn, meta)
-        return x
+            x, delta = layer(x, delta, rotary, attn, meta)
+        return x if delta is None else x + delta
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -24,6 +24,7 @@ from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import (
     KernelPlan,
     cpu_info,
+    keep_freed_memory,
     place_process,
     resolve_device_and_dtype,
     resolve_kv_dtype,
@@ -78,6 +79,8 @@ class ModelRunner:
     def __init__(self, config: Config, progress: bool = True, tp_rank: int = 0) -> None:
         self.config = config
         self.device, self.dtype = resolve_device_and_dtype(config.model)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse the heap's pages (hardware.MALLOC)
         parallel = config.parallel
         if self.device.type == "cuda" and parallel.tp_size > 1:
             gpus = torch.cuda.device_count()
