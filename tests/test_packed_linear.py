@@ -44,15 +44,20 @@ def bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-2)
 
 
+def product_inputs(rows: int, n: int, k: int, bias: bool):
+    """x (rows, k), weight (n, k) and a bias (n,) or None, bf16, seeded by the shape."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    weight = torch.randn(n, k, generator=gen).to(BF16)
+    return x, weight, torch.randn(n, generator=gen).to(BF16) if bias else None
+
+
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 3, 16, 65, 300])
 @pytest.mark.parametrize(("n", "k"), [(64, 64), (192, 576), (301, 203)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, n, k, bias):
-    gen = torch.Generator().manual_seed(rows * n + k)
-    x = torch.randn(rows, k, generator=gen).to(BF16)
-    weight = torch.randn(n, k, generator=gen).to(BF16)
-    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    x, weight, b = product_inputs(rows, n, k, bias)
     out = packed_linear(x, pack_weight(weight), b)
     assert out.shape == (rows, n) and out.dtype == BF16
     bf16_close(out, F.linear(x, weight, b))
@@ -95,10 +100,7 @@ def test_the_amx_kernel_is_there_wherever_the_cpu_has_amx():
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (192, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_amx_product_matches_f_linear(rows, n, k, bias):
-    gen = torch.Generator().manual_seed(rows * n + k)
-    x = torch.randn(rows, k, generator=gen).to(BF16)
-    weight = torch.randn(n, k, generator=gen).to(BF16)
-    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    x, weight, b = product_inputs(rows, n, k, bias)
     out = AMX(x, AMX.pack(weight), n, None if b is None else b.float())
     assert out.shape == (rows, n) and out.dtype == BF16
     bf16_close(out, F.linear(x, weight, b))
