@@ -180,7 +180,7 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # pow 5%, silu 5%): each reads and writes the whole tensor, in bf16, through several
 # passes. fp32 models keep torch's ops: they are the fidelity reference. The AVX-512 build
 # (16 lanes) on CPUs with AVX-512 and AVX512-BF16, against the AVX2 one: SiLU * up 1.6-2.7x,
-# RMSNorm 1.3-1.6x, rotary 1.4-1.8x (figures in fused_ops_avx512.cpp).
+# RMSNorm 1.3-1.6x, rotary 1.4-1.8x (figures in fused_ops.cpp).
 
 # AMX_LINEAR: bf16 linear layers through bf16_linear_amx.cpp (AMX tiles, the weight laid out
 # once in the order the kernel reads it) against oneDNN with pre-blocked weights, Intel Xeon
@@ -220,7 +220,7 @@ class KernelPlan:
     decode_attention_isa: str = "avx2"
     # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each instead of chains of
     # torch ops that each round to bf16 (see FUSED_ELEMENTWISE), built for this ISA:
-    # "avx2" (fused_ops.cpp) or "avx512" (fused_ops_avx512.cpp, AVX512-BF16 too); "": off
+    # "avx2" or "avx512" (fused_ops.cpp's 8- or 16-lane build; AVX512-BF16 too); "": off
     fused_elementwise: str = ""
     # bf16 products of 1..amx_rows rows (decode steps) through bf16_linear_amx.cpp, ahead of
     # packed_rows; 0: off. CPUs with AMX-BF16 (see AMX_LINEAR)
@@ -243,7 +243,7 @@ class KernelPlan:
         onednn = kernels == "auto" and device.type == "cpu" and torch.backends.mkldnn.is_available()
         packed = onednn and cpu.avx512 and (dtype == torch.float32 or cpu.fast_bf16_matmul)
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
-        avx512_attention = attention and cpu.avx512 and cpu.avx512_bf16
+        wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
         return cls(
             decode_attention=attention,
             gemv=fp32_linears,
@@ -251,12 +251,10 @@ class KernelPlan:
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
             packed_rows=PACKED_ROWS.get(dtype) if packed else None,
             decode_attention_isa=(
-                ("amx" if cpu.amx_bf16 else "avx512") if avx512_attention else "avx2"
+                ("amx" if cpu.amx_bf16 else "avx512") if attention and wide else "avx2"
             ),
             fused_elementwise=(
-                ("avx512" if cpu.avx512 and cpu.avx512_bf16 else "avx2")
-                if on_x86 and dtype == torch.bfloat16
-                else ""
+                ("avx512" if wide else "avx2") if on_x86 and dtype == torch.bfloat16 else ""
             ),
             amx_rows=AMX_ROWS if packed and dtype == torch.bfloat16 and cpu.amx_bf16 else 0,
         )

@@ -16,9 +16,10 @@
 //
 // Compute: each thread takes whole groups of up to 4 blocks (4 accumulator tiles, one A
 // tile for x's slice, two B tiles loaded in turn), all of x's rows in chunks of 16 rows
-// (x zero-padded to a multiple of 16 rows past 16), the fp32 sums rounded to bf16 (round
-// to nearest even, as torch rounds) after the bias is added in fp32. The products are
-// exact bf16 x bf16 summed in fp32: the same arithmetic as oneDNN's, in another order.
+// (past 16 rows, a partial last chunk read from a zero-padded copy), the fp32 sums rounded
+// to bf16 (round to nearest even, as torch rounds) after the bias is added in fp32. The
+// products are exact bf16 x bf16 summed in fp32: the same arithmetic as oneDNN's, in
+// another order.
 //
 // The kernel needs the tile data permission from Linux (arch_prctl ARCH_REQ_XCOMP_PERM;
 // `bf16_amx_enable`, called once before any product), AMX-TILE, AMX-BF16 and AVX512-BF16.
@@ -91,12 +92,14 @@ inline void store(const float* scratch, int64_t rows, const float* bias, uint16_
     }
 }
 
+// tail: x's last, partial chunk of rows zero-padded to 16 (null where none is read past m)
 template <int count>
-void group(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t stride,
-           const float* bias, uint16_t* out, int64_t n, float* scratch) {
+void group(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k, const uint16_t* w,
+           int64_t stride, const float* bias, uint16_t* out, int64_t n, float* scratch) {
     for (int64_t r0 = 0; r0 < m; r0 += 16) {
         int64_t rows = m - r0 < 16 ? m - r0 : 16;
-        accumulate<count>(x + r0 * k, k, w, stride, k / 32);
+        const uint16_t* chunk = tail && rows < 16 ? tail : x + r0 * k;
+        accumulate<count>(chunk, k, w, stride, k / 32);
         uint16_t* o = out + r0 * n;
         _tile_stored(0, scratch, 64);
         store(scratch, rows, bias, o, n);
@@ -143,12 +146,15 @@ extern "C" void bf16_amx_pack(const uint16_t* w, uint16_t* out, int64_t n, int64
 extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias,
                                 uint16_t* out, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = n / 16, stride = k / 32 * kTile;
-    // past 16 rows x is read in chunks of 16 rows: the last one zero-padded
-    std::vector<uint16_t> padded;
+    // past 16 rows x is read in chunks of 16 rows: a partial last one from a zero-padded
+    // copy (this thread's, kept from call to call)
+    static thread_local std::vector<uint16_t> padded;
+    const uint16_t* tail = nullptr;
     if (m > 16 && m % 16) {
-        padded.assign((m + 15) / 16 * 16 * k, 0);
-        memcpy(padded.data(), x, m * k * sizeof(uint16_t));
-        x = padded.data();
+        const int64_t last = m / 16 * 16;
+        padded.assign(16 * k, 0);
+        memcpy(padded.data(), x + last * k, (m - last) * k * sizeof(uint16_t));
+        tail = padded.data();
     }
     // blocks per group: fewer than 4 where that leaves a thread without work
     int64_t per_thread = (blocks + threads - 1) / threads;
@@ -165,10 +171,10 @@ extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const
             const float* gb = bias ? bias + b * 16 : nullptr;
             uint16_t* o = out + b * 16;
             switch (count) {
-                case 1: group<1>(x, m, k, w, stride, gb, o, n, scratch); break;
-                case 2: group<2>(x, m, k, w, stride, gb, o, n, scratch); break;
-                case 3: group<3>(x, m, k, w, stride, gb, o, n, scratch); break;
-                default: group<4>(x, m, k, w, stride, gb, o, n, scratch); break;
+                case 1: group<1>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
+                case 2: group<2>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
+                case 3: group<3>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
+                default: group<4>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
             }
         }
         _tile_release();

@@ -155,7 +155,7 @@ def gemm_small_kernel(folder: Path | None = None) -> LinearKernel | None:
 
 
 class FusedOps:
-    """`fused_ops.cpp` (8 lanes) or `fused_ops_avx512.cpp` (16): RMSNorm, rotary and
+    """`fused_ops.cpp` built for AVX2 (8 lanes) or AVX-512 (16): RMSNorm, rotary and
     SiLU(gate) * up of bf16 tensors, one pass each (the torch ops they replace round to bf16
     between every step, as these do). Each method takes what `fits` says yes to."""
 
@@ -230,8 +230,7 @@ class FusedOps:
 def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
     """The fused bf16 element-wise ops built for `isa` ("avx2" or "avx512"), or None where
     they cannot be built."""
-    name = "fused_ops" if isa == "avx2" else f"fused_ops_{isa}"
-    library = load_kernel(name, folder, isa)
+    library = load_kernel("fused_ops", folder, isa)
     return None if library is None else FusedOps(library, 16 if isa == "avx512" else 8)
 
 

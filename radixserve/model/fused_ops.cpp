@@ -1,39 +1,74 @@
 // The element-wise parts of a bf16 decoder layer, each one pass over memory instead of a
 // chain of torch ops (each of which reads and writes the whole tensor and rounds to bf16 in
-// between): RMSNorm, the rotary embedding of q and k, SiLU(gate) * up. x86 AVX2 + FMA;
-// built and loaded by cpu_kernels.py. Arithmetic in fp32 on bf16 inputs, each result
+// between): RMSNorm (alone, or with the residual add before it), the rotary embedding of q
+// and k, SiLU(gate) * up. Built and loaded by cpu_kernels.py for x86 AVX2 + FMA (8 lanes),
+// and the same source for AVX-512 with AVX512-BF16 (16 lanes): the kernels below are
+// written once against the few vector operations `v` defines for the build's width, and
+// both builds compute the same values. Arithmetic in fp32 on bf16 inputs, each result
 // rounded to bf16 once (round to nearest even), where the torch ops round after every op.
 //
 // Measured on Intel Xeon (AMX), 2 threads, a bf16 prefill of 16 x 544 tokens of SmolLM2:
 // these ops were 45% of the forward in torch (mul 19%, add 6%, copies 6%, pow 5%,
-// silu 5%, cat 2%).
+// silu 5%, cat 2%). The 16-lane build against the 8-lane one, us per call, SmolLM2's
+// widths: SiLU * up 26.3 -> 9.7 at 16 rows, 1456 -> 885 at 2176; RMSNorm 7.3 -> 5.8, 268 ->
+// 170; rotary 7.7 -> 5.5, 356 -> 196.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#ifdef __AVX512F__
+#include "simd_avx512.h"
+#else
 #include "simd_avx2.h"
+#endif
 
 namespace {
 
-constexpr int64_t kParallelMin = 1 << 15;  // elements below which one thread does the work
-
-using simd::exp8;
-using simd::hsum;
+#ifdef __AVX512F__
+namespace v {
+using F = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kParallelMin = 1 << 14;  // elements below which one thread does the work
+inline F set1(float x) { return _mm512_set1_ps(x); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum(F a) { return _mm512_reduce_add_ps(a); }
+using simd512::load_bf16;
+using simd512::round_bf16;
+using simd512::store_bf16;
+inline F exp(F x) { return simd512::exp16(x); }
+}  // namespace v
+#else
+namespace v {
+using F = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kParallelMin = 1 << 15;
+inline F set1(float x) { return _mm256_set1_ps(x); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum(F a) { return simd::hsum(a); }
 using simd::load_bf16;
+using simd::round_bf16;
+using simd::store_bf16;
+inline F exp(F x) { return simd::exp8(x); }
+}  // namespace v
+#endif
 
-// 8 fp32 lanes rounded to bf16 (nearest, ties to even; inputs are finite), kept as fp32.
-inline __m256 round_bf16(__m256 v) {
-    __m256i bits = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000)));
-}
-
-// 8 fp32 lanes rounded to bf16, stored at p.
-inline void store_bf16(uint16_t* p, __m256 v) {
-    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128((__m128i*)p, packed);
+// out = w * bf16(row * rsqrt(sum_sq / dim + eps)) for a bf16 row whose squares sum to sum_sq
+// (LlamaRMSNorm in bf16: the normed row rounded, then the product with the weight).
+inline void norm_row(const uint16_t* row, float sum_sq, const uint16_t* w, uint16_t* out,
+                     int64_t dim, float eps) {
+    const v::F scale = v::set1(1.0f / sqrtf(sum_sq / (float)dim + eps));
+    for (int64_t d = 0; d < dim; d += v::kLanes) {
+        v::F normed = v::round_bf16(v::mul(v::load_bf16(row + d), scale));
+        v::store_bf16(out + d, v::mul(v::load_bf16(w + d), normed));
+    }
 }
 
 }  // namespace
@@ -41,24 +76,19 @@ inline void store_bf16(uint16_t* p, __m256 v) {
 extern "C" {
 
 // out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)), bf16 rows of `dim` (a multiple of
-// 8), as transformers' LlamaRMSNorm computes it in bf16 (the normed row rounded to bf16,
-// then the product with the bf16 weight rounded again).
+// the lanes), as transformers' LlamaRMSNorm computes it in bf16.
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t rows, int64_t dim,
                    float eps, int num_threads) {
-    const int threads = rows * dim >= kParallelMin ? num_threads : 1;
+    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* xr = x + r * dim;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) {
-            __m256 v = load_bf16(xr + d);
-            acc = _mm256_fmadd_ps(v, v, acc);
+        v::F acc = v::set1(0.0f);
+        for (int64_t d = 0; d < dim; d += v::kLanes) {
+            v::F e = v::load_bf16(xr + d);
+            acc = v::fmadd(e, e, acc);
         }
-        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)dim + eps));
-        for (int64_t d = 0; d < dim; d += 8) {
-            __m256 normed = round_bf16(_mm256_mul_ps(load_bf16(xr + d), scale));
-            store_bf16(out + r * dim + d, _mm256_mul_ps(load_bf16(w + d), normed));
-        }
+        norm_row(xr, v::sum(acc), w, out + r * dim, dim, eps);
     }
 }
 
@@ -67,65 +97,61 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t 
 // residual add and the norm after it. sum may be x itself.
 void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* sum,
                        uint16_t* out, int64_t rows, int64_t dim, float eps, int num_threads) {
-    const int threads = rows * dim >= kParallelMin ? num_threads : 1;
+    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t* sr = sum + r * dim;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) {
-            __m256 v = round_bf16(_mm256_add_ps(load_bf16(x + r * dim + d), load_bf16(delta + r * dim + d)));
-            store_bf16(sr + d, v);
-            acc = _mm256_fmadd_ps(v, v, acc);
+        v::F acc = v::set1(0.0f);
+        for (int64_t d = 0; d < dim; d += v::kLanes) {
+            v::F e = v::round_bf16(v::add(v::load_bf16(x + r * dim + d), v::load_bf16(delta + r * dim + d)));
+            v::store_bf16(sr + d, e);
+            acc = v::fmadd(e, e, acc);
         }
-        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum(acc) / (float)dim + eps));
-        for (int64_t d = 0; d < dim; d += 8) {
-            __m256 normed = round_bf16(_mm256_mul_ps(load_bf16(sr + d), scale));
-            store_bf16(out + r * dim + d, _mm256_mul_ps(load_bf16(w + d), normed));
-        }
+        norm_row(sr, v::sum(acc), w, out + r * dim, dim, eps);
     }
 }
 
 // q (T, H, D) and k (T, KH, D) bf16, rotated in place by their token's cos/sin rows (T, D)
 // (bf16, the halves equal): x * cos + rotate_half(x) * sin with rotate_half(x) =
 // [-x2, x1], each product and the sum rounded to bf16 as the torch ops round them. D a
-// multiple of 16.
+// multiple of twice the lanes.
 void rotary_bf16(uint16_t* q, uint16_t* k, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
                  int64_t heads, int64_t kv_heads, int64_t dim, int num_threads) {
     const int64_t half = dim / 2, per_token = heads + kv_heads;
-    const int threads = tokens * per_token * dim >= kParallelMin ? num_threads : 1;
+    const int threads = tokens * per_token * dim >= v::kParallelMin ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < tokens * per_token; i++) {
         const int64_t t = i / per_token, h = i % per_token;
         uint16_t* x = h < heads ? q + (t * heads + h) * dim : k + (t * kv_heads + h - heads) * dim;
         const uint16_t* c = cos + t * dim;
         const uint16_t* s = sin + t * dim;
-        for (int64_t d = 0; d < half; d += 8) {
-            __m256 x1 = load_bf16(x + d), x2 = load_bf16(x + half + d);
-            __m256 c1 = load_bf16(c + d), c2 = load_bf16(c + half + d);
-            __m256 s1 = load_bf16(s + d), s2 = load_bf16(s + half + d);
+        for (int64_t d = 0; d < half; d += v::kLanes) {
+            v::F x1 = v::load_bf16(x + d), x2 = v::load_bf16(x + half + d);
+            v::F c1 = v::load_bf16(c + d), c2 = v::load_bf16(c + half + d);
+            v::F s1 = v::load_bf16(s + d), s2 = v::load_bf16(s + half + d);
             // first half: x1 * c1 + (-x2) * s1; second: x2 * c2 + x1 * s2
-            __m256 a = _mm256_sub_ps(round_bf16(_mm256_mul_ps(x1, c1)), round_bf16(_mm256_mul_ps(x2, s1)));
-            __m256 b = _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, c2)), round_bf16(_mm256_mul_ps(x1, s2)));
-            store_bf16(x + d, a);
-            store_bf16(x + half + d, b);
+            v::F a = v::sub(v::round_bf16(v::mul(x1, c1)), v::round_bf16(v::mul(x2, s1)));
+            v::F b = v::add(v::round_bf16(v::mul(x2, c2)), v::round_bf16(v::mul(x1, s2)));
+            v::store_bf16(x + d, a);
+            v::store_bf16(x + half + d, b);
         }
     }
 }
 
 // out (rows, half) = bf16(silu(gate)) * up, rounded to bf16, for h (rows, 2 * half) bf16 =
-// [gate | up] per row (the fused gate/up product); half a multiple of 8.
+// [gate | up] per row (the fused gate/up product); half a multiple of the lanes.
 void silu_mul_bf16(const uint16_t* h, uint16_t* out, int64_t rows, int64_t half, int num_threads) {
-    const int threads = rows * half >= kParallelMin ? num_threads : 1;
-    const __m256 one = _mm256_set1_ps(1.0f);
+    const int threads = rows * half >= v::kParallelMin ? num_threads : 1;
+    const v::F one = v::set1(1.0f), zero = v::set1(0.0f);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* gate = h + r * 2 * half;
         const uint16_t* up = gate + half;
-        for (int64_t d = 0; d < half; d += 8) {
-            __m256 g = load_bf16(gate + d);
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            __m256 act = round_bf16(_mm256_mul_ps(g, sig));
-            store_bf16(out + r * half + d, _mm256_mul_ps(act, load_bf16(up + d)));
+        for (int64_t d = 0; d < half; d += v::kLanes) {
+            v::F g = v::load_bf16(gate + d);
+            v::F sig = v::div(one, v::add(one, v::exp(v::sub(zero, g))));
+            v::F act = v::round_bf16(v::mul(g, sig));
+            v::store_bf16(out + r * half + d, v::mul(act, v::load_bf16(up + d)));
         }
     }
 }

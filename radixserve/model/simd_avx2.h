@@ -1,5 +1,6 @@
-// Helpers shared by the AVX2 + FMA kernels (decode_attention.cpp, fused_ops.cpp). The
-// kernels' digest covers this file too (cpu_kernels.py), so a change here rebuilds them.
+// Helpers shared by the AVX2 + FMA kernels (decode_attention.cpp, fused_ops.cpp's 8-lane
+// build). The kernels' digest covers this file too (cpu_kernels.py), so a change here
+// rebuilds them.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -40,6 +41,21 @@ inline __m256 exp8(__m256 x) {
 inline __m256 load_bf16(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// 8 fp32 lanes rounded to bf16 (nearest, ties to even; inputs are finite), kept as fp32.
+inline __m256 round_bf16(__m256 v) {
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000)));
+}
+
+// 8 fp32 lanes rounded to bf16, stored at p.
+inline void store_bf16(uint16_t* p, __m256 v) {
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i*)p, packed);
 }
 
 }  // namespace simd

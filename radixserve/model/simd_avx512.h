@@ -1,6 +1,6 @@
-// Helpers shared by the AVX-512 kernels (decode_attention_avx512.cpp, fused_ops_avx512.cpp):
-// AVX-512 F/BW/VL/DQ and AVX512-BF16. The 16-lane counterparts of simd_avx2.h; the kernels'
-// digest covers this file too (cpu_kernels.py).
+// Helpers shared by the AVX-512 kernels (decode_attention_avx512.cpp, fused_ops.cpp's 16-lane
+// build): AVX-512 F/BW/VL/DQ and AVX512-BF16. The 16-lane counterparts of simd_avx2.h; the
+// kernels' digest covers this file too (cpu_kernels.py).
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
