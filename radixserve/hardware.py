@@ -1,21 +1,24 @@
 """What this machine's CPU can do, detected once, and every dtype and kernel choice that
 follows from it: the one place where the engine looks at the hardware.
 
-Machines of this project differ: some are AMD EPYC with AVX2 only, some Intel Xeon with
-AVX-512, AVX512-BF16 and AMX. The figures behind each choice (SmolLM2-135M's layer shapes,
-torch 2.13.0, 2 threads):
+Machines of this project differ: some are AMD EPYC with AVX2 only, some AMD EPYC (Zen 4)
+with AVX-512 and AVX512-BF16 but no AMX, some Intel Xeon with AVX-512, AVX512-BF16 and AMX.
+The figures behind each choice (SmolLM2-135M's layer shapes, torch 2.13.0, 2 threads):
 
 - fp32 linear, 1 row (the weights streamed once): AMD (AVX2) MKL sgemv 9-13 GB/s, the
-  project's `fp32_gemv.cpp` 16 GB/s; Intel (AVX-512) MKL 39 GB/s.
+  project's `fp32_gemv.cpp` 16 GB/s; Intel (AVX-512) MKL 39 GB/s. MKL takes its slow paths
+  on AMD CPUs: on the Zen 4 it streams one row at half the rate of `fp32_gemv.cpp`.
 - fp32 linear, 16 / 64 / 512 rows: AMD 100-130 GFLOP/s; Intel 108 / 167 / 234 GFLOP/s.
-- bf16 linear, 16 / 64 / 512 rows: AMD ~1.3 GFLOP/s (no bf16 units: ~50x slower than fp32);
-  Intel 266 / 509 / 1,494 GFLOP/s (oneDNN on AMX: 2.5-6.4x fp32).
+- bf16 linear, 16 / 64 / 512 rows: AMD (AVX2) ~1.3 GFLOP/s (no bf16 units: ~50x slower than
+  fp32); Intel 266 / 509 / 1,494 GFLOP/s (oneDNN on AMX: 2.5-6.4x fp32); AMD Zen 4
+  (AVX512-BF16, oneDNN's vdpbf16ps kernels) 1.5-2x fp32 at every size (see BF16_WITHOUT_AMX).
 
-Hence: bf16 weights and activations by default only where AMX runs them (`auto_dtype`),
-with the weights pre-blocked for oneDNN on AVX-512 CPUs (`KernelPlan.packed_rows`);
-the one-row fp32 kernel only where MKL's sgemv is the slower one, i.e. on AVX2-only CPUs
-(`KernelPlan.gemv`); the decode-attention kernel wherever x86 AVX2 is there, for fp32, bf16
-and fp16 KV pools, built for AVX-512 where the CPU has it with AVX512-BF16
+Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs them
+(`auto_dtype`), with the weights pre-blocked for oneDNN on AVX-512 CPUs
+(`KernelPlan.packed_rows`); the one-row fp32 kernel wherever MKL's sgemv is the slower one,
+i.e. everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the decode-attention
+kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built for AVX-512
+where the CPU has it with AVX512-BF16
 (`KernelPlan.decode_attention_isa`); bf16 models' RMSNorm, rotary and SiLU*up fused
 (`KernelPlan.fused_elementwise`).
 
@@ -49,6 +52,11 @@ class CpuInfo:
     torch_capability: str  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, DEFAULT...
     flags: frozenset[str]
     threads: int
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD...
+
+    @property
+    def intel(self) -> bool:
+        return self.vendor == "GenuineIntel"
 
     @property
     def x86(self) -> bool:
@@ -80,9 +88,10 @@ class CpuInfo:
 
     @property
     def fast_bf16_matmul(self) -> bool:
-        """bf16 matmuls beat fp32 here: AMX (oneDNN, 2.5-6.4x fp32 from 16 rows up). With
-        AVX512-BF16 alone it is unmeasured, and without either ~50x slower."""
-        return self.amx_bf16
+        """bf16 matmuls beat fp32 here: AMX (oneDNN, 2.5-6.4x fp32 from 16 rows up), or
+        AVX-512 with AVX512-BF16 (1.5-2x, see BF16_WITHOUT_AMX); without either ~50x
+        slower."""
+        return self.amx_bf16 or (self.avx512 and self.avx512_bf16)
 
     def features(self) -> dict[str, bool]:
         names = ("avx2", "avx512", "avx512_bf16", "amx_bf16", "amx_int8", "vnni")
@@ -108,17 +117,20 @@ KNOWN_FLAGS = frozenset(
 )
 
 
-def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
-    """The model name and the flags of the first processor in a /proc/cpuinfo text."""
-    name, flags = "unknown", frozenset()
+def parse_cpuinfo(text: str) -> tuple[str, str, frozenset[str]]:
+    """The model name, the vendor and the flags of the first processor in a /proc/cpuinfo
+    text."""
+    name, vendor, flags = "unknown", "", frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and name == "unknown":
             name = value.strip()
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = frozenset(value.split())
-    return name, flags
+    return name, vendor, flags
 
 
 @functools.cache
@@ -126,21 +138,23 @@ def cpu_info() -> CpuInfo:
     """This machine's CPU, read once per process."""
     try:
         with open("/proc/cpuinfo") as f:
-            name, flags = parse_cpuinfo(f.read())
+            name, vendor, flags = parse_cpuinfo(f.read())
     except OSError:  # not Linux: torch's own dispatch level is all we know
-        name, flags = platform.processor() or "unknown", frozenset()
+        name, vendor, flags = platform.processor() or "unknown", "", frozenset()
     return CpuInfo(
         model_name=name,
         machine=platform.machine(),
         torch_capability=torch.backends.cpu.get_cpu_capability(),
         flags=flags,
         threads=torch.get_num_threads(),
+        vendor=vendor,
     )
 
 
 def auto_dtype(device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
-    """The dtype of `--dtype auto`: bf16 on CUDA and on CPUs with AMX, fp32 elsewhere
-    (fp32 is the fidelity reference everywhere)."""
+    """The dtype of `--dtype auto`: bf16 on CUDA and on CPUs whose bf16 matmuls are faster
+    (AMX, or AVX-512 with AVX512-BF16), fp32 elsewhere (fp32 is the fidelity reference
+    everywhere)."""
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if (cpu or cpu_info()).fast_bf16_matmul else torch.float32
@@ -165,7 +179,17 @@ KV_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #   sgemv streams one row at 39 GB/s), so single rows keep the plain weight and MKL; so do
 #   prefill products (past 64 rows the gain is 0-6%, and oneDNN's order of the sums moved
 #   SmolLM2's fp32 prefill logits 1.1e-4 from transformers', over the fidelity bar of 1e-4).
+# AMD EPYC Zen 4 (AVX-512, no AMX), the same shapes, 30 layers with every weight read from
+# memory, ms per pass, fp32 MKL / packed: 40.5 / 23.9 at 1 row, 68.3 / 24.4 at 2, 61.0 /
+# 28.5 at 16, 139.7 / 78.9 at 64, 415.6 / 285.6 at 256 (MKL's AMD paths). fp32 prefill
+# stays on MKL there too: packed layers moved the fidelity suite's prefill logits 1.4e-4.
 PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, last or None)
+
+# BF16_WITHOUT_AMX: AMD EPYC Zen 4 (AVX-512 with AVX512-BF16, no AMX), 2 threads, the 30
+# layers above, ms per pass, fp32 packed / bf16 packed: 23.9 / 11.8 at 1 row, 28.5 / 18.7
+# at 16, 78.9 / 44.6 at 64, 285.6 / 148.2 at 256, 2114 / 1123 at 2048 (fp32 MKL 2917). In
+# the model (`bench step-breakdown`, context 256, unprofiled ms per decode step, fp32 ->
+# bf16): 43 -> 28 at 1 running, 87 -> 46 at 16. So bf16 is the default there as on AMX.
 
 # AVX512_ATTENTION: decode attention on AVX-512 + AVX512-BF16 (16 lanes, vdpbf16ps for q.k
 # of a bf16 model) against the AVX2 build, SmolLM2 bf16, context 512, ms per step of
@@ -200,7 +224,9 @@ class KernelPlan:
     """Which of the project's C++ CPU kernels the model uses; torch ops do the rest."""
 
     decode_attention: bool  # decode_attention.cpp: one-token rows read K/V in the pool
-    gemv: bool  # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode)
+    # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode), where MKL's sgemv is
+    # slower (every CPU but Intel's with AVX-512), ahead of packed_rows' other products
+    gemv: bool
     # fp32_gemm_small.cpp for linear layers of 2..few_rows_max rows (small decode batches);
     # 0: off. AVX2-only CPUs (see FEW_ROWS_MAX); unmeasured on AVX-512, which keeps MKL there
     few_rows_max: int = 0
@@ -211,7 +237,8 @@ class KernelPlan:
     int8_dequant_min_rows: int = 48
     # products of (first, last) rows (last None: no bound) in every linear layer and the LM
     # head with the weight pre-blocked for oneDNN (`layers.packed_linear`); None: off.
-    # AVX-512 CPUs: bf16 (AMX) every product, fp32 2-64 rows (see PACKED_LINEAR)
+    # AVX-512 CPUs: bf16 (AMX or AVX512-BF16) every product, fp32 2-64 rows (see
+    # PACKED_LINEAR)
     packed_rows: tuple[int, int | None] | None = None
     # which build of the decode-attention kernel: "avx2" (decode_attention.cpp), or
     # "avx512" (decode_attention_avx512.cpp: 16 lanes, and vdpbf16ps for a bf16 model's
@@ -240,13 +267,15 @@ class KernelPlan:
         cpu = cpu or cpu_info()
         on_x86 = kernels == "auto" and device.type == "cpu" and cpu.avx2
         fp32_linears = on_x86 and dtype == torch.float32 and not cpu.avx512  # AVX2-only, fp32
+        # one fp32 row: MKL's sgemv streams fastest on Intel's AVX-512 CPUs, not elsewhere
+        gemv = on_x86 and dtype == torch.float32 and not (cpu.avx512 and cpu.intel)
         onednn = kernels == "auto" and device.type == "cpu" and torch.backends.mkldnn.is_available()
         packed = onednn and cpu.avx512 and (dtype == torch.float32 or cpu.fast_bf16_matmul)
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
         return cls(
             decode_attention=attention,
-            gemv=fp32_linears,
+            gemv=gemv,
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
             packed_rows=PACKED_ROWS.get(dtype) if packed else None,

@@ -103,7 +103,7 @@ def test_a_missing_venv_prints_the_install_commands_and_exits_2(tmp_path, capsys
 # -- the CPU and the dtypes ---------------------------------------------------------------------
 
 
-def test_auto_dtypes_add_bfloat16_only_with_amx():
+def test_auto_dtypes_add_bfloat16_only_with_bf16_units():
     assert vs_vllm.choose_dtypes(["auto"], True) == (["float32", "bfloat16"], [])
     dtypes, notes = vs_vllm.choose_dtypes(["auto"], False)
     assert dtypes == ["float32"]

@@ -1,6 +1,6 @@
-"""CPU detection and the choices that follow from it, for both kinds of machine this project
-runs on (AMD EPYC with AVX2 only; Intel Xeon with AVX-512, AVX512-BF16 and AMX), whichever
-one the tests run on."""
+"""CPU detection and the choices that follow from it, for each kind of machine this project
+runs on (AMD EPYC with AVX2 only; AMD EPYC Zen 4 with AVX-512 and AVX512-BF16, no AMX; Intel
+Xeon with AVX-512, AVX512-BF16 and AMX), whichever one the tests run on."""
 
 from __future__ import annotations
 
@@ -37,23 +37,32 @@ processor\t: 1
 model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
 flags\t\t: {flags}
 """
+ZEN4_FLAGS = AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
 CPU = torch.device("cpu")
 
 
-def cpu(flags: str, capability: str = "AVX2") -> CpuInfo:
-    return CpuInfo("test cpu", "x86_64", capability, frozenset(flags.split()), 2)
+def cpu(flags: str, capability: str = "AVX2", vendor: str = "") -> CpuInfo:
+    return CpuInfo("test cpu", "x86_64", capability, frozenset(flags.split()), 2, vendor)
+
+
+def intel_cpu(flags: str = INTEL_FLAGS) -> CpuInfo:
+    return cpu(flags, "AVX512", "GenuineIntel")
 
 
 def test_parse_cpuinfo_reads_the_first_processor():
-    name, flags = parse_cpuinfo(CPUINFO.format(flags=INTEL_FLAGS))
+    name, vendor, flags = parse_cpuinfo(CPUINFO.format(flags=INTEL_FLAGS))
     assert name == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert vendor == "GenuineIntel"
     assert {"amx_bf16", "avx512_bf16", "avx2"} <= flags
-    assert parse_cpuinfo("") == ("unknown", frozenset())
+    assert parse_cpuinfo("") == ("unknown", "", frozenset())
 
 
 def test_features_of_each_kind():
-    amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
+    amd, intel = cpu(AMD_FLAGS), intel_cpu()
     assert amd.avx2 and not amd.avx512 and not amd.amx_bf16 and not amd.fast_bf16_matmul
+    assert intel.intel and not amd.intel
+    zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
+    assert zen4.avx512 and zen4.avx512_bf16 and not zen4.amx_bf16 and zen4.fast_bf16_matmul
     assert intel.avx2 and intel.avx512 and intel.avx512_bf16 and intel.amx_bf16
     assert intel.fast_bf16_matmul and intel.vnni and intel.amx_int8
     assert "avx2" in amd.summary() and "amx_bf16" not in amd.summary()
@@ -62,9 +71,10 @@ def test_features_of_each_kind():
     assert not arm.avx2  # flag names only count on x86
 
 
-def test_auto_dtype_is_bf16_only_where_amx_makes_it_faster():
+def test_auto_dtype_is_bf16_only_where_bf16_units_make_it_faster():
     assert auto_dtype(CPU, cpu(AMD_FLAGS)) == torch.float32
     assert auto_dtype(CPU, cpu(AMD_FLAGS + " avx512f avx512bw avx512vl")) == torch.float32
+    assert auto_dtype(CPU, cpu(ZEN4_FLAGS, "AVX512")) == torch.bfloat16  # AVX512-BF16
     assert auto_dtype(CPU, cpu(INTEL_FLAGS, "AVX512")) == torch.bfloat16
     assert auto_dtype(torch.device("cuda"), cpu(AMD_FLAGS)) == torch.bfloat16
 
@@ -84,7 +94,7 @@ def test_config_resolution_follows_this_machine():
 
 def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
-    amd, intel = cpu(AMD_FLAGS), cpu(INTEL_FLAGS, "AVX512")
+    amd, intel = cpu(AMD_FLAGS), intel_cpu()
     # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool
     avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48)
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
@@ -96,7 +106,7 @@ def test_kernel_plan_per_cpu():
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
     intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx")  # the build with AMX
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
-    no_bf16 = cpu(INTEL_FLAGS.replace("avx512_bf16", ""), "AVX512")
+    no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
     no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows)
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
     # (and bf16 models on any x86 CPU: the fused element-wise ops; with AMX, decode-sized
@@ -109,11 +119,18 @@ def test_kernel_plan_per_cpu():
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
     assert not KernelPlan.choose("auto", CPU, f32, f32, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
-    # bf16 without AMX (AVX-512 alone): not packed, unmeasured there
-    no_amx = cpu(INTEL_FLAGS.replace("amx_bf16", ""), "AVX512")
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).packed_rows is None
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).amx_rows == 0
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, no_amx).decode_attention_isa == "avx512"
+    # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, no AMX
+    # kernels; fp32 single rows to the one-row kernel, MKL's sgemv being slow off Intel
+    zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
+        True, False, 0, 16, bf16_rows, "avx512", "avx512"
+    )
+    assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
+        True, True, 0, 16, fp32_rows, "avx512"
+    )
+    # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them
+    avx512_only = cpu(AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl", "AVX512")
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, avx512_only).packed_rows is None
     assert KernelPlan.choose("auto", CPU, f32, f32, intel).amx_rows == 0  # bf16 only
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)

@@ -1,5 +1,5 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
-CPUs with AMX, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX tiles for the
+CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX tiles for the
 project's kernel (`KernelPlan.amx_rows`: bf16 decode-sized products on CPUs with AMX): the
 product against F.linear, and a whole bf16 model packed, with the AMX kernel and with the
 fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model with torch's
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
-from radixserve.model.cpu_kernels import amx_linear, cpu_runs, fused_ops
-from radixserve.model.layers import Linear, PackedRows, pack_weight, packed_linear
+from radixserve.model.cpu_kernels import amx_linear, cpu_runs, fused_ops, gemv_kernel
+from radixserve.model.layers import Linear, PackedRows, RowKernels, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.static_generator import StaticGenerator
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 BF16 = torch.bfloat16
 # oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT): on an AVX2-only CPU torch refuses
-# them, and the kernel plan never packs bf16 there (it does so only with AMX)
+# them, and the kernel plan never packs bf16 there (only with AMX or AVX512-BF16)
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_onednn_bf16 = pytest.mark.skipif(
     not ONEDNN_BF16, reason="oneDNN runs no bf16 products on this CPU"
@@ -87,6 +87,23 @@ def test_fp32_single_rows_and_prefill_keep_the_plain_weight():
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
     one = F.linear(x[:1], layer.weight, layer.bias)
     torch.testing.assert_close(layer(x[:1]), one, atol=0, rtol=0)
+
+
+def test_fp32_single_rows_go_to_the_one_row_kernel_beside_packed_rows():
+    """Where MKL's sgemv is slow (AVX-512 CPUs not Intel's) the plan pairs packed 2..64-row
+    products with the one-row kernel: one row reads the plain weight through it."""
+    gemv = gemv_kernel()
+    if gemv is None:
+        pytest.skip("the one-row kernel does not build on this CPU (no AVX2)")
+    layer = Linear(64, 48, bias=True)
+    layer.pack(PackedRows(2, 64))
+    layer.kernels = RowKernels(gemv)
+    x = torch.randn(3, 64)
+    one = gemv(x[:1], layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x[:1]), one, atol=0, rtol=0)
+    torch.testing.assert_close(one, F.linear(x[:1], layer.weight, layer.bias))
+    packed = packed_linear(x, layer.packed_weight, layer.bias)
+    torch.testing.assert_close(layer(x), packed, atol=0, rtol=0)
 
 
 def test_the_amx_kernel_is_there_wherever_the_cpu_has_amx():

@@ -66,7 +66,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=DTYPE_CHOICES,
         default=["auto"],
-        help="auto: float32, and bfloat16 too where the CPU has AMX (amx_bf16)",
+        help="auto: float32, and bfloat16 too where the CPU has bf16 units (AMX or AVX512-BF16)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="medians over this many rounds")
     parser.add_argument("--max-concurrency", type=int, default=16, help="streams at once")
@@ -217,7 +217,7 @@ def vllm_installed(venv: Path) -> bool:
 # -- the CPU and the dtypes ---------------------------------------------------------------------
 def choose_dtypes(asked: list[str], fast_bf16: bool) -> tuple[list[str], list[str]]:
     """The dtypes to run, and notes to print. `auto`: float32, plus bfloat16 where the CPU's
-    bf16 matmuls are fast (AMX, `CpuInfo.fast_bf16_matmul`): without it (AVX2 only) they are
+    bf16 matmuls are fast (AMX or AVX512-BF16, `CpuInfo.fast_bf16_matmul`): without them they are
     ~50x slower, not a useful comparison."""
     dtypes: list[str] = []
     notes: list[str] = []
@@ -228,13 +228,13 @@ def choose_dtypes(asked: list[str], fast_bf16: bool) -> tuple[list[str], list[st
                 wanted.append("bfloat16")
             else:
                 notes.append(
-                    "bfloat16 skipped: this CPU has no AMX (amx_bf16), where bf16 runs ~50x "
-                    "slower than fp32; ask for it with --dtypes float32 bfloat16"
+                    "bfloat16 skipped: this CPU has no bf16 units (AMX, AVX512-BF16): bf16 "
+                    "runs ~50x slower than fp32; ask for it with --dtypes float32 bfloat16"
                 )
         else:
             wanted = [name]
             if name == "bfloat16" and not fast_bf16:
-                notes.append("bfloat16 asked on a CPU without AMX: expect it to be very slow")
+                notes.append("bfloat16 asked on a CPU without bf16 units: expect it very slow")
         dtypes += [d for d in wanted if d not in dtypes]
     return dtypes, notes
 

@@ -360,8 +360,8 @@ def build_model(
 ) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, the
-    weights are pre-blocked for oneDNN (AVX-512 CPUs), or single rows go to the one-row
-    kernel (kernels cached under `cache_dir`). Under tensor
+    weights are pre-blocked for oneDNN (AVX-512 CPUs), and single rows (or a few) not
+    packed go to the project's row kernels (kernels cached under `cache_dir`). Under tensor
     parallelism (`tp`), this rank's slice of the model, and only that is read."""
     cls = MODEL_CLASSES[read_architecture(folder)]
     try:
@@ -382,16 +382,17 @@ def build_model(
     if quantization == "int8":
         rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
         quantize_model_int8(model, kernel_dir, rows)
-    elif kernels is not None and kernels.packed_rows is not None:
-        amx = amx_linear(kernel_dir) if kernels.amx_rows else None
-        if amx is not None:
-            model.use_amx_linears(amx, PackedRows(1, kernels.amx_rows))
-        model.pack_linears(PackedRows(*kernels.packed_rows))
-    elif kernels is not None and (kernels.gemv or kernels.few_rows_max):
-        gemv = gemv_kernel(kernel_dir) if kernels.gemv else None
-        few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
-        rows = kernels.few_rows_max if few is not None else 0
-        model.use_row_kernels(RowKernels(gemv, few, rows))
+    elif kernels is not None:
+        if kernels.packed_rows is not None:
+            amx = amx_linear(kernel_dir) if kernels.amx_rows else None
+            if amx is not None:
+                model.use_amx_linears(amx, PackedRows(1, kernels.amx_rows))
+            model.pack_linears(PackedRows(*kernels.packed_rows))
+        if kernels.gemv or kernels.few_rows_max:  # the row counts packing leaves to them
+            gemv = gemv_kernel(kernel_dir) if kernels.gemv else None
+            few = gemm_small_kernel(kernel_dir) if kernels.few_rows_max else None
+            rows = kernels.few_rows_max if few is not None else 0
+            model.use_row_kernels(RowKernels(gemv, few, rows))
     fused = None
     if kernels is not None and kernels.fused_elementwise:
         fused = fused_ops(kernel_dir, kernels.fused_elementwise) or fused_ops(kernel_dir)
