@@ -19,7 +19,7 @@ Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs the
 i.e. everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the decode-attention
 kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built for AVX-512
 where the CPU has it with AVX512-BF16
-(`KernelPlan.decode_attention_isa`); bf16 models' RMSNorm, rotary and SiLU*up fused
+(`KernelPlan.decode_attention_isa`); RMSNorm, rotary and SiLU*up fused
 (`KernelPlan.fused_elementwise`).
 
 What the bf16 choices gave together on the Intel Xeon (AMX, 2 threads; `radixserve bench
@@ -202,7 +202,11 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # FUSED_ELEMENTWISE: in a bf16 prefill of 16 x 544 tokens (SmolLM2, Intel Xeon AMX, 2
 # threads) torch's element-wise ops took 45% of the forward (mul 19%, add 6%, copies 6%,
 # pow 5%, silu 5%): each reads and writes the whole tensor, in bf16, through several
-# passes. fp32 models keep torch's ops: they are the fidelity reference. The AVX-512 build
+# passes. fp32 models take them too (RMSNorm, the residual add and rotary; SiLU * up stays
+# torch's, see `CausalLM.use_fused_ops`): they round as torch's fp32 ops do, but for the
+# order of the norm's sum. AMD EPYC Zen 4, SmolLM2 fp32 decode steps (`bench
+# step-breakdown`, context 256, unprofiled ms, torch ops -> fused): 34.5 -> 30.0 at 1
+# running, 70.4 -> 64.8 at 16, 239 -> 187 at 64; the fidelity suite passes. The AVX-512 build
 # (16 lanes) on CPUs with AVX-512 and AVX512-BF16, against the AVX2 one: SiLU * up 1.6-2.7x,
 # RMSNorm 1.3-1.6x, rotary 1.4-1.8x (figures in fused_ops.cpp).
 
@@ -245,8 +249,8 @@ class KernelPlan:
     # q . k) on CPUs with AVX-512 and AVX512-BF16 (see AVX512_ATTENTION), or "amx" (that
     # source built with AMX: a bf16 model's q . k on the tile unit) where AMX-BF16 is there
     decode_attention_isa: str = "avx2"
-    # bf16 models: RMSNorm, rotary and SiLU * up as one C++ pass each instead of chains of
-    # torch ops that each round to bf16 (see FUSED_ELEMENTWISE), built for this ISA:
+    # bf16 and fp32 models: RMSNorm, rotary and SiLU * up as one C++ pass each instead of
+    # chains of torch ops (see FUSED_ELEMENTWISE), built for this ISA:
     # "avx2" or "avx512" (fused_ops.cpp's 8- or 16-lane build; AVX512-BF16 too); "": off
     fused_elementwise: str = ""
     # bf16 products of 1..amx_rows rows (decode steps) through bf16_linear_amx.cpp, ahead of
@@ -273,6 +277,7 @@ class KernelPlan:
         packed = onednn and cpu.avx512 and (dtype == torch.float32 or cpu.fast_bf16_matmul)
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
+        fused_dtype = dtype in (torch.bfloat16, torch.float32)
         return cls(
             decode_attention=attention,
             gemv=gemv,
@@ -282,9 +287,7 @@ class KernelPlan:
             decode_attention_isa=(
                 ("amx" if cpu.amx_bf16 else "avx512") if attention and wide else "avx2"
             ),
-            fused_elementwise=(
-                ("avx512" if wide else "avx2") if on_x86 and dtype == torch.bfloat16 else ""
-            ),
+            fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
             amx_rows=AMX_ROWS if packed and dtype == torch.bfloat16 and cpu.amx_bf16 else 0,
         )
 

@@ -16,7 +16,7 @@ from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
 from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
 from radixserve.model.cpu_kernels import cpu_runs, fused_ops, gemm_small_kernel, gemv_kernel
-from radixserve.model.layers import RMSNorm, RotaryTables
+from radixserve.model.layers import GatedMLP, RMSNorm, RotaryTables
 from tests.conftest import FP32
 
 pytestmark = pytest.mark.skipif(
@@ -304,62 +304,70 @@ def test_greedy_generation_is_the_same_with_either_backend(tiny_model_dirs, arch
     assert all(len(ids) == 24 for ids in outputs[0][0])
 
 
-def bf16_ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest difference between two bf16 tensors in units of ref's last place."""
-    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp(min=1e-30)
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference between two tensors in units of ref's last place (its dtype's:
+    bf16 or fp32)."""
+    ulp = torch.finfo(ref.dtype).eps * ref.float().abs().clamp(min=1e-30)
     return ((out.float() - ref.float()).abs() / ulp).max().item()
 
 
 # each build of the fused element-wise ops; the AVX-512 one where this CPU runs it
 FUSED_ISAS = ISAS[:2]
+FUSED_DTYPES = [BF16, torch.float32]
+# fp32: the sum of squares in another order, SiLU's e^x from another polynomial, each a
+# rounding or two of fp32; bf16 rounds those away but for one last place
+ROUNDINGS = {BF16: 1.0, torch.float32: 4.0}
 
 
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("isa", FUSED_ISAS)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_fused_rms_norm_matches_the_torch_ops(rows, isa):
-    """`RMSNorm` in bf16 through fused_ops.cpp against its own torch ops: within one bf16
-    rounding (the mean of squares is summed in another order)."""
+def test_fused_rms_norm_matches_the_torch_ops(rows, isa, dtype):
+    """`RMSNorm` through fused_ops.cpp against its own torch ops: within a rounding of the
+    dtype (the mean of squares is summed in another order)."""
     gen = torch.Generator().manual_seed(rows)
     norm = RMSNorm(576, 1e-5)
-    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(BF16)
-    x = (3 * torch.randn(rows, 576, generator=gen)).to(BF16)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(dtype)
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
     reference = norm(x)
     norm.fused = fused_ops(None, isa)
     out = norm(x)
-    assert out.dtype == BF16 and out.shape == x.shape
-    assert bf16_ulps(out, reference) <= 1.0
+    assert out.dtype == dtype and out.shape == x.shape
+    assert ulps(out, reference) <= ROUNDINGS[dtype]
 
 
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("isa", FUSED_ISAS)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_fused_residual_add_and_norm_match_the_torch_ops(rows, isa):
+def test_fused_residual_add_and_norm_match_the_torch_ops(rows, isa, dtype):
     """A decoder layer's residual add and the norm after it in one pass: the sum bit for
-    bit as torch's bf16 add rounds it, its norm bit for bit the fused norm of that sum (so
-    within a bf16 rounding of torch's norm, two where the weight's product rounds again)."""
+    bit as torch's add rounds it, its norm bit for bit the fused norm of that sum (so
+    within a rounding or two of torch's norm)."""
     gen = torch.Generator().manual_seed(rows + 1)
     norm = RMSNorm(576, 1e-5)
-    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(BF16)
-    x = (3 * torch.randn(rows, 576, generator=gen)).to(BF16)
-    delta = torch.randn(rows, 576, generator=gen).to(BF16)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=gen)).to(dtype)
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
     ref_sum, ref_norm = norm.add_forward(x, delta)  # torch's ops
     norm.fused = fused_ops(None, isa)
     total, normed = norm.add_forward(x, delta)
     assert torch.equal(total, x + delta) and torch.equal(total, ref_sum)
     assert torch.equal(normed, norm(total))
-    assert bf16_ulps(normed, ref_norm) <= 2.0
+    assert ulps(normed, ref_norm) <= 2 * ROUNDINGS[dtype]
 
 
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("isa", FUSED_ISAS)
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (37, 4, 1, 128)])
-def test_fused_rotary_matches_the_torch_ops(tokens, heads, kv_heads, dim, isa):
-    """The rotary embedding in place, rounding each product and the sum as torch does: the
-    same bits."""
+def test_fused_rotary_matches_the_torch_ops(tokens, heads, kv_heads, dim, isa, dtype):
+    """The rotary embedding in place, rounding each product and the sum as torch does (in
+    fp32 no multiply-add fused either): the same bits."""
     gen = torch.Generator().manual_seed(tokens)
-    q = torch.randn(tokens, heads, dim, generator=gen).to(BF16)
-    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(BF16)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype)
     angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 100
-    cos = torch.cat([angles.cos()] * 2, -1).to(BF16)
-    sin = torch.cat([angles.sin()] * 2, -1).to(BF16)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
     ref_q, ref_k = RotaryTables(cos, sin).apply(q, k)
     fused = fused_ops(None, isa)
     assert fused.fits(q, k, cos, sin, widths=2)
@@ -367,12 +375,38 @@ def test_fused_rotary_matches_the_torch_ops(tokens, heads, kv_heads, dim, isa):
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
 
 
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("isa", FUSED_ISAS)
 @pytest.mark.parametrize("rows", [1, 5, 200])
-def test_fused_silu_mul_matches_the_torch_ops(rows, isa):
+def test_fused_silu_mul_matches_the_torch_ops(rows, isa, dtype):
     gen = torch.Generator().manual_seed(rows)
-    h = (4 * torch.randn(rows, 2 * 1536, generator=gen)).to(BF16)
+    h = (4 * torch.randn(rows, 2 * 1536, generator=gen)).to(dtype)
     reference = F.silu(h[:, :1536]) * h[:, 1536:]
     out = fused_ops(None, isa).silu_mul(h)
     assert out.shape == (rows, 1536)
-    assert bf16_ulps(out, reference) <= 1.0
+    assert ulps(out, reference) <= ROUNDINGS[dtype]
+
+
+@pytest.mark.parametrize("isa", FUSED_ISAS)
+@pytest.mark.parametrize("rows", [1, 100, 300])
+def test_fused_gated_mlp_matches_the_torch_ops_on_every_cpu_path(rows, isa):
+    """fp32 GatedMLP on CPU: one row (one product), 2..255 rows (the product transposed:
+    its halves are flat blocks) and prefill rows (two products), the fused SiLU * up
+    against torch's, within fp32 rounding."""
+    gen = torch.Generator().manual_seed(rows)
+    mlp = GatedMLP(64, 128, "silu")
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=gen) / 8
+    x = torch.randn(rows, 64, generator=gen)
+    reference = mlp(x)
+    calls = []
+
+    class Counted:  # the ops, counting the SiLU * up passes
+        def __getattr__(self, name):
+            if name.startswith("silu"):
+                calls.append(name)
+            return getattr(fused_ops(None, isa), name)
+
+    mlp.fused = Counted()
+    torch.testing.assert_close(mlp(x), reference, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1  # the fused pass ran, not torch's ops

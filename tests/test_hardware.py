@@ -95,8 +95,9 @@ def test_config_resolution_follows_this_machine():
 def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), intel_cpu()
-    # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool
-    avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48)
+    # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool;
+    # the fused element-wise ops (fp32 and bf16 models alike), their 8-lane build
+    avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2")
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; fp32
@@ -104,20 +105,19 @@ def test_kernel_plan_per_cpu():
     # on pre-blocked weights from 2 rows up in fp32, for every product in bf16 (AMX)
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
-    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx")  # the build with AMX
+    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx", "avx512")  # built with AMX
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
-    no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows)
+    no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, fused_elementwise="avx2")
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
-    # (and bf16 models on any x86 CPU: the fused element-wise ops; with AMX, decode-sized
-    # products through the AMX kernel)
+    # (and bf16 models: with AMX, decode-sized products through the AMX kernel)
     amx_rows = AMX_ROWS if onednn else 0
     intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows)
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
-    assert not KernelPlan.choose("auto", CPU, f32, f32, intel).fused_elementwise
+    assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
     # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, no AMX
     # kernels; fp32 single rows to the one-row kernel, MKL's sgemv being slow off Intel
@@ -126,7 +126,7 @@ def test_kernel_plan_per_cpu():
         True, False, 0, 16, bf16_rows, "avx512", "avx512"
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
-        True, True, 0, 16, fp32_rows, "avx512"
+        True, True, 0, 16, fp32_rows, "avx512", "avx512"
     )
     # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them
     avx512_only = cpu(AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl", "AVX512")

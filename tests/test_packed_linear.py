@@ -1,10 +1,11 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
-CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX tiles for the
-project's kernel (`KernelPlan.amx_rows`: bf16 decode-sized products on CPUs with AMX): the
-product against F.linear, and a whole bf16 model packed, with the AMX kernel and with the
-fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model with torch's
-ops, on any CPU (all forced here where the CPU runs them; which machines get them by default
-is tests/test_hardware.py's business; the ops alone: tests/test_cpu_kernels.py)."""
+CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX
+tiles for the project's kernel (`KernelPlan.amx_rows`: bf16 decode-sized products on CPUs
+with AMX): the product against F.linear, and a whole bf16 model packed, with the AMX kernel
+and with the fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model
+with torch's ops, on any CPU (all forced here where the CPU runs them; which machines get
+them by default is tests/test_hardware.py's business; the ops alone:
+tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 

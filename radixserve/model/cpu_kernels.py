@@ -155,31 +155,35 @@ def gemm_small_kernel(folder: Path | None = None) -> LinearKernel | None:
 
 
 class FusedOps:
-    """`fused_ops.cpp` built for AVX2 (8 lanes) or AVX-512 (16): RMSNorm, rotary and
-    SiLU(gate) * up of bf16 tensors, one pass each (the torch ops they replace round to bf16
-    between every step, as these do). Each method takes what `fits` says yes to."""
+    """`fused_ops.cpp` built for AVX2 (8 lanes) or AVX-512 (16): RMSNorm (alone or after
+    the residual add), rotary and SiLU(gate) * up of bf16 or fp32 tensors, one pass each,
+    rounding where the torch ops they replace round. Each method takes what `fits` says yes
+    to."""
+
+    DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
     def __init__(self, library: ctypes.CDLL, lanes: int = 8) -> None:
         self.lanes = lanes
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._rms = library.rms_norm_bf16
-        self._rms.argtypes = [p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
-        self._rotary = library.rotary_bf16
-        self._rotary.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-        self._silu_mul = library.silu_mul_bf16
-        self._silu_mul.argtypes = [p, p, i64, i64, ctypes.c_int]
-        self._add_rms = library.add_rms_norm_bf16
-        self._add_rms.argtypes = [p, p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
-        for f in (self._rms, self._rotary, self._silu_mul, self._add_rms):
-            f.restype = None
+        p, i64, f32, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        signatures = {
+            "rms_norm": [p, p, p, i64, i64, f32, threads],
+            "add_rms_norm": [p, p, p, p, p, i64, i64, f32, threads],
+            "rotary": [p, p, p, p, i64, i64, i64, i64, threads],
+            "silu_mul": [p, p, p, i64, i64, i64, threads],
+        }
+        self._kernels: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in signatures.items():
+            for dtype, suffix in self.DTYPES.items():
+                kernel = getattr(library, f"{name}_{suffix}")
+                kernel.argtypes, kernel.restype = argtypes, None
+                self._kernels[name, dtype] = kernel
 
     def fits(self, *tensors: torch.Tensor, widths: int = 1) -> bool:
-        """bf16, contiguous, last dimension a multiple of `widths` times the kernels' width
-        in lanes (rotary and SiLU * up: 2, for their halves)."""
-        return all(
-            t.dtype == torch.bfloat16
-            and t.is_contiguous()
-            and t.shape[-1] % (widths * self.lanes) == 0
+        """bf16 or fp32 (all alike), contiguous, last dimension a multiple of `widths` times
+        the kernels' width in lanes (rotary and SiLU * up: 2, for their halves)."""
+        dtype = tensors[0].dtype
+        return dtype in self.DTYPES and all(
+            t.dtype == dtype and t.is_contiguous() and t.shape[-1] % (widths * self.lanes) == 0
             for t in tensors
         )
 
@@ -188,7 +192,7 @@ class FusedOps:
         out = torch.empty_like(x)
         dim = x.shape[-1]
         with profiled("kernel:elementwise"):
-            self._rms(
+            self._kernels["rms_norm", x.dtype](
                 x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
                 torch.get_num_threads(),
             )  # fmt: skip
@@ -201,7 +205,7 @@ class FusedOps:
         total, out = torch.empty_like(x), torch.empty_like(x)
         dim = x.shape[-1]
         with profiled("kernel:elementwise"):
-            self._add_rms(
+            self._kernels["add_rms_norm", x.dtype](
                 x.data_ptr(), delta.data_ptr(), weight.data_ptr(), total.data_ptr(),
                 out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
             )  # fmt: skip
@@ -211,7 +215,7 @@ class FusedOps:
         """q (T, H, D), k (T, KH, D) rotated in place by cos/sin (T, 1, D)."""
         tokens, heads, dim = q.shape
         with profiled("kernel:elementwise"):
-            self._rotary(
+            self._kernels["rotary", q.dtype](
                 q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads,
                 k.shape[1], dim, torch.get_num_threads(),
             )  # fmt: skip
@@ -220,16 +224,28 @@ class FusedOps:
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """h (M, 2I) = [gate | up] → silu(gate) * up (M, I)."""
         rows, width = h.shape
-        out = h.new_empty(rows, width // 2)
+        gate, up = h[:, : width // 2], h[:, width // 2 :]
+        return self.silu_mul_halves(gate, up, stride=width)
+
+    def silu_mul_halves(
+        self, gate: torch.Tensor, up: torch.Tensor, stride: int | None = None
+    ) -> torch.Tensor:
+        """silu(gate) * up for gate, up (M, I) whose rows start `stride` elements apart
+        (default I: two contiguous tensors) and whose elements within a row are adjacent."""
+        rows, width = gate.shape
+        out = gate.new_empty(rows, width)
         with profiled("kernel:elementwise"):
-            self._silu_mul(h.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+            self._kernels["silu_mul", gate.dtype](
+                gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, width,
+                width if stride is None else stride, torch.get_num_threads(),
+            )  # fmt: skip
         return out
 
 
 @functools.cache
 def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
-    """The fused bf16 element-wise ops built for `isa` ("avx2" or "avx512"), or None where
-    they cannot be built."""
+    """The fused element-wise ops built for `isa` ("avx2" or "avx512"), or None where they
+    cannot be built."""
     library = load_kernel("fused_ops", folder, isa)
     return None if library is None else FusedOps(library, 16 if isa == "avx512" else 8)
 

@@ -1,11 +1,15 @@
-// The element-wise parts of a bf16 decoder layer, each one pass over memory instead of a
-// chain of torch ops (each of which reads and writes the whole tensor and rounds to bf16 in
-// between): RMSNorm (alone, or with the residual add before it), the rotary embedding of q
-// and k, SiLU(gate) * up. Built and loaded by cpu_kernels.py for x86 AVX2 + FMA (8 lanes),
-// and the same source for AVX-512 with AVX512-BF16 (16 lanes): the kernels below are
-// written once against the few vector operations `v` defines for the build's width, and
-// both builds compute the same values. Arithmetic in fp32 on bf16 inputs, each result
-// rounded to bf16 once (round to nearest even), where the torch ops round after every op.
+// The element-wise parts of a decoder layer, each one pass over memory instead of a chain of
+// torch ops (each of which reads and writes the whole tensor): RMSNorm (alone, or with the
+// residual add before it), the rotary embedding of q and k, SiLU(gate) * up. Built and
+// loaded by cpu_kernels.py for x86 AVX2 + FMA (8 lanes), and the same source for AVX-512
+// with AVX512-BF16 (16 lanes): the kernels below are written once against the few vector
+// operations `v` defines for the build's width, and both builds compute the same values.
+// Each kernel comes for bf16 tensors (`_bf16`) and fp32 ones (`_f32`), written once over
+// the element type (`io<T>`). Arithmetic in fp32; a bf16 kernel rounds each result to bf16
+// where the torch ops round (round to nearest even), an fp32 one rounds as the fp32 torch
+// ops do: every product and sum on its own (no fused multiply-add: contraction is off in
+// this file), so that only the order of RMSNorm's sum of squares and SiLU's exp differ from
+// torch's, within fp32 rounding.
 //
 // Measured on Intel Xeon (AMX), 2 threads, a bf16 prefill of 16 x 544 tokens of SmolLM2:
 // these ops were 45% of the forward in torch (mul 19%, add 6%, copies 6%, pow 5%,
@@ -15,6 +19,10 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+// a * b + c stays two roundings, as in the torch ops these kernels replace
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
 
 #ifdef __AVX512F__
 #include "simd_avx512.h"
@@ -36,6 +44,8 @@ inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
 inline F div(F a, F b) { return _mm512_div_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(F a) { return _mm512_reduce_add_ps(a); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F a) { _mm512_storeu_ps(p, a); }
 using simd512::load_bf16;
 using simd512::round_bf16;
 using simd512::store_bf16;
@@ -53,6 +63,8 @@ inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
 inline F div(F a, F b) { return _mm256_div_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 inline float sum(F a) { return simd::hsum(a); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, F a) { _mm256_storeu_ps(p, a); }
 using simd::load_bf16;
 using simd::round_bf16;
 using simd::store_bf16;
@@ -60,14 +72,115 @@ inline F exp(F x) { return simd::exp8(x); }
 }  // namespace v
 #endif
 
-// out = w * bf16(row * rsqrt(sum_sq / dim + eps)) for a bf16 row whose squares sum to sum_sq
-// (LlamaRMSNorm in bf16: the normed row rounded, then the product with the weight).
-inline void norm_row(const uint16_t* row, float sum_sq, const uint16_t* w, uint16_t* out,
-                     int64_t dim, float eps) {
+// Loading, storing and rounding a vector of the kernels' element type: bf16 (as uint16_t
+// bits) rounds to bf16 where torch's bf16 ops round; fp32 keeps every op's own rounding.
+template <typename T>
+struct io;
+
+template <>
+struct io<uint16_t> {
+    static v::F load(const uint16_t* p) { return v::load_bf16(p); }
+    static void store(uint16_t* p, v::F a) { v::store_bf16(p, a); }
+    static v::F round(v::F a) { return v::round_bf16(a); }
+};
+
+template <>
+struct io<float> {
+    static v::F load(const float* p) { return v::load(p); }
+    static void store(float* p, v::F a) { v::store(p, a); }
+    static v::F round(v::F a) { return a; }
+};
+
+// out = w * T(row * rsqrt(sum_sq / dim + eps)) for a row whose squares sum to sum_sq
+// (LlamaRMSNorm: the normed row in the model's dtype, then the product with the weight).
+template <typename T>
+inline void norm_row(const T* row, float sum_sq, const T* w, T* out, int64_t dim, float eps) {
     const v::F scale = v::set1(1.0f / sqrtf(sum_sq / (float)dim + eps));
     for (int64_t d = 0; d < dim; d += v::kLanes) {
-        v::F normed = v::round_bf16(v::mul(v::load_bf16(row + d), scale));
-        v::store_bf16(out + d, v::mul(v::load_bf16(w + d), normed));
+        v::F normed = io<T>::round(v::mul(io<T>::load(row + d), scale));
+        io<T>::store(out + d, v::mul(io<T>::load(w + d), normed));
+    }
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps,
+              int num_threads) {
+    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const T* xr = x + r * dim;
+        v::F acc = v::set1(0.0f);
+        for (int64_t d = 0; d < dim; d += v::kLanes) {
+            v::F e = io<T>::load(xr + d);
+            acc = v::fmadd(e, e, acc);
+        }
+        norm_row(xr, v::sum(acc), w, out + r * dim, dim, eps);
+    }
+}
+
+template <typename T>
+void add_rms_norm(const T* x, const T* delta, const T* w, T* sum, T* out, int64_t rows,
+                  int64_t dim, float eps, int num_threads) {
+    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        T* sr = sum + r * dim;
+        v::F acc = v::set1(0.0f);
+        for (int64_t d = 0; d < dim; d += v::kLanes) {
+            v::F e = io<T>::round(v::add(io<T>::load(x + r * dim + d), io<T>::load(delta + r * dim + d)));
+            io<T>::store(sr + d, e);
+            acc = v::fmadd(e, e, acc);
+        }
+        norm_row(sr, v::sum(acc), w, out + r * dim, dim, eps);
+    }
+}
+
+template <typename T>
+void rotary(T* q, T* k, const T* cos, const T* sin, int64_t tokens, int64_t heads,
+            int64_t kv_heads, int64_t dim, int num_threads) {
+    const int64_t half = dim / 2, per_token = heads + kv_heads;
+    const int threads = tokens * per_token * dim >= v::kParallelMin ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < tokens * per_token; i++) {
+        const int64_t t = i / per_token, h = i % per_token;
+        T* x = h < heads ? q + (t * heads + h) * dim : k + (t * kv_heads + h - heads) * dim;
+        const T* c = cos + t * dim;
+        const T* s = sin + t * dim;
+        for (int64_t d = 0; d < half; d += v::kLanes) {
+            v::F x1 = io<T>::load(x + d), x2 = io<T>::load(x + half + d);
+            v::F c1 = io<T>::load(c + d), c2 = io<T>::load(c + half + d);
+            v::F s1 = io<T>::load(s + d), s2 = io<T>::load(s + half + d);
+            // first half: x1 * c1 + (-x2) * s1; second: x2 * c2 + x1 * s2
+            v::F a = v::sub(io<T>::round(v::mul(x1, c1)), io<T>::round(v::mul(x2, s1)));
+            v::F b = v::add(io<T>::round(v::mul(x2, c2)), io<T>::round(v::mul(x1, s2)));
+            io<T>::store(x + d, a);
+            io<T>::store(x + half + d, b);
+        }
+    }
+}
+
+// Blocks of this many elements are the unit of work of silu_mul (a row of a product laid
+// out transposed can be long).
+constexpr int64_t kSiluBlock = 512;
+
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t rows, int64_t width, int64_t stride,
+              int num_threads) {
+    const int64_t blocks = (width + kSiluBlock - 1) / kSiluBlock;
+    const int threads = rows * width >= v::kParallelMin ? num_threads : 1;
+    const v::F one = v::set1(1.0f), zero = v::set1(0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        const int64_t r = i / blocks, begin = (i % blocks) * kSiluBlock;
+        const int64_t end = begin + kSiluBlock < width ? begin + kSiluBlock : width;
+        const T* g_row = gate + r * stride;
+        const T* u_row = up + r * stride;
+        for (int64_t d = begin; d < end; d += v::kLanes) {
+            v::F g = io<T>::load(g_row + d);
+            // torch's silu: x / (1 + e^-x)
+            v::F act = io<T>::round(v::div(g, v::add(one, v::exp(v::sub(zero, g)))));
+            io<T>::store(out + r * width + d, v::mul(act, io<T>::load(u_row + d)));
+        }
     }
 }
 
@@ -75,85 +188,51 @@ inline void norm_row(const uint16_t* row, float sum_sq, const uint16_t* w, uint1
 
 extern "C" {
 
-// out[r] = w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)), bf16 rows of `dim` (a multiple of
-// the lanes), as transformers' LlamaRMSNorm computes it in bf16.
+// out[r] = w * T(x[r] * rsqrt(mean(x[r]^2) + eps)), rows of `dim` (a multiple of the
+// lanes), as transformers' LlamaRMSNorm computes it in the tensors' dtype.
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t rows, int64_t dim,
                    float eps, int num_threads) {
-    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* xr = x + r * dim;
-        v::F acc = v::set1(0.0f);
-        for (int64_t d = 0; d < dim; d += v::kLanes) {
-            v::F e = v::load_bf16(xr + d);
-            acc = v::fmadd(e, e, acc);
-        }
-        norm_row(xr, v::sum(acc), w, out + r * dim, dim, eps);
-    }
+    rms_norm(x, w, out, rows, dim, eps, num_threads);
+}
+void rms_norm_f32(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps,
+                  int num_threads) {
+    rms_norm(x, w, out, rows, dim, eps, num_threads);
 }
 
-// sum[r] = bf16(x[r] + delta[r]) (the residual stream, as torch's bf16 add rounds it), then
-// out[r] = that row normed as rms_norm_bf16 norms it: one pass for a decoder layer's
-// residual add and the norm after it. sum may be x itself.
+// sum[r] = T(x[r] + delta[r]) (the residual stream, as torch's add rounds it), then out[r] =
+// that row normed as rms_norm norms it: one pass for a decoder layer's residual add and the
+// norm after it. sum may be x itself.
 void add_rms_norm_bf16(const uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* sum,
                        uint16_t* out, int64_t rows, int64_t dim, float eps, int num_threads) {
-    const int threads = rows * dim >= v::kParallelMin ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t* sr = sum + r * dim;
-        v::F acc = v::set1(0.0f);
-        for (int64_t d = 0; d < dim; d += v::kLanes) {
-            v::F e = v::round_bf16(v::add(v::load_bf16(x + r * dim + d), v::load_bf16(delta + r * dim + d)));
-            v::store_bf16(sr + d, e);
-            acc = v::fmadd(e, e, acc);
-        }
-        norm_row(sr, v::sum(acc), w, out + r * dim, dim, eps);
-    }
+    add_rms_norm(x, delta, w, sum, out, rows, dim, eps, num_threads);
+}
+void add_rms_norm_f32(const float* x, const float* delta, const float* w, float* sum, float* out,
+                      int64_t rows, int64_t dim, float eps, int num_threads) {
+    add_rms_norm(x, delta, w, sum, out, rows, dim, eps, num_threads);
 }
 
-// q (T, H, D) and k (T, KH, D) bf16, rotated in place by their token's cos/sin rows (T, D)
-// (bf16, the halves equal): x * cos + rotate_half(x) * sin with rotate_half(x) =
-// [-x2, x1], each product and the sum rounded to bf16 as the torch ops round them. D a
-// multiple of twice the lanes.
+// q (T, H, D) and k (T, KH, D), rotated in place by their token's cos/sin rows (T, D) (the
+// halves equal): x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], each
+// product and the sum rounded as the torch ops round them. D a multiple of twice the lanes.
 void rotary_bf16(uint16_t* q, uint16_t* k, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
                  int64_t heads, int64_t kv_heads, int64_t dim, int num_threads) {
-    const int64_t half = dim / 2, per_token = heads + kv_heads;
-    const int threads = tokens * per_token * dim >= v::kParallelMin ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < tokens * per_token; i++) {
-        const int64_t t = i / per_token, h = i % per_token;
-        uint16_t* x = h < heads ? q + (t * heads + h) * dim : k + (t * kv_heads + h - heads) * dim;
-        const uint16_t* c = cos + t * dim;
-        const uint16_t* s = sin + t * dim;
-        for (int64_t d = 0; d < half; d += v::kLanes) {
-            v::F x1 = v::load_bf16(x + d), x2 = v::load_bf16(x + half + d);
-            v::F c1 = v::load_bf16(c + d), c2 = v::load_bf16(c + half + d);
-            v::F s1 = v::load_bf16(s + d), s2 = v::load_bf16(s + half + d);
-            // first half: x1 * c1 + (-x2) * s1; second: x2 * c2 + x1 * s2
-            v::F a = v::sub(v::round_bf16(v::mul(x1, c1)), v::round_bf16(v::mul(x2, s1)));
-            v::F b = v::add(v::round_bf16(v::mul(x2, c2)), v::round_bf16(v::mul(x1, s2)));
-            v::store_bf16(x + d, a);
-            v::store_bf16(x + half + d, b);
-        }
-    }
+    rotary(q, k, cos, sin, tokens, heads, kv_heads, dim, num_threads);
+}
+void rotary_f32(float* q, float* k, const float* cos, const float* sin, int64_t tokens,
+                int64_t heads, int64_t kv_heads, int64_t dim, int num_threads) {
+    rotary(q, k, cos, sin, tokens, heads, kv_heads, dim, num_threads);
 }
 
-// out (rows, half) = bf16(silu(gate)) * up, rounded to bf16, for h (rows, 2 * half) bf16 =
-// [gate | up] per row (the fused gate/up product); half a multiple of the lanes.
-void silu_mul_bf16(const uint16_t* h, uint16_t* out, int64_t rows, int64_t half, int num_threads) {
-    const int threads = rows * half >= v::kParallelMin ? num_threads : 1;
-    const v::F one = v::set1(1.0f), zero = v::set1(0.0f);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* gate = h + r * 2 * half;
-        const uint16_t* up = gate + half;
-        for (int64_t d = 0; d < half; d += v::kLanes) {
-            v::F g = v::load_bf16(gate + d);
-            v::F sig = v::div(one, v::add(one, v::exp(v::sub(zero, g))));
-            v::F act = v::round_bf16(v::mul(g, sig));
-            v::store_bf16(out + r * half + d, v::mul(act, v::load_bf16(up + d)));
-        }
-    }
+// out (rows, width) = T(silu(gate)) * up, rounded to T, where row r of gate and of up start
+// at r * stride elements (the halves of a fused gate/up product's rows, [gate | up]:
+// stride 2 * width; two separate products: stride width); width a multiple of the lanes.
+void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t rows,
+                   int64_t width, int64_t stride, int num_threads) {
+    silu_mul(gate, up, out, rows, width, stride, num_threads);
+}
+void silu_mul_f32(const float* gate, const float* up, float* out, int64_t rows, int64_t width,
+                  int64_t stride, int num_threads) {
+    silu_mul(gate, up, out, rows, width, stride, num_threads);
 }
 
 }  // extern "C"

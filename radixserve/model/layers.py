@@ -179,8 +179,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm; with `fused` (the kernel plan's fused bf16 ops) bf16 rows go to one
-    C++ pass (`fused_ops.cpp`) that rounds where these torch ops do."""
+    """Llama's RMSNorm; with `fused` (the kernel plan's fused ops) bf16 and fp32 rows go to
+    one C++ pass (`fused_ops.cpp`) that rounds where these torch ops do."""
 
     fused: FusedOps | None = None
 
@@ -333,7 +333,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act = F.silu if act == "silu" else lambda x: F.gelu(x, approximate="tanh")
-        self.fused: FusedOps | None = None  # silu(gate) * up in one pass (bf16, silu only)
+        self.fused: FusedOps | None = None  # silu(gate) * up in one pass (silu only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self._local(x))
@@ -345,11 +345,21 @@ class GatedMLP(nn.Module):
         cpu_rows = cpu_rows and getattr(gate_up, "kernels", NO_ROW_KERNELS).pick(x) is None
         if cpu_rows and 1 < x.shape[0] < SMALL_BATCH_ROWS:
             h = gate_up.weight @ x.t()  # (2I, M)
-            return self.down_proj((self.act(h[:half]) * h[half:]).t())
+            return self.down_proj(self._act_mul(h[:half], h[half:]).t())
         if cpu_rows and x.shape[0] > 1:  # prefill: two products on the weight's halves
             weight = gate_up.weight
-            return self.down_proj(self.act(F.linear(x, weight[:half])) * F.linear(x, weight[half:]))
+            return self.down_proj(
+                self._act_mul(F.linear(x, weight[:half]), F.linear(x, weight[half:]))
+            )
         h = gate_up(x)
         if self.fused is not None and h.dim() == 2 and self.fused.fits(h, widths=2):
             return self.down_proj(self.fused.silu_mul(h))
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])
+
+    def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up for two contiguous tensors of one shape: in one pass over them as
+        flat rows where the fused op takes them."""
+        flat_gate, flat_up = gate.view(1, -1), up.view(1, -1)
+        if self.fused is not None and self.fused.fits(flat_gate, flat_up):
+            return self.fused.silu_mul_halves(flat_gate, flat_up).view(gate.shape)
+        return self.act(gate) * up
