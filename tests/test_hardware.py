@@ -12,6 +12,7 @@ import torch
 from radixserve.config import CacheConfig, ModelConfig
 from radixserve.hardware import (
     AMX_ROWS,
+    AVX512_BF16_ROWS,
     FEW_ROWS_MAX,
     CpuInfo,
     KernelPlan,
@@ -119,11 +120,13 @@ def test_kernel_plan_per_cpu():
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
-    # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, no AMX
-    # kernels; fp32 single rows to the one-row kernel, MKL's sgemv being slow off Intel
+    # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, decode-sized
+    # ones through the AMX kernel's AVX-512 build; fp32 single rows to the one-row kernel,
+    # MKL's sgemv being slow off Intel
     zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
+    zen4_rows = AVX512_BF16_ROWS if onednn else 0  # the AVX-512 build of the AMX kernel
     assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
-        True, False, 0, 16, bf16_rows, "avx512", "avx512"
+        True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows, "avx512" if onednn else "amx"
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
         True, True, 0, 16, fp32_rows, "avx512", "avx512"

@@ -37,6 +37,7 @@ namespace {
 constexpr int64_t kTile = 16 * 32;  // bf16 elements of one B tile (16 rows of 64 bytes)
 constexpr int kGroup = 4;           // output blocks per group: the accumulator tiles
 
+#ifdef __AMX_BF16__
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -118,12 +119,68 @@ void group(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k, const 
     }
 }
 
+#else
+// The AVX512-BF16 build (no AMX): the same layout read a 64-byte row at a time, which is
+// what vdpbf16ps takes: row kp of a block holds the 16 features' pair of columns 2 kp, 2 kp
+// + 1, so one instruction adds a row of x's pair (broadcast) times it into 16 sums, one
+// register per row of x and block, no horizontal sums. Up to kRows rows of x at a time
+// against a group's blocks (kRows x kGroup accumulators), the group's weights re-read from
+// cache for the next rows.
+constexpr int kRows = 6;
+
+template <int count, int rows>
+void rows_times_group(const uint16_t* x, int64_t k, const uint16_t* w, int64_t stride,
+                      const float* bias, uint16_t* out, int64_t n) {
+    __m512 acc[rows][count];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < k / 2; kp++) {
+        __m512bh wv[count];
+        for (int c = 0; c < count; c++)
+            wv[c] = (__m512bh)_mm512_loadu_si512(w + c * stride + kp * 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(
+                *reinterpret_cast<const int32_t*>(x + r * k + 2 * kp));
+            for (int c = 0; c < count; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (int c = 0; c < count; c++) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + c * 16),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], b))));
+    }
+}
+
+template <int count>
+void group(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w, int64_t stride,
+           const float* bias, uint16_t* out, int64_t n) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const uint16_t* xr = x + r0 * k;
+        uint16_t* o = out + r0 * n;
+        switch (m - r0 < kRows ? m - r0 : kRows) {
+            case 1: rows_times_group<count, 1>(xr, k, w, stride, bias, o, n); break;
+            case 2: rows_times_group<count, 2>(xr, k, w, stride, bias, o, n); break;
+            case 3: rows_times_group<count, 3>(xr, k, w, stride, bias, o, n); break;
+            case 4: rows_times_group<count, 4>(xr, k, w, stride, bias, o, n); break;
+            case 5: rows_times_group<count, 5>(xr, k, w, stride, bias, o, n); break;
+            default: rows_times_group<count, 6>(xr, k, w, stride, bias, o, n); break;
+        }
+    }
+}
+
+#endif
+
 }  // namespace
 
+#ifdef __AMX_BF16__
 extern "C" int bf16_amx_enable() {
     // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
+#else
+extern "C" int bf16_amx_enable() { return 1; }  // no tile state to ask for
+#endif
 
 // W (n, k) → the tile layout above; n a multiple of 16, k of 32.
 extern "C" void bf16_amx_pack(const uint16_t* w, uint16_t* out, int64_t n, int64_t k) {
@@ -141,6 +198,7 @@ extern "C" void bf16_amx_pack(const uint16_t* w, uint16_t* out, int64_t n, int64
         }
 }
 
+#ifdef __AMX_BF16__
 // out (m, n) = x (m, k) @ W.T + bias; x contiguous, n a multiple of 16, k of 32; bias (n,)
 // fp32 or null.
 extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias,
@@ -180,3 +238,28 @@ extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const
         _tile_release();
     }
 }
+#else
+extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias,
+                                uint16_t* out, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t blocks = n / 16, stride = k / 32 * kTile;
+    int64_t per_thread = (blocks + threads - 1) / threads;
+    const int64_t size = per_thread < kGroup ? (per_thread < 1 ? 1 : per_thread) : kGroup;
+    const int64_t groups = (blocks + size - 1) / size;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int64_t g = groups * id / nt; g < groups * (id + 1) / nt; g++) {
+            const int64_t b = g * size, count = blocks - b < size ? blocks - b : size;
+            const uint16_t* w = packed + b * stride;
+            const float* gb = bias ? bias + b * 16 : nullptr;
+            uint16_t* o = out + b * 16;
+            switch (count) {
+                case 1: group<1>(x, m, k, w, stride, gb, o, n); break;
+                case 2: group<2>(x, m, k, w, stride, gb, o, n); break;
+                case 3: group<3>(x, m, k, w, stride, gb, o, n); break;
+                default: group<4>(x, m, k, w, stride, gb, o, n); break;
+            }
+        }
+    }
+}
+#endif

@@ -252,7 +252,8 @@ def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
 
 class AmxLinear:
     """`bf16_linear_amx.cpp`: bf16 products of few rows with the weight laid out once as
-    AMX tiles (`pack`). Takes what `fits` says yes to."""
+    AMX tiles (`pack`), on AMX or, built for AVX-512, with AVX512-BF16. Takes what `fits`
+    says yes to."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -298,10 +299,12 @@ class AmxLinear:
 
 
 @functools.cache
-def amx_linear(folder: Path | None = None) -> AmxLinear | None:
-    """The AMX bf16 linear kernel, or None where it cannot be built or Linux does not
-    grant this process the AMX tile state."""
-    library = load_kernel("bf16_linear_amx", folder, isa="amx")
+def amx_linear(folder: Path | None = None, isa: str = "amx") -> AmxLinear | None:
+    """The bf16 linear kernel on the AMX tile layout built for `isa`: "amx" (tile
+    products) or "avx512" (AVX512-BF16's vdpbf16ps on the same layout, for CPUs without
+    AMX); None where it cannot be built or Linux does not grant this process the AMX tile
+    state."""
+    library = load_kernel("bf16_linear_amx", folder, isa=isa)
     if library is None:
         return None
     if not library.bf16_amx_enable():

@@ -384,7 +384,7 @@ def build_model(
         quantize_model_int8(model, kernel_dir, rows)
     elif kernels is not None:
         if kernels.packed_rows is not None:
-            amx = amx_linear(kernel_dir) if kernels.amx_rows else None
+            amx = amx_linear(kernel_dir, kernels.amx_isa) if kernels.amx_rows else None
             if amx is not None:
                 model.use_amx_linears(amx, PackedRows(1, kernels.amx_rows))
             model.pack_linears(PackedRows(*kernels.packed_rows))
