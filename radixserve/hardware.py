@@ -15,10 +15,11 @@ The figures behind each choice (SmolLM2-135M's layer shapes, torch 2.13.0, 2 thr
 
 Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs them
 (`auto_dtype`), with the weights pre-blocked for oneDNN on AVX-512 CPUs
-(`KernelPlan.packed_rows`); the one-row fp32 kernel wherever MKL's sgemv is the slower one,
-i.e. everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the decode-attention
-kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built for AVX-512
-where the CPU has it with AVX512-BF16
+(`KernelPlan.packed_rows`) and decode-sized products through the project's tile-layout
+kernel, AMX or AVX512-BF16 (`KernelPlan.amx_rows`); the one-row fp32 kernel wherever MKL's
+sgemv is the slower one, i.e. everywhere but on Intel CPUs with AVX-512
+(`KernelPlan.gemv`); the decode-attention kernel wherever x86 AVX2 is there, for fp32,
+bf16 and fp16 KV pools, built for AVX-512 where the CPU has it with AVX512-BF16
 (`KernelPlan.decode_attention_isa`); RMSNorm, rotary and SiLU*up fused
 (`KernelPlan.fused_elementwise`).
 
