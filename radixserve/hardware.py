@@ -224,9 +224,12 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # wins there). So decode steps and mixed batches up to 256 rows; prefill chunks oneDNN.
 # The same source built for AVX-512 without AMX (vdpbf16ps on the same weight layout: a
 # 64-byte row of it is 16 features' pair of columns, so a row of x's pair broadcast adds
-# into 16 sums at once), AMD EPYC Zen 4, the 30 layers, ms, oneDNN -> kernel: 12.97 -> 7.15
-# at 1 row (1.81x), 14.84 -> 8.76 at 4, 19.51 -> 13.97 at 16, 28.29 -> 23.17 at 32, 47.06 ->
-# 39.39 at 64, 82.77 -> 73.93 at 128 (1.12x): up to 128 rows there.
+# into 16 sums at once), AMD EPYC Zen 4, the 30 layers, ms, oneDNN -> kernel (three runs
+# on a noisy machine: the kernel's times steady, oneDNN's moving): 12.7-14.0 -> 7.2-9.3 at 1
+# row (1.5-1.8x), 10.7-14.8 -> 7.8-9.2 at 4, 15.3-19.5 -> 12.9-15.2 at 16 (1.1-1.4x), 40-47
+# -> 39-40 at 64 (1.0-1.2x), 78-83 -> 74 at 128 (1.05-1.12x): up to 128 rows there. bf16
+# decode steps (context 544, unprofiled ms, runs alternated): 27.9, 26.6 -> 18.5, 17.6 at 1
+# running; 48.0, 70.0 -> 41.8, 48.9 at 16; 168.8, 165.1 -> 168.2, 140.5 at 64.
 AMX_ROWS = 256
 AVX512_BF16_ROWS = 128
 
