@@ -14,7 +14,11 @@ from radixserve import Engine
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.hardware import KernelPlan
-from radixserve.model.attention import TorchNativeAttention, decode_attention_kernel
+from radixserve.model.attention import (
+    TorchNativeAttention,
+    decode_attention_kernel,
+    extend_attention_kernel,
+)
 from radixserve.model.cpu_kernels import cpu_runs, fused_ops, gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import GatedMLP, RMSNorm, RotaryTables
 from tests.conftest import FP32
@@ -53,17 +57,20 @@ def attend_both_ways(
     inputs=None,
     isa="avx2",
     consecutive=False,
+    extend_kernel=False,
 ):
     """(kernel output, torch output) of one layer over a pool with scattered slots, or
     with each request's slots in a row (`consecutive`) (a sliding-window layer with
-    `window` > 0); `inputs`, a dict, gets the pool, the table, the batch and q, k, v."""
+    `window` > 0); `inputs`, a dict, gets the pool, the table, the batch and q, k, v. With
+    `extend_kernel` the kernel side sends rows of more than one token to the extend
+    kernel (bf16 pool and q)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     size = sum(seq_lens) + 7
     pool = KVPool(size, 1, kv_heads, dim, kv_dtype, "cpu")
     pool.k[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
     pool.v[0][1:] = torch.randn(size, kv_heads, dim, generator=gen)
-    table = ReqToTokenPool(len(seq_lens) + 2, 512, "cpu")
+    table = ReqToTokenPool(len(seq_lens) + 2, max(512, max(seq_lens)), "cpu")
     order = torch.arange(size) if consecutive else torch.randperm(size, generator=gen)
     slots = (order + 1).tolist()  # scattered over the pool, or in a row
     rows, out_slots = [], []
@@ -92,8 +99,14 @@ def attend_both_ways(
     results = []
     for use_kernel in (True, False):
         backend = TorchNativeAttention(
-            pool, table, dim**-0.5, heads, use_kernel=use_kernel, windows=[window], kernel_isa=isa
+            *(pool, table, dim**-0.5, heads),
+            use_kernel=use_kernel,
+            windows=[window],
+            kernel_isa=isa,
+            use_extend_kernel=use_kernel and extend_kernel,
         )
+        if use_kernel and extend_kernel:
+            assert backend.extend_kernel is extend_attention_kernel(None)
         if use_kernel and kernel_fits:
             assert backend.decode_kernel is decode_attention_kernel(None, isa)
         assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
@@ -205,9 +218,78 @@ def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
-def plain_windowed_attention(inputs: dict, window: int, scale: float) -> torch.Tensor:
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 256)]
+)
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [
+        ([0], [544]),  # a prompt: 17 blocks of 32 tokens, causal inside each
+        ([0, 0, 0, 0], [2, 5, 16, 17]),  # around a lane group's 16 tokens
+        ([3, 31, 32, 33, 100], [33, 2, 31, 70, 1]),  # cached prefixes off the key blocks
+        ([512] * 3, [32] * 3),  # the shared-prefix workload's extends
+    ],
+    ids=["prompt", "short", "ragged", "shared-prefix"],
+)
+def test_extend_kernel_is_as_close_to_exact_attention_as_sdpa_in_bf16(
+    heads, kv_heads, dim, prefix_lens, extend_lens
+):
+    """The extend kernel (bf16 products, probabilities rounded to bf16 before P . V, as
+    torch's flash attention rounds them) against attention in fp64 over the same bf16
+    inputs: its error is the size of torch's bf16 SDPA's on the same inputs (rounding the
+    output to bf16 is most of either)."""
+    inputs = {}
+    kernel, sdpa = attend_both_ways(
+        *(heads, kv_heads, dim, prefix_lens, extend_lens),
+        kv_dtype=BF16,
+        q_dtype=BF16,
+        inputs=inputs,
+        isa="avx512",
+        extend_kernel=True,
+    )
+    assert kernel.dtype == sdpa.dtype == BF16
+    reference = plain_windowed_attention(inputs, 1 << 30, dim**-0.5, torch.float64)
+    kernel_error = (kernel.double() - reference).abs().max().item()
+    sdpa_error = (sdpa.double() - reference).abs().max().item()
+    assert kernel_error <= 1.25 * sdpa_error + 1e-3, (kernel_error, sdpa_error)
+
+
+@needs_avx512_bf16
+def test_extend_kernel_beside_decode_rows_and_windows():
+    """A mixed batch (one-token rows to the decode kernel, the rest to the extend kernel)
+    and a sliding-window layer (rows longer than the window stay on SDPA's masks, the
+    others take the kernel) both equal plain attention over each query's keys."""
+    for window, prefix_lens, extend_lens in [
+        (0, [10, 0, 33, 4, 0], [1, 6, 1, 3, 40]),
+        (16, [0, 10], [40, 9]),  # longer than the window: SDPA
+        (64, [0, 10], [40, 9]),  # the window holds every key: the kernel
+    ]:
+        inputs = {}
+        kernel, _ = attend_both_ways(
+            *(4, 1, 64, prefix_lens, extend_lens),
+            kv_dtype=BF16,
+            q_dtype=BF16,
+            window=window,
+            inputs=inputs,
+            isa="avx512",
+            extend_kernel=True,
+        )
+        reference = plain_windowed_attention(inputs, window or 1 << 30, 64**-0.5, torch.float64)
+        torch.testing.assert_close(kernel.double(), reference, atol=2e-2, rtol=2e-2)
+
+
+def plain_windowed_attention(
+    inputs: dict, window: int, scale: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Each query of the batch at position p over its request's keys at p - window < s <= p,
-    written out with a softmax over the scores: the reference for both backends' paths."""
+    written out with a softmax over the scores (in `dtype`): the reference for both
+    backends' paths."""
     pool, table, batch, q = inputs["pool"], inputs["table"], inputs["batch"], inputs["q"]
     outs, token = [], 0
     group = q.shape[1] // pool.k[0].shape[1]
@@ -215,11 +297,11 @@ def plain_windowed_attention(inputs: dict, window: int, scale: float) -> torch.T
         batch.req_rows.tolist(), batch.prefix_lens, batch.extend_lens, strict=True
     ):
         slots = table.table[row, : prefix + extend]
-        keys = pool.k[0][slots].float().repeat_interleave(group, dim=1)  # (S, H, D)
-        values = pool.v[0][slots].float().repeat_interleave(group, dim=1)
+        keys = pool.k[0][slots].to(dtype).repeat_interleave(group, dim=1)  # (S, H, D)
+        values = pool.v[0][slots].to(dtype).repeat_interleave(group, dim=1)
         for pos in range(prefix, prefix + extend):
             first = max(0, pos - window + 1)
-            scores = torch.einsum("hd,shd->hs", q[token].float(), keys[first : pos + 1]) * scale
+            scores = torch.einsum("hd,shd->hs", q[token].to(dtype), keys[first : pos + 1]) * scale
             weights = torch.softmax(scores, dim=-1)
             outs.append(torch.einsum("hs,shd->hd", weights, values[first : pos + 1]).flatten())
             token += 1

@@ -4,6 +4,7 @@ Xeon with AVX-512, AVX512-BF16 and AMX), whichever one the tests run on."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import sys
 
@@ -111,13 +112,19 @@ def test_kernel_plan_per_cpu():
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
     no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, fused_elementwise="avx2")
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
-    # (and bf16 models: with AMX, decode-sized products through the AMX kernel)
+    # (and bf16 models: with AMX, decode-sized products through the AMX kernel; prompts'
+    # attention through the extend kernel where the pool is bf16 too)
     amx_rows = AMX_ROWS if onednn else 0
     intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows)
-    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
+    assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == dataclasses.replace(
+        intel_bf16, extend_attention=True
+    )
+    assert not KernelPlan.choose("auto", CPU, f32, bf16, intel).extend_attention
+    assert not KernelPlan.choose("auto", CPU, bf16, bf16, no_bf16).extend_attention
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
+    assert not amd_bf16.extend_attention  # its build needs AVX-512 and AVX512-BF16
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
     # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, decode-sized
@@ -126,7 +133,9 @@ def test_kernel_plan_per_cpu():
     zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
     zen4_rows = AVX512_BF16_ROWS if onednn else 0  # the AVX-512 build of the AMX kernel
     assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
-        True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows, "avx512" if onednn else "amx"
+        *(True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows),
+        "avx512" if onednn else "amx",
+        extend_attention=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
         True, True, 0, 16, fp32_rows, "avx512", "avx512"

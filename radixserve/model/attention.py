@@ -52,6 +52,9 @@ class AttentionGroup:
     # Hybrid window memory: the decode kernel's table, (B, min(seq, W)) window slots of each
     # request's last positions (rows are then 0..B-1); None: the request→token table
     decode_table: torch.Tensor | None = None
+    # The extend kernel's group (with req_rows): each request's cached prefix and new tokens
+    prefix_lens: torch.Tensor | None = None  # (B,)
+    extend_lens: torch.Tensor | None = None  # (B,)
 
 
 @dataclass
@@ -89,7 +92,11 @@ class TorchNativeAttention:
     With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
     "avx512" its AVX-512 variant, "amx" that one built with AMX), which reads K/V where they
-    lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask.
+    lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask. With
+    `use_extend_kernel` (a bf16 model and pool on AVX-512 + AVX512-BF16) the other rows
+    (prompts, with or without a cached prefix) go to `extend_attention_avx512.cpp`, which
+    reads the pool in place too; not with hybrid window memory, nor in a sliding-window
+    layer whose window is shorter than some request (those keep SDPA and its masks).
 
     `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
     position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
@@ -113,6 +120,7 @@ class TorchNativeAttention:
         windows: Sequence[int] = (),
         window_map: torch.Tensor | None = None,
         kernel_isa: str = "avx2",
+        use_extend_kernel: bool = False,
     ) -> None:
         self.kv_pool = kv_pool
         self.window_map = window_map  # (pool size + 1,) full slot → window slot, or None
@@ -130,6 +138,11 @@ class TorchNativeAttention:
             if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
                 self.decode_kernel = kernel
                 break
+        self.extend_kernel = None
+        if use_extend_kernel and window_map is None and kv_pool.k[0].dtype == torch.bfloat16:
+            kernel = extend_attention_kernel(kernel_dir)
+            if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
+                self.extend_kernel = kernel
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         """The groups every full-attention layer uses, and those of each sliding window
@@ -206,6 +219,19 @@ class TorchNativeAttention:
         if self.decode_kernel is not None and all(n == 1 for n in extend_list):
             return AttentionGroup(
                 tokens, None, None, False, None, 1, req_rows, seq_lens, window=window
+            )
+        if self.extend_kernel is not None and not window:
+            return AttentionGroup(
+                tokens,
+                None,
+                None,
+                False,
+                None,
+                max(extend_list),
+                req_rows,
+                seq_lens,
+                prefix_lens=torch.tensor(prefix_list, device=device),
+                extend_lens=torch.tensor(extend_list, device=device),
             )
         if max(extend_list) > 1 and not any(prefix_list):
             masks = None
@@ -287,6 +313,18 @@ class TorchNativeAttention:
         _, num_heads, head_dim = q.shape
         if meta.causal_lens is not None:
             return self._attend_causal(q, k, v, meta.causal_lens, meta.causal_masks)
+        if meta.extend_lens is not None:
+            assert self.extend_kernel is not None and meta.prefix_lens is not None
+            return self.extend_kernel(
+                q,
+                self.kv_pool.k[layer],
+                self.kv_pool.v[layer],
+                self.req_to_token.table,
+                meta.req_rows,
+                meta.prefix_lens,
+                meta.extend_lens,
+                self.scale,
+            )
         if meta.kv_index is None:
             pool_k, pool_v = self.kv_pool.k[layer], self.kv_pool.v[layer]
             table = meta.decode_table
@@ -422,6 +460,68 @@ class DecodeKernel:
                 window,
             )
         return out.to(q.dtype)  # a no-op for bf16 io
+
+
+class ExtendKernel:
+    """The C++ prefill / extend attention (`extend_attention_avx512.cpp`): `kernel(q (T, H, D),
+    k_pool, v_pool (N, KH, D), table (R, C), rows (B,), prefix_lens (B,), extend_lens (B,),
+    scale)` → (T, H * D), all bf16; q holds each request's new tokens in turn, whose K/V are
+    in the pool already."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.extend_attention
+        self._run.argtypes = [
+            *[ctypes.c_void_p] * 8,
+            *[ctypes.c_int64] * 5,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        self._run.restype = None
+        self._supports = library.extend_attention_supports
+        self._supports.argtypes = [ctypes.c_int64] * 3
+        self._supports.restype = ctypes.c_int
+
+    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return bool(self._supports(heads, kv_heads, head_dim))
+
+    def __call__(
+        self, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, scale: float
+    ) -> torch.Tensor:
+        tokens, heads, dim = q.shape
+        if not (q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16):
+            raise TypeError(
+                f"the extend kernel takes bf16 q and pools, got {q.dtype}, {k_pool.dtype}"
+            )
+        q = q.contiguous()
+        out = torch.empty(tokens, heads * dim, dtype=torch.bfloat16)
+        rows, prefix_lens, extend_lens = (t.contiguous() for t in (rows, prefix_lens, extend_lens))
+        with profiled("kernel:attention"):
+            self._run(
+                q.data_ptr(),
+                k_pool.data_ptr(),
+                v_pool.data_ptr(),
+                table.data_ptr(),
+                rows.data_ptr(),
+                prefix_lens.data_ptr(),
+                extend_lens.data_ptr(),
+                out.data_ptr(),
+                len(extend_lens),
+                heads,
+                k_pool.shape[1],
+                dim,
+                table.stride(0),
+                scale,
+                torch.get_num_threads(),
+            )
+        return out
+
+
+@functools.cache
+def extend_attention_kernel(kernel_dir: Path | None = None) -> ExtendKernel | None:
+    """The C++ prefill / extend attention built into `kernel_dir` (AVX-512 + AVX512-BF16),
+    or None where it cannot be built or run."""
+    library = load_kernel("extend_attention_avx512", kernel_dir, "avx512")
+    return None if library is None else ExtendKernel(library)
 
 
 @functools.cache

@@ -180,6 +180,7 @@ class ModelRunner:
             self.tp.split(self.hf_config.num_attention_heads, "attention heads"),
             use_kernel=self.kernels.decode_attention,
             kernel_isa=self.kernels.decode_attention_isa,
+            use_extend_kernel=self.kernels.extend_attention,
             kernel_dir=config.model.cache_dir / "kernels",
             windows=windows,
             window_map=self.allocator.full_to_swa if self.swa_window else None,
