@@ -275,10 +275,10 @@ class KernelPlan:
     # AMX_LINEAR), the kernel's build for them named by amx_isa ("amx" or "avx512")
     amx_rows: int = 0
     amx_isa: str = "amx"
-    # extend_attention_avx512.cpp: a bf16 model's prefill and extend rows (new tokens after
-    # a cached prefix) attend over the bf16 pool in place, flash-style, instead of torch's
-    # SDPA over gathered K/V with a mask; CPUs with AVX-512 and AVX512-BF16 (see
-    # EXTEND_ATTENTION)
+    # extend_attention_avx512.cpp: a bf16 or fp32 model's prefill and extend rows (new
+    # tokens after a cached prefix) attend over a pool of the model's dtype in place,
+    # flash-style, instead of torch's SDPA over gathered K/V with a mask; CPUs with AVX-512
+    # and AVX512-BF16 (see EXTEND_ATTENTION)
     extend_attention: bool = False
 
     @classmethod
@@ -317,7 +317,7 @@ class KernelPlan:
             fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
             amx_rows=amx_rows,
             amx_isa="avx512" if amx_rows and not cpu.amx_bf16 else "amx",
-            extend_attention=attention and wide and dtype == kv_dtype == torch.bfloat16,
+            extend_attention=attention and wide and dtype == kv_dtype and fused_dtype,
         )
 
 

@@ -224,6 +224,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 256)]
 )
@@ -237,24 +238,28 @@ needs_avx512_bf16 = pytest.mark.skipif(
     ],
     ids=["prompt", "short", "ragged", "shared-prefix"],
 )
-def test_extend_kernel_is_as_close_to_exact_attention_as_sdpa_in_bf16(
-    heads, kv_heads, dim, prefix_lens, extend_lens
+def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
+    heads, kv_heads, dim, prefix_lens, extend_lens, dtype
 ):
-    """The extend kernel (bf16 products, probabilities rounded to bf16 before P . V, as
-    torch's flash attention rounds them) against attention in fp64 over the same bf16
-    inputs: its error is the size of torch's bf16 SDPA's on the same inputs (rounding the
-    output to bf16 is most of either)."""
+    """The extend kernel against attention in fp64 over the same inputs. fp32: within
+    fp32 rounding, as torch's SDPA path. bf16 (bf16 products, probabilities rounded to bf16
+    before P . V, as torch's flash attention rounds them): its error is the size of torch's
+    bf16 SDPA's on the same inputs (rounding the output to bf16 is most of either)."""
     inputs = {}
     kernel, sdpa = attend_both_ways(
         *(heads, kv_heads, dim, prefix_lens, extend_lens),
-        kv_dtype=BF16,
-        q_dtype=BF16,
+        kv_dtype=dtype,
+        q_dtype=dtype,
         inputs=inputs,
         isa="avx512",
         extend_kernel=True,
     )
-    assert kernel.dtype == sdpa.dtype == BF16
+    assert kernel.dtype == sdpa.dtype == dtype
     reference = plain_windowed_attention(inputs, 1 << 30, dim**-0.5, torch.float64)
+    if dtype == torch.float32:
+        torch.testing.assert_close(kernel.double(), reference, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(kernel, sdpa, atol=2e-6, rtol=1e-5)
+        return
     kernel_error = (kernel.double() - reference).abs().max().item()
     sdpa_error = (sdpa.double() - reference).abs().max().item()
     assert kernel_error <= 1.25 * sdpa_error + 1e-3, (kernel_error, sdpa_error)
@@ -273,15 +278,13 @@ def test_extend_kernel_beside_decode_rows_and_windows():
         inputs = {}
         kernel, _ = attend_both_ways(
             *(4, 1, 64, prefix_lens, extend_lens),
-            kv_dtype=BF16,
-            q_dtype=BF16,
             window=window,
             inputs=inputs,
             isa="avx512",
             extend_kernel=True,
         )
         reference = plain_windowed_attention(inputs, window or 1 << 30, 64**-0.5, torch.float64)
-        torch.testing.assert_close(kernel.double(), reference, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(kernel.double(), reference, atol=2e-6, rtol=1e-5)
 
 
 def plain_windowed_attention(

@@ -108,6 +108,7 @@ def test_kernel_plan_per_cpu():
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
     intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx", "avx512")  # built with AMX
+    intel_fp32 = dataclasses.replace(intel_fp32, extend_attention=True)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
     no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, fused_elementwise="avx2")
@@ -120,7 +121,7 @@ def test_kernel_plan_per_cpu():
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == dataclasses.replace(
         intel_bf16, extend_attention=True
     )
-    assert not KernelPlan.choose("auto", CPU, f32, bf16, intel).extend_attention
+    assert not KernelPlan.choose("auto", CPU, f32, bf16, intel).extend_attention  # pool != q
     assert not KernelPlan.choose("auto", CPU, bf16, bf16, no_bf16).extend_attention
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
@@ -138,8 +139,9 @@ def test_kernel_plan_per_cpu():
         extend_attention=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
-        True, True, 0, 16, fp32_rows, "avx512", "avx512"
+        True, True, 0, 16, fp32_rows, "avx512", "avx512", extend_attention=True
     )
+    assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
     # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them
     avx512_only = cpu(AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl", "AVX512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, avx512_only).packed_rows is None

@@ -93,10 +93,11 @@ class TorchNativeAttention:
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
     "avx512" its AVX-512 variant, "amx" that one built with AMX), which reads K/V where they
     lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask. With
-    `use_extend_kernel` (a bf16 model and pool on AVX-512 + AVX512-BF16) the other rows
-    (prompts, with or without a cached prefix) go to `extend_attention_avx512.cpp`, which
-    reads the pool in place too; not with hybrid window memory, nor in a sliding-window
-    layer whose window is shorter than some request (those keep SDPA and its masks).
+    `use_extend_kernel` (a bf16 or fp32 model over a pool of its own dtype, on AVX-512 +
+    AVX512-BF16) the other rows (prompts, with or without a cached prefix) go to
+    `extend_attention_avx512.cpp`, which reads the pool in place too; not with hybrid
+    window memory, nor in a sliding-window layer whose window is shorter than some request
+    (those keep SDPA and its masks).
 
     `windows` gives each layer's sliding window (Gemma 3's local layers: a query at
     position p attends the keys at p - W < s <= p), 0 for layers that attend every key;
@@ -139,7 +140,7 @@ class TorchNativeAttention:
                 self.decode_kernel = kernel
                 break
         self.extend_kernel = None
-        if use_extend_kernel and window_map is None and kv_pool.k[0].dtype == torch.bfloat16:
+        if use_extend_kernel and window_map is None and kv_pool.k[0].dtype in EXTEND_DTYPE_CODES:
             kernel = extend_attention_kernel(kernel_dir)
             if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
                 self.extend_kernel = kernel
@@ -398,6 +399,7 @@ class TorchNativeAttention:
 
 
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+EXTEND_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q, pool and output alike
 BF16_QUERY_CODE = 3  # a bf16 pool read by a bf16 query (the AVX-512 kernel's vdpbf16ps path)
 BF16_IO_CODE = 4  # the same, the query and output passed as bf16 (builds that take it)
 
@@ -465,8 +467,8 @@ class DecodeKernel:
 class ExtendKernel:
     """The C++ prefill / extend attention (`extend_attention_avx512.cpp`): `kernel(q (T, H, D),
     k_pool, v_pool (N, KH, D), table (R, C), rows (B,), prefix_lens (B,), extend_lens (B,),
-    scale)` → (T, H * D), all bf16; q holds each request's new tokens in turn, whose K/V are
-    in the pool already."""
+    scale)` → (T, H * D), all bf16 or all fp32; q holds each request's new tokens in turn,
+    whose K/V are in the pool already."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.extend_attention
@@ -474,6 +476,7 @@ class ExtendKernel:
             *[ctypes.c_void_p] * 8,
             *[ctypes.c_int64] * 5,
             ctypes.c_float,
+            ctypes.c_int,
             ctypes.c_int,
         ]
         self._run.restype = None
@@ -488,12 +491,10 @@ class ExtendKernel:
         self, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, scale: float
     ) -> torch.Tensor:
         tokens, heads, dim = q.shape
-        if not (q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16):
-            raise TypeError(
-                f"the extend kernel takes bf16 q and pools, got {q.dtype}, {k_pool.dtype}"
-            )
+        if not (q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in EXTEND_DTYPE_CODES):
+            raise TypeError(f"the extend kernel takes q {q.dtype} over a pool of {k_pool.dtype}")
         q = q.contiguous()
-        out = torch.empty(tokens, heads * dim, dtype=torch.bfloat16)
+        out = torch.empty(tokens, heads * dim, dtype=q.dtype)
         rows, prefix_lens, extend_lens = (t.contiguous() for t in (rows, prefix_lens, extend_lens))
         with profiled("kernel:attention"):
             self._run(
@@ -512,6 +513,7 @@ class ExtendKernel:
                 table.stride(0),
                 scale,
                 torch.get_num_threads(),
+                EXTEND_DTYPE_CODES[q.dtype],
             )
         return out
 

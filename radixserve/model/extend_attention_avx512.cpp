@@ -1,7 +1,8 @@
 // Prefill / extend attention over the KV pool for x86 CPUs with AVX-512 (F, BW, VL, DQ) and
-// AVX512-BF16, for a bf16 model with a bf16 pool: each request's new tokens attend causally
-// to its cached prefix and to themselves, reading K/V where they lie in the pool (the new
-// tokens' K/V are written there first): no gathered copy, no padding, no mask tensor.
+// AVX512-BF16, for a bf16 model over a bf16 pool or an fp32 model over an fp32 pool: each
+// request's new tokens attend causally to its cached prefix and to themselves, reading K/V
+// where they lie in the pool (the new tokens' K/V are written there first): no gathered
+// copy, no padding, no mask tensor.
 //
 //   out[t, h] = softmax_{s <= pos(t)}(q[t, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
 //
@@ -16,6 +17,9 @@
 // - P . V: vdpbf16ps of the probabilities of two keys (rounded to bf16, as torch's flash
 //   attention rounds P for bf16) with the two keys' values of one dim broadcast: the output
 //   is held transposed (dim, 16 lanes) in fp32 and transposed once at the end.
+// - fp32 (the fidelity reference's dtype): the same loops with one FMA per dim in place of
+//   a vdpbf16ps per dim pair, P kept in fp32; every sum in fp32, in another order than
+//   torch's (SmolLM2's logits stay within the fidelity suite's 1e-4 of transformers').
 // - a key block's rows are copied (K) and paired (V: two keys' values of a dim side by side)
 //   once per task and serve every lane group of the KV head's query heads.
 #include <immintrin.h>
@@ -49,82 +53,177 @@ struct LaneGroup {
     int64_t key_end;       // keys [0, key_end) are visible to some lane
     __m512i pos;           // absolute position of each lane's token
     __m512 max, sum;       // running max and sum of exp per lane
-    alignas(64) uint32_t q[kMaxDim / 2 * 16];  // (D/2, 16): dim pair p of lane l's query
-    alignas(64) float out[kMaxDim * 16];       // (D, 16): unnormalized output, transposed
+    // the queries, (words, 16): bf16 dim pairs (D / 2 words) or fp32 dims (D words)
+    alignas(64) uint32_t q[kMaxDim * 16];
+    alignas(64) float out[kMaxDim * 16];  // (D, 16): unnormalized output, transposed
 };
 
-// St[j] = scores of keys k_rows[j] (j < 16) for the lane group's queries, times scale.
-inline void scores16(const LaneGroup& lg, const uint16_t* k_rows, int64_t dim, __m512 scale,
-                     __m512* st) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    const uint32_t* keys = (const uint32_t*)k_rows;  // dim pairs
-    for (int64_t p = 0; p < dim / 2; p++) {
-        const __m512bh qp = (__m512bh)_mm512_load_si512(lg.q + p * 16);
-        for (int j = 0; j < 16; j++)
-            acc[j] = _mm512_dpbf16_ps(acc[j], qp,
-                                      (__m512bh)_mm512_set1_epi32((int)keys[j * dim / 2 + p]));
+// The arithmetic of each element type. Bf16: vdpbf16ps of dim pairs, P rounded to bf16
+// and paired with two keys' values of a dim; Fp32: FMAs over single dims, P in fp32.
+struct Bf16 {
+    using T = uint16_t;
+    static constexpr int64_t kValueWords = kBlockK / 2;  // value block rows: key pairs
+
+    static void pack_query(LaneGroup& lg, const T* row, int64_t lane, int64_t dim) {
+        const uint32_t* pairs = (const uint32_t*)row;
+        for (int64_t p = 0; p < dim / 2; p++) lg.q[p * 16 + lane] = pairs[p];
     }
-    for (int j = 0; j < 16; j++) st[j] = _mm512_mul_ps(acc[j], scale);
-}
+
+    // st[j] = the lane group's scores of keys[j] (j < 16), times scale
+    static void scores16(const LaneGroup& lg, const T* keys, int64_t dim, __m512 scale, __m512* st) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        const uint32_t* pairs = (const uint32_t*)keys;
+        for (int64_t p = 0; p < dim / 2; p++) {
+            const __m512bh qp = (__m512bh)_mm512_load_si512(lg.q + p * 16);
+            for (int j = 0; j < 16; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qp,
+                                          (__m512bh)_mm512_set1_epi32((int)pairs[j * dim / 2 + p]));
+        }
+        for (int j = 0; j < 16; j++) st[j] = _mm512_mul_ps(acc[j], scale);
+    }
+
+    // values: (kBlockK / 2, D) uint32, keys 2i and 2i + 1's values of a dim side by side
+    // (zero for keys past n)
+    static void pack_values(const T* const* rows, int64_t n, int64_t dim, uint32_t* values) {
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                            1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int64_t i = 0; i < (n + 1) / 2; i++) {
+            const T* v1 = 2 * i + 1 < n ? rows[2 * i + 1] : nullptr;
+            for (int64_t d = 0; d < dim; d += 32) {
+                __m512i a = _mm512_loadu_si512(rows[2 * i] + d);
+                __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+                _mm512_store_si512(values + i * dim + d, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_store_si512(values + i * dim + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+        for (int64_t i = (n + 1) / 2; i < kBlockK / 2; i++) memset(values + i * dim, 0, dim * 4);
+    }
+
+    // the block's probabilities exp(st - max) (keys < n16, a multiple of 16) in the form
+    // accumulate takes, (n16 / 2, 16) bf16 pairs; returns their sum per lane
+    static __m512 probabilities(const __m512* st, int64_t n16, __m512 max, uint32_t* p) {
+        const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                    25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19,
+                                                    3, 18, 2, 17, 1, 16, 0);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n16 / 2; i++) {
+            __m512 p0 = exp16(_mm512_sub_ps(st[2 * i], max));
+            __m512 p1 = exp16(_mm512_sub_ps(st[2 * i + 1], max));
+            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // words: p0 lanes, p1 lanes
+            _mm512_store_si512(p + i * 16, _mm512_permutexvar_epi16(interleave, both));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));  // unrounded, as torch sums
+        }
+        return sum;
+    }
+
+    // acc[i] += sum over the block's keys of P * V[., d0 + i], i < 16
+    static void accumulate(__m512* acc, const uint32_t* p, const uint32_t* values, int64_t n16,
+                           int64_t dim, int64_t d0) {
+        for (int64_t i = 0; i < n16 / 2; i++) {
+            const __m512bh pp = (__m512bh)_mm512_load_si512(p + i * 16);
+            const uint32_t* v = values + i * dim + d0;
+            for (int k = 0; k < 16; k++)
+                acc[k] = _mm512_dpbf16_ps(acc[k], pp, (__m512bh)_mm512_set1_epi32((int)v[k]));
+        }
+    }
+
+    static void store(T* out, const float* row, int64_t dim) {
+        for (int64_t d = 0; d < dim; d += 16) simd512::store_bf16(out + d, _mm512_load_ps(row + d));
+    }
+};
+
+struct Fp32 {
+    using T = float;
+    static constexpr int64_t kValueWords = kBlockK;  // value block rows: keys
+
+    static void pack_query(LaneGroup& lg, const T* row, int64_t lane, int64_t dim) {
+        for (int64_t d = 0; d < dim; d++) memcpy(&lg.q[d * 16 + lane], row + d, 4);
+    }
+
+    static void scores16(const LaneGroup& lg, const T* keys, int64_t dim, __m512 scale, __m512* st) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        const float* q = (const float*)lg.q;
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 qd = _mm512_load_ps(q + d * 16);
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(keys[j * dim + d]), acc[j]);
+        }
+        for (int j = 0; j < 16; j++) st[j] = _mm512_mul_ps(acc[j], scale);
+    }
+
+    // values: (kBlockK, D) fp32, the keys' rows (zero past n)
+    static void pack_values(const T* const* rows, int64_t n, int64_t dim, uint32_t* values) {
+        for (int64_t j = 0; j < kBlockK; j++) {
+            if (j < n)
+                memcpy(values + j * dim, rows[j], dim * 4);
+            else
+                memset(values + j * dim, 0, dim * 4);
+        }
+    }
+
+    static __m512 probabilities(const __m512* st, int64_t n16, __m512 max, uint32_t* p) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n16; j++) {
+            __m512 e = exp16(_mm512_sub_ps(st[j], max));
+            _mm512_store_ps((float*)p + j * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        return sum;
+    }
+
+    static void accumulate(__m512* acc, const uint32_t* p, const uint32_t* values, int64_t n16,
+                           int64_t dim, int64_t d0) {
+        for (int64_t j = 0; j < n16; j++) {
+            const __m512 pj = _mm512_load_ps((const float*)p + j * 16);
+            const float* v = (const float*)values + j * dim + d0;
+            for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_set1_ps(v[k]), acc[k]);
+        }
+    }
+
+    static void store(T* out, const float* row, int64_t dim) { memcpy(out, row, dim * 4); }
+};
 
 // One key block [s0, s0 + n) for a lane group: online softmax and P . V.
-// k_rows: (kBlockK, D) the keys' rows (zero past n); v_pairs: (kBlockK / 2, D) uint32, two
-// keys' values of a dim side by side.
-void attend_block(LaneGroup& lg, const uint16_t* k_rows, const uint32_t* v_pairs, int64_t s0,
-                  int64_t n, int64_t dim, __m512 scale) {
+// keys: (kBlockK, D) the keys' rows (zero past the block's keys); values: Kind's block.
+template <typename Kind>
+void attend_block(LaneGroup& lg, const typename Kind::T* keys, const uint32_t* values,
+                  int64_t s0, int64_t n, int64_t dim, __m512 scale) {
     __m512 st[kBlockK];
-    const int64_t halves = (n + 15) / 16;
-    for (int64_t h = 0; h < halves; h++) scores16(lg, k_rows + h * 16 * dim, dim, scale, st + h * 16);
-    for (int64_t j = halves * 16; j < kBlockK; j++) st[j] = _mm512_set1_ps(-INFINITY);
+    const int64_t n16 = (n + 15) / 16 * 16;
+    for (int64_t j = 0; j < n16; j += 16) Kind::scores16(lg, keys + j * dim, dim, scale, st + j);
     // causal: key s is visible to lane l when s <= pos[l] (keys past n are past every
     // real lane's position; padding lanes may see them: their zero rows keep them finite)
-    const int64_t last_key = s0 + halves * 16 - 1;
-    const int32_t lowest = _mm512_reduce_min_epi32(lg.pos);
-    if (last_key > lowest) {
-        for (int64_t j = 0; j < halves * 16; j++) {
+    if (s0 + n16 - 1 > _mm512_reduce_min_epi32(lg.pos)) {
+        for (int64_t j = 0; j < n16; j++) {
             __mmask16 hidden = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int32_t)(s0 + j)), lg.pos);
             st[j] = _mm512_mask_mov_ps(st[j], hidden, _mm512_set1_ps(-INFINITY));
         }
     }
     __m512 block_max = st[0];
-    for (int64_t j = 1; j < halves * 16; j++) block_max = _mm512_max_ps(block_max, st[j]);
+    for (int64_t j = 1; j < n16; j++) block_max = _mm512_max_ps(block_max, st[j]);
+    // every lane sees key 0 in the first block, so the max is finite from there on
     const __m512 new_max = _mm512_max_ps(lg.max, block_max);
-    // every lane sees key 0 in the first block, so new_max is finite from there on
     const __m512 alpha = exp16(_mm512_sub_ps(lg.max, new_max));  // max -inf at first: 0
-    __m512 sum = _mm512_mul_ps(lg.sum, alpha);
-    alignas(64) uint32_t p_pairs[kBlockK / 2 * 16];  // (pairs, 16 lanes) bf16 pairs
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
-                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                                                18, 2, 17, 1, 16, 0);
-    const int64_t pairs = halves * 8;
-    for (int64_t jp = 0; jp < pairs; jp++) {
-        __m512 p0 = exp16(_mm512_sub_ps(st[2 * jp], new_max));
-        __m512 p1 = exp16(_mm512_sub_ps(st[2 * jp + 1], new_max));
-        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // words: p0 lanes, p1 lanes
-        __m512i paired = _mm512_permutexvar_epi16(interleave, both);
-        _mm512_store_si512(p_pairs + jp * 16, paired);
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));  // unrounded, as torch's flash attention sums
-    }
+    alignas(64) uint32_t p[kBlockK * 16];
+    lg.sum = _mm512_add_ps(_mm512_mul_ps(lg.sum, alpha), Kind::probabilities(st, n16, new_max, p));
     lg.max = new_max;
-    lg.sum = sum;
     for (int64_t d0 = 0; d0 < dim; d0 += 16) {
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_mul_ps(_mm512_load_ps(lg.out + (d0 + i) * 16), alpha);
-        for (int64_t jp = 0; jp < pairs; jp++) {
-            const __m512bh pp = (__m512bh)_mm512_load_si512(p_pairs + jp * 16);
-            const uint32_t* vp = v_pairs + jp * dim + d0;
-            for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_dpbf16_ps(acc[i], pp, (__m512bh)_mm512_set1_epi32((int)vp[i]));
-        }
+        Kind::accumulate(acc, p, values, n16, dim, d0);
         for (int i = 0; i < 16; i++) _mm512_store_ps(lg.out + (d0 + i) * 16, acc[i]);
     }
 }
 
-void run_task(const Task& task, const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool,
-              const int64_t* slots, int64_t prefix, int64_t extend, int64_t q_start,
-              uint16_t* out, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-              std::vector<LaneGroup>& groups, uint16_t* k_rows, uint32_t* v_pairs) {
+template <typename Kind>
+void run_task(const Task& task, const typename Kind::T* q, const typename Kind::T* k_pool,
+              const typename Kind::T* v_pool, const int64_t* slots, int64_t prefix, int64_t extend,
+              int64_t q_start, typename Kind::T* out, int64_t heads, int64_t kv_heads, int64_t dim,
+              float scale, std::vector<LaneGroup>& groups, typename Kind::T* keys, uint32_t* values) {
+    using T = typename Kind::T;
     const int64_t group = heads / kv_heads;
     const int64_t n_tokens = std::min(kBlockQ, extend - task.t0);
     const int64_t halves = (n_tokens + 15) / 16;
@@ -142,42 +241,28 @@ void run_task(const Task& task, const uint16_t* q, const uint16_t* k_pool, const
                                       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
             lg.max = _mm512_set1_ps(-INFINITY);
             lg.sum = _mm512_setzero_ps();
-            memset(lg.q, 0, dim / 2 * 16 * 4);
+            memset(lg.q, 0, dim * 16 * 4);
             memset(lg.out, 0, dim * 16 * 4);
-            for (int64_t l = 0; l < lg.valid; l++) {
-                const uint32_t* qrow = (const uint32_t*)(q + (q_start + lg.first + l) * row + lg.head * dim);
-                for (int64_t p = 0; p < dim / 2; p++) lg.q[p * 16 + l] = qrow[p];
-            }
+            for (int64_t l = 0; l < lg.valid; l++)
+                Kind::pack_query(lg, q + (q_start + lg.first + l) * row + lg.head * dim, l, dim);
         }
     }
     const int64_t key_end = prefix + task.t0 + n_tokens;
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-                                            1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    const T* rows[kBlockK];
     for (int64_t s0 = 0; s0 < key_end; s0 += kBlockK) {
         const int64_t n = std::min(kBlockK, key_end - s0);
         for (int64_t j = 0; j < kBlockK; j++) {
             if (j < n)
-                memcpy(k_rows + j * dim, k_pool + (slots[s0 + j] * kv_heads + task.kh) * dim, dim * 2);
+                memcpy(keys + j * dim, k_pool + (slots[s0 + j] * kv_heads + task.kh) * dim, dim * sizeof(T));
             else
-                memset(k_rows + j * dim, 0, dim * 2);
+                memset(keys + j * dim, 0, dim * sizeof(T));
         }
-        for (int64_t jp = 0; jp < (n + 1) / 2; jp++) {
-            const uint16_t* v0 = v_pool + (slots[s0 + 2 * jp] * kv_heads + task.kh) * dim;
-            const uint16_t* v1 = 2 * jp + 1 < n ? v_pool + (slots[s0 + 2 * jp + 1] * kv_heads + task.kh) * dim : nullptr;
-            for (int64_t d = 0; d < dim; d += 32) {
-                __m512i a = _mm512_loadu_si512(v0 + d);
-                __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
-                _mm512_store_si512(v_pairs + jp * dim + d, _mm512_permutex2var_epi16(a, lo_idx, b));
-                _mm512_store_si512(v_pairs + jp * dim + d + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
-            }
-        }
-        for (int64_t jp = (n + 1) / 2; jp < kBlockK / 2; jp++) memset(v_pairs + jp * dim, 0, dim * 4);
+        for (int64_t j = 0; j < n; j++) rows[j] = v_pool + (slots[s0 + j] * kv_heads + task.kh) * dim;
+        Kind::pack_values(rows, n, dim, values);
         for (int64_t i = 0; i < n_groups; i++) {
             LaneGroup& lg = groups[i];
-            if (s0 >= lg.key_end) continue;
-            attend_block(lg, k_rows, v_pairs, s0, std::min(n, lg.key_end - s0), dim, vscale);
+            if (s0 < lg.key_end)
+                attend_block<Kind>(lg, keys, values, s0, std::min(n, lg.key_end - s0), dim, vscale);
         }
     }
     alignas(64) float result[kMaxDim];
@@ -187,24 +272,17 @@ void run_task(const Task& task, const uint16_t* q, const uint16_t* k_pool, const
         _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), lg.sum));
         for (int64_t l = 0; l < lg.valid; l++) {
             for (int64_t d = 0; d < dim; d++) result[d] = lg.out[d * 16 + l] * inv[l];
-            uint16_t* o = out + (q_start + lg.first + l) * row + lg.head * dim;
-            for (int64_t d = 0; d < dim; d += 16) simd512::store_bf16(o + d, _mm512_load_ps(result + d));
+            Kind::store(out + (q_start + lg.first + l) * row + lg.head * dim, result, dim);
         }
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// q (T, H, D) bf16: the new tokens of `batch` requests one request after the other
-// (extend_lens[b] each); k_pool, v_pool (N, KH, D) bf16 holding every key of each request
-// (its first seq = prefix_lens[b] + extend_lens[b] positions at table[rows[b]]); out (T, H * D)
-// bf16. Request b's token i is at position prefix_lens[b] + i and attends positions <= it.
-void extend_attention(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
-                      const int64_t* rows, const int64_t* prefix_lens, const int64_t* extend_lens,
-                      void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t table_stride, float scale, int num_threads) {
+template <typename Kind>
+void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
+            const int64_t* rows, const int64_t* prefix_lens, const int64_t* extend_lens,
+            void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+            int64_t table_stride, float scale, int num_threads) {
+    using T = typename Kind::T;
     std::vector<int64_t> q_starts(batch);
     std::vector<Task> tasks;
     int64_t start = 0;
@@ -221,19 +299,35 @@ void extend_attention(const void* q, const void* k_pool, const void* v_pool, con
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<LaneGroup> groups(kMaxGroup * 2);
-        std::vector<uint16_t, std::allocator<uint16_t>> k_buf(kBlockK * kMaxDim + 32);
-        std::vector<uint32_t> v_buf(kBlockK / 2 * kMaxDim + 16);
-        uint16_t* k_rows = (uint16_t*)(((uintptr_t)k_buf.data() + 63) & ~(uintptr_t)63);
-        uint32_t* v_pairs = (uint32_t*)(((uintptr_t)v_buf.data() + 63) & ~(uintptr_t)63);
+        std::vector<uint32_t> key_buf(kBlockK * kMaxDim + 16), value_buf(kBlockK * kMaxDim + 16);
+        T* keys = (T*)(((uintptr_t)key_buf.data() + 63) & ~(uintptr_t)63);
+        uint32_t* values = (uint32_t*)(((uintptr_t)value_buf.data() + 63) & ~(uintptr_t)63);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task& t = tasks[i];
-            run_task(t, (const uint16_t*)q, (const uint16_t*)k_pool, (const uint16_t*)v_pool,
-                     table + rows[t.b] * table_stride, prefix_lens[t.b], extend_lens[t.b],
-                     q_starts[t.b], (uint16_t*)out, heads, kv_heads, dim, scale, groups, k_rows,
-                     v_pairs);
+            run_task<Kind>(t, (const T*)q, (const T*)k_pool, (const T*)v_pool,
+                           table + rows[t.b] * table_stride, prefix_lens[t.b], extend_lens[t.b],
+                           q_starts[t.b], (T*)out, heads, kv_heads, dim, scale, groups, keys, values);
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q (T, H, D): the new tokens of `batch` requests one request after the other (extend_lens[b]
+// each); k_pool, v_pool (N, KH, D) holding every key of each request (its first
+// prefix_lens[b] + extend_lens[b] positions at table[rows[b]]); out (T, H * D). All bf16
+// (dtype 1) or all fp32 (dtype 0). Request b's token i is at position prefix_lens[b] + i
+// and attends the positions <= it.
+void extend_attention(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
+                      const int64_t* rows, const int64_t* prefix_lens, const int64_t* extend_lens,
+                      void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t table_stride, float scale, int num_threads, int dtype) {
+    auto run = dtype == 1 ? attend<Bf16> : attend<Fp32>;
+    run(q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, out, batch, heads, kv_heads, dim,
+        table_stride, scale, num_threads);
 }
 
 int extend_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
