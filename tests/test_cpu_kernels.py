@@ -106,7 +106,8 @@ def attend_both_ways(
             use_extend_kernel=use_kernel and extend_kernel,
         )
         if use_kernel and extend_kernel:
-            assert backend.extend_kernel is extend_attention_kernel(None)
+            build = "avx2" if isa == "avx2" else "avx512"
+            assert backend.extend_kernel is extend_attention_kernel(None, build) is not None
         if use_kernel and kernel_fits:
             assert backend.decode_kernel is decode_attention_kernel(None, isa)
         assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
@@ -223,8 +224,15 @@ needs_avx512_bf16 = pytest.mark.skipif(
 )
 
 
-@needs_avx512_bf16
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+# the extend kernel's builds and the dtypes each takes: AVX2 fp32; AVX-512 fp32 and bf16
+EXTEND_BUILDS = [
+    ("avx2", torch.float32),
+    pytest.param("avx512", torch.float32, marks=needs_avx512_bf16),
+    pytest.param("avx512", BF16, marks=needs_avx512_bf16),
+]
+
+
+@pytest.mark.parametrize(("isa", "dtype"), EXTEND_BUILDS)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (16, 2, 128), (8, 1, 256)]
 )
@@ -239,7 +247,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
     ids=["prompt", "short", "ragged", "shared-prefix"],
 )
 def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
-    heads, kv_heads, dim, prefix_lens, extend_lens, dtype
+    heads, kv_heads, dim, prefix_lens, extend_lens, isa, dtype
 ):
     """The extend kernel against attention in fp64 over the same inputs. fp32: within
     fp32 rounding, as torch's SDPA path. bf16 (bf16 products, probabilities rounded to bf16
@@ -251,7 +259,7 @@ def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
         kv_dtype=dtype,
         q_dtype=dtype,
         inputs=inputs,
-        isa="avx512",
+        isa=isa,
         extend_kernel=True,
     )
     assert kernel.dtype == sdpa.dtype == dtype
@@ -265,8 +273,8 @@ def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
     assert kernel_error <= 1.25 * sdpa_error + 1e-3, (kernel_error, sdpa_error)
 
 
-@needs_avx512_bf16
-def test_extend_kernel_beside_decode_rows_and_windows():
+@pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=needs_avx512_bf16)])
+def test_extend_kernel_beside_decode_rows_and_windows(isa):
     """A mixed batch (one-token rows to the decode kernel, the rest to the extend kernel)
     and a sliding-window layer (rows longer than the window stay on SDPA's masks, the
     others take the kernel) both equal plain attention over each query's keys."""
@@ -280,7 +288,7 @@ def test_extend_kernel_beside_decode_rows_and_windows():
             *(4, 1, 64, prefix_lens, extend_lens),
             window=window,
             inputs=inputs,
-            isa="avx512",
+            isa=isa,
             extend_kernel=True,
         )
         reference = plain_windowed_attention(inputs, window or 1 << 30, 64**-0.5, torch.float64)

@@ -98,10 +98,13 @@ def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), intel_cpu()
     # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool;
-    # the fused element-wise ops (fp32 and bf16 models alike), their 8-lane build
+    # the fused element-wise ops (fp32 and bf16 models alike), their 8-lane build; the
+    # extend kernel's AVX2 build where the pool is fp32 as the model
     avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2")
-    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
+    assert KernelPlan.choose("auto", CPU, f32, f32, amd) == dataclasses.replace(
+        avx2_fp32, extend_attention=True
+    )
     # AVX-512: MKL streams one row faster, and beats the int8 kernel from 16 rows up; fp32
     # and bf16 models keep the attention kernel, its AVX-512 build (AVX512-BF16 too); oneDNN
     # on pre-blocked weights from 2 rows up in fp32, for every product in bf16 (AMX)
@@ -111,7 +114,9 @@ def test_kernel_plan_per_cpu():
     intel_fp32 = dataclasses.replace(intel_fp32, extend_attention=True)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
-    no_bf16_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, fused_elementwise="avx2")
+    no_bf16_fp32 = KernelPlan(
+        True, False, 0, 16, fp32_rows, fused_elementwise="avx2", extend_attention=True
+    )
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
     # (and bf16 models: with AMX, decode-sized products through the AMX kernel; prompts'
     # attention through the extend kernel where the pool is bf16 too)

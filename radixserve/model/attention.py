@@ -93,9 +93,10 @@ class TorchNativeAttention:
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
     "avx512" its AVX-512 variant, "amx" that one built with AMX), which reads K/V where they
     lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask. With
-    `use_extend_kernel` (a bf16 or fp32 model over a pool of its own dtype, on AVX-512 +
-    AVX512-BF16) the other rows (prompts, with or without a cached prefix) go to
-    `extend_attention_avx512.cpp`, which reads the pool in place too; not with hybrid
+    `use_extend_kernel` (a model over a pool of its own dtype: fp32 on AVX2,
+    `extend_attention.cpp`; fp32 or bf16 on AVX-512 + AVX512-BF16,
+    `extend_attention_avx512.cpp`) the other rows (prompts, with or without a cached
+    prefix) go to the extend kernel, which reads the pool in place too; not with hybrid
     window memory, nor in a sliding-window layer whose window is shorter than some request
     (those keep SDPA and its masks).
 
@@ -140,9 +141,15 @@ class TorchNativeAttention:
                 self.decode_kernel = kernel
                 break
         self.extend_kernel = None
-        if use_extend_kernel and window_map is None and kv_pool.k[0].dtype in EXTEND_DTYPE_CODES:
-            kernel = extend_attention_kernel(kernel_dir)
-            if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
+        if use_extend_kernel and window_map is None:
+            kernel = extend_attention_kernel(
+                kernel_dir, "avx2" if kernel_isa == "avx2" else "avx512"
+            )
+            if (
+                kernel is not None
+                and kv_pool.k[0].dtype in kernel.dtypes
+                and kernel.supports(num_heads, kv_heads, head_dim)
+            ):
                 self.extend_kernel = kernel
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
@@ -465,12 +472,16 @@ class DecodeKernel:
 
 
 class ExtendKernel:
-    """The C++ prefill / extend attention (`extend_attention_avx512.cpp`): `kernel(q (T, H, D),
-    k_pool, v_pool (N, KH, D), table (R, C), rows (B,), prefix_lens (B,), extend_lens (B,),
-    scale)` → (T, H * D), all bf16 or all fp32; q holds each request's new tokens in turn,
-    whose K/V are in the pool already."""
+    """The C++ prefill / extend attention (`extend_attention.cpp`, AVX2, fp32;
+    `extend_attention_avx512.cpp`, fp32 or bf16): `kernel(q (T, H, D), k_pool, v_pool
+    (N, KH, D), table (R, C), rows (B,), prefix_lens (B,), extend_lens (B,), scale)` →
+    (T, H * D), all in one of `dtypes`; q holds each request's new tokens in turn, whose
+    K/V are in the pool already."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        takes_bf16 = library.extend_attention_takes_bf16
+        takes_bf16.restype = ctypes.c_int
+        self.dtypes = {torch.float32} | ({torch.bfloat16} if takes_bf16() else set())
         self._run = library.extend_attention
         self._run.argtypes = [
             *[ctypes.c_void_p] * 8,
@@ -491,7 +502,7 @@ class ExtendKernel:
         self, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, scale: float
     ) -> torch.Tensor:
         tokens, heads, dim = q.shape
-        if not (q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in EXTEND_DTYPE_CODES):
+        if not (q.dtype == k_pool.dtype == v_pool.dtype and q.dtype in self.dtypes):
             raise TypeError(f"the extend kernel takes q {q.dtype} over a pool of {k_pool.dtype}")
         q = q.contiguous()
         out = torch.empty(tokens, heads * dim, dtype=q.dtype)
@@ -519,10 +530,14 @@ class ExtendKernel:
 
 
 @functools.cache
-def extend_attention_kernel(kernel_dir: Path | None = None) -> ExtendKernel | None:
-    """The C++ prefill / extend attention built into `kernel_dir` (AVX-512 + AVX512-BF16),
-    or None where it cannot be built or run."""
-    library = load_kernel("extend_attention_avx512", kernel_dir, "avx512")
+def extend_attention_kernel(
+    kernel_dir: Path | None = None, isa: str = "avx512"
+) -> ExtendKernel | None:
+    """The C++ prefill / extend attention built into `kernel_dir`: for isa "avx2"
+    `extend_attention.cpp` (fp32), for "avx512" `extend_attention_avx512.cpp` (AVX-512 +
+    AVX512-BF16; fp32 and bf16); None where it cannot be built or run."""
+    name = "extend_attention" if isa == "avx2" else "extend_attention_avx512"
+    library = load_kernel(name, kernel_dir, isa)
     return None if library is None else ExtendKernel(library)
 
 

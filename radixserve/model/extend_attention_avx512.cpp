@@ -335,4 +335,7 @@ int extend_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
            dim <= kMaxDim;
 }
 
+// This build takes bf16 as well as fp32.
+int extend_attention_takes_bf16() { return 1; }
+
 }  // extern "C"
