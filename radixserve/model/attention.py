@@ -411,13 +411,26 @@ BF16_QUERY_CODE = 3  # a bf16 pool read by a bf16 query (the AVX-512 kernel's vd
 BF16_IO_CODE = 4  # the same, the query and output passed as bf16 (builds that take it)
 
 
-class DecodeKernel:
+class _AttentionLibrary:
+    """An attention kernel's library: its `<name>_supports(heads, kv_heads, head_dim)`."""
+
+    def __init__(self, library: ctypes.CDLL, name: str) -> None:
+        self._supports = getattr(library, f"{name}_supports")
+        self._supports.argtypes = [ctypes.c_int64] * 3
+        self._supports.restype = ctypes.c_int
+
+    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return bool(self._supports(heads, kv_heads, head_dim))
+
+
+class DecodeKernel(_AttentionLibrary):
     """The C++ decode attention: `kernel(q (B, H, D), k_pool, v_pool (N, KH, D),
     table (R, C), rows (B,), seq_lens (B,), scale, window)` → (B, H * D) in q's dtype. The
     pool may be fp32, bf16 or fp16; the arithmetic is fp32. With `window` W > 0 a request
     attends only its last W positions."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library, "decode_attention")
         self._run = library.decode_attention
         pointers, sizes = [ctypes.c_void_p] * 7, [ctypes.c_int64] * 5
         self._run.argtypes = [
@@ -429,15 +442,9 @@ class DecodeKernel:
             ctypes.c_int64,
         ]
         self._run.restype = None
-        self._supports = library.decode_attention_supports
-        self._supports.argtypes = [ctypes.c_int64] * 3
-        self._supports.restype = ctypes.c_int
         # the AVX-512 build reads a bf16 query and writes a bf16 output itself: two
         # conversions fewer per layer (torch ops of ~20 us each at 16 running)
         self.bf16_io = hasattr(library, "decode_attention_bf16_io")
-
-    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return bool(self._supports(heads, kv_heads, head_dim))
 
     def __call__(
         self, q, k_pool, v_pool, table, rows, seq_lens, scale: float, window: int = 0
@@ -471,7 +478,7 @@ class DecodeKernel:
         return out.to(q.dtype)  # a no-op for bf16 io
 
 
-class ExtendKernel:
+class ExtendKernel(_AttentionLibrary):
     """The C++ prefill / extend attention (`extend_attention.cpp`, AVX2, fp32;
     `extend_attention_avx512.cpp`, fp32 or bf16): `kernel(q (T, H, D), k_pool, v_pool
     (N, KH, D), table (R, C), rows (B,), prefix_lens (B,), extend_lens (B,), scale)` →
@@ -479,6 +486,7 @@ class ExtendKernel:
     K/V are in the pool already."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library, "extend_attention")
         takes_bf16 = library.extend_attention_takes_bf16
         takes_bf16.restype = ctypes.c_int
         self.dtypes = {torch.float32} | ({torch.bfloat16} if takes_bf16() else set())
@@ -491,12 +499,6 @@ class ExtendKernel:
             ctypes.c_int,
         ]
         self._run.restype = None
-        self._supports = library.extend_attention_supports
-        self._supports.argtypes = [ctypes.c_int64] * 3
-        self._supports.restype = ctypes.c_int
-
-    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return bool(self._supports(heads, kv_heads, head_dim))
 
     def __call__(
         self, q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, scale: float

@@ -17,21 +17,20 @@
 #include <algorithm>
 #include <vector>
 
+#include "extend_tasks.h"
 #include "simd_avx2.h"
 
 namespace {
 
 using simd::exp8;
 
-constexpr int64_t kBlockQ = 32;   // new tokens per task
+using extend::kBlockQ;  // new tokens per task
 constexpr int64_t kBlockK = 32;   // keys per softmax block
 constexpr int64_t kMaxDim = 256;  // head size held in the per-lane-group scratch
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head
 constexpr int64_t kLanes = 8;
 
-struct Task {
-    int64_t b, kh, t0, cost;
-};
+using extend::Task;
 
 // State of one lane group (8 tokens of one query head) across the key blocks.
 struct LaneGroup {
@@ -164,18 +163,8 @@ void extend_attention(const void* q, const void* k_pool, const void* v_pool, con
                       void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t table_stride, float scale, int num_threads, int dtype) {
     if (dtype != 0) return;  // the Python side sends this build fp32 alone
-    std::vector<int64_t> q_starts(batch);
-    std::vector<Task> tasks;
-    int64_t start = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        q_starts[b] = start;
-        start += extend_lens[b];
-        for (int64_t t0 = 0; t0 < extend_lens[b]; t0 += kBlockQ)
-            for (int64_t kh = 0; kh < kv_heads; kh++)
-                tasks.push_back({b, kh, t0, prefix_lens[b] + std::min(t0 + kBlockQ, extend_lens[b])});
-    }
-    std::stable_sort(tasks.begin(), tasks.end(),
-                     [](const Task& x, const Task& y) { return x.cost > y.cost; });
+    std::vector<int64_t> q_starts;
+    const std::vector<Task> tasks = extend::tasks_of(batch, kv_heads, prefix_lens, extend_lens, q_starts);
     const int64_t n_tasks = (int64_t)tasks.size();
 #pragma omp parallel num_threads(num_threads)
     {
