@@ -233,10 +233,10 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 AMX_ROWS = 256
 AVX512_BF16_ROWS = 128
 
-# EXTEND_ATTENTION: prefill / extend attention of a bf16 model over a bf16 pool, SmolLM2's
+# EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
 # heads (9 query, 3 KV, dim 64), AMD EPYC Zen 4 (AVX-512, AVX512-BF16), 2 threads, ms per
-# layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp:
-# one 544-token prompt 5.5 -> 1.5 (~230 GFLOP/s); 16 requests of 32 new tokens after 512
+# layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp,
+# bf16: one 544-token prompt 5.5 -> 1.5 (~230 GFLOP/s); 16 requests of 32 new tokens after 512
 # cached 8.9 -> 2.8. Outputs within SDPA's own bf16 error of an fp64 reference. fp32, the
 # same shapes: 6.1 -> 2.2 and 9.7 -> 4.6 (extend_attention_avx512.cpp); the AVX2 build
 # (8 lanes) on the same CPU 3.9 and 7.1 (not measured on an AVX2-only CPU).

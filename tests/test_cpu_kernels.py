@@ -28,15 +28,13 @@ pytestmark = pytest.mark.skipif(
     reason="the C++ kernels cannot be built on this machine",
 )
 BF16 = torch.bfloat16
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
+)
 # each build of the decode-attention kernel; the AVX-512 one where this CPU runs it
 ISAS = [
     "avx2",
-    pytest.param(
-        "avx512",
-        marks=pytest.mark.skipif(
-            not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
-        ),
-    ),
+    pytest.param("avx512", marks=needs_avx512_bf16),
     pytest.param(
         "amx", marks=pytest.mark.skipif(not cpu_runs("amx"), reason="this CPU has no AMX-BF16")
     ),
@@ -63,7 +61,7 @@ def attend_both_ways(
     with each request's slots in a row (`consecutive`) (a sliding-window layer with
     `window` > 0); `inputs`, a dict, gets the pool, the table, the batch and q, k, v. With
     `extend_kernel` the kernel side sends rows of more than one token to the extend
-    kernel (bf16 pool and q)."""
+    kernel (a pool in q's dtype)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     size = sum(seq_lens) + 7
@@ -106,8 +104,7 @@ def attend_both_ways(
             use_extend_kernel=use_kernel and extend_kernel,
         )
         if use_kernel and extend_kernel:
-            build = "avx2" if isa == "avx2" else "avx512"
-            assert backend.extend_kernel is extend_attention_kernel(None, build) is not None
+            assert backend.extend_kernel is extend_attention_kernel(None, isa) is not None
         if use_kernel and kernel_fits:
             assert backend.decode_kernel is decode_attention_kernel(None, isa)
         assert (backend.decode_kernel is not None) == (use_kernel and kernel_fits)
@@ -217,11 +214,6 @@ def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     rows go to the kernel, the others to SDPA; the result equals the torch path's."""
     kernel, reference = attend_both_ways(9, 3, 64, [10, 0, 33, 4], [1, 6, 1, 3], isa=isa)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
-
-
-needs_avx512_bf16 = pytest.mark.skipif(
-    not cpu_runs("avx512"), reason="this CPU has no AVX-512 with AVX512-BF16"
-)
 
 
 # the extend kernel's builds and the dtypes each takes: AVX2 fp32; AVX-512 fp32 and bf16

@@ -142,9 +142,7 @@ class TorchNativeAttention:
                 break
         self.extend_kernel = None
         if use_extend_kernel and window_map is None:
-            kernel = extend_attention_kernel(
-                kernel_dir, "avx2" if kernel_isa == "avx2" else "avx512"
-            )
+            kernel = extend_attention_kernel(kernel_dir, kernel_isa)
             if (
                 kernel is not None
                 and kv_pool.k[0].dtype in kernel.dtypes
@@ -237,7 +235,6 @@ class TorchNativeAttention:
                 None,
                 max(extend_list),
                 req_rows,
-                seq_lens,
                 prefix_lens=torch.tensor(prefix_list, device=device),
                 extend_lens=torch.tensor(extend_list, device=device),
             )
@@ -535,11 +532,14 @@ class ExtendKernel(_AttentionLibrary):
 def extend_attention_kernel(
     kernel_dir: Path | None = None, isa: str = "avx512"
 ) -> ExtendKernel | None:
-    """The C++ prefill / extend attention built into `kernel_dir`: for isa "avx2"
-    `extend_attention.cpp` (fp32), for "avx512" `extend_attention_avx512.cpp` (AVX-512 +
-    AVX512-BF16; fp32 and bf16); None where it cannot be built or run."""
-    name = "extend_attention" if isa == "avx2" else "extend_attention_avx512"
-    library = load_kernel(name, kernel_dir, isa)
+    """The C++ prefill / extend attention built into `kernel_dir` for the decode kernel's
+    `isa`: "avx2" `extend_attention.cpp` (fp32); "avx512", and "amx" (which has no build of
+    its own), `extend_attention_avx512.cpp` (AVX-512 + AVX512-BF16; fp32 and bf16); None
+    where it cannot be built or run."""
+    if isa == "avx2":
+        library = load_kernel("extend_attention", kernel_dir, "avx2")
+    else:
+        library = load_kernel("extend_attention_avx512", kernel_dir, "avx512")
     return None if library is None else ExtendKernel(library)
 
 
