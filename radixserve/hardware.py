@@ -16,12 +16,12 @@ The figures behind each choice (SmolLM2-135M's layer shapes, torch 2.13.0, 2 thr
 Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs them
 (`auto_dtype`), with the weights pre-blocked for oneDNN on AVX-512 CPUs
 (`KernelPlan.packed_rows`) and decode-sized products through the project's tile-layout
-kernel, AMX or AVX512-BF16 (`KernelPlan.amx_rows`); the one-row fp32 kernel wherever MKL's
-sgemv is the slower one, i.e. everywhere but on Intel CPUs with AVX-512
-(`KernelPlan.gemv`); the decode-attention kernel wherever x86 AVX2 is there, for fp32,
-bf16 and fp16 KV pools, built for AVX-512 where the CPU has it with AVX512-BF16
-(`KernelPlan.decode_attention_isa`); RMSNorm, rotary and SiLU*up fused
-(`KernelPlan.fused_elementwise`).
+kernel, AMX or AVX512-BF16 (`KernelPlan.blocked_rows`), fp32 ones through its fp32
+counterpart on AMD's AVX-512 CPUs; elsewhere the one-row fp32 kernel wherever MKL's sgemv
+is the slower one, i.e. everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the
+decode-attention kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built
+for AVX-512 where the CPU has it with AVX512-BF16 (`KernelPlan.decode_attention_isa`);
+RMSNorm, rotary and SiLU*up fused (`KernelPlan.fused_elementwise`).
 
 What the bf16 choices gave together on the Intel Xeon (AMX, 2 threads; `radixserve bench
 step-breakdown --dtype bfloat16`, context 512, unprofiled ms per decode step before -> after):
@@ -233,6 +233,19 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 AMX_ROWS = 256
 AVX512_BF16_ROWS = 128
 
+# FP32_LINEAR: fp32 linear layers of few rows through fp32_linear_avx512.cpp (the weight laid
+# out once in blocks of 16 features, 8 rows of x by 3 blocks in 24 registers) against what
+# the plan had there (oneDNN with pre-blocked weights from 2 rows, fp32_gemv.cpp at 1, MKL
+# in the LM head's place before), AMD EPYC Zen 4 (AVX-512, 2 threads), 30 layers of
+# SmolLM2's 6 products each with every weight read from memory, ms per pass, medians of 7
+# alternated (two runs on a noisy machine): oneDNN -> kernel 23-28 -> 12-17 at 1 row (fp32_gemv
+# ~26), 25-28 -> 12-15 at 2, 22-26 -> 14-18 at 8, 30-34 -> 22-24 at 16, 46-51 -> 36-39 at 32,
+# 74-89 -> 69-71 at 64 (~36 GB/s of weights at 1-2 rows; ~210 GFLOP/s with the weights in
+# L2). The tied LM head (49152 x 576), ms, oneDNN -> kernel: 5.3 -> 4.2 at 1 row (fp32_gemv
+# 6.5), 6.9 -> 6.2 at 16, 19.2 -> 18.7 at 64. Up to 64 rows; fp32 prefill stays on MKL (see
+# PACKED_LINEAR: another order of the sums moves the fidelity suite past its bar).
+FP32_BLOCKED_ROWS = 64
+
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
 # heads (9 query, 3 KV, dim 64), AMD EPYC Zen 4 (AVX-512, AVX512-BF16), 2 threads, ms per
 # layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp,
@@ -248,7 +261,8 @@ class KernelPlan:
 
     decode_attention: bool  # decode_attention.cpp: one-token rows read K/V in the pool
     # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode), where MKL's sgemv is
-    # slower (every CPU but Intel's with AVX-512), ahead of packed_rows' other products
+    # slower (every CPU but Intel's with AVX-512) and no blocked kernel takes them, ahead of
+    # packed_rows' other products
     gemv: bool
     # fp32_gemm_small.cpp for linear layers of 2..few_rows_max rows (small decode batches);
     # 0: off. AVX2-only CPUs (see FEW_ROWS_MAX); unmeasured on AVX-512, which keeps MKL there
@@ -272,11 +286,13 @@ class KernelPlan:
     # chains of torch ops (see FUSED_ELEMENTWISE), built for this ISA:
     # "avx2" or "avx512" (fused_ops.cpp's 8- or 16-lane build; AVX512-BF16 too); "": off
     fused_elementwise: str = ""
-    # bf16 products of 1..amx_rows rows (decode steps) through bf16_linear_amx.cpp, ahead of
-    # packed_rows; 0: off. CPUs with AMX-BF16, and AVX-512 CPUs with AVX512-BF16 (see
-    # AMX_LINEAR), the kernel's build for them named by amx_isa ("amx" or "avx512")
-    amx_rows: int = 0
-    amx_isa: str = "amx"
+    # products of 1..blocked_rows rows (decode steps) through a kernel that reads its own
+    # layout of the weights, ahead of packed_rows; 0: off. bf16: bf16_linear_amx.cpp on
+    # CPUs with AMX-BF16, and AVX-512 CPUs with AVX512-BF16 (see AMX_LINEAR), the build
+    # named by blocked_isa ("amx" or "avx512"); fp32: fp32_linear_avx512.cpp on AMD's
+    # AVX-512 CPUs (see FP32_LINEAR)
+    blocked_rows: int = 0
+    blocked_isa: str = "avx512"
     # a model's prefill and extend rows (new tokens after a cached prefix) attend over a
     # pool of the model's dtype in place, flash-style, instead of torch's SDPA over gathered
     # K/V with a mask: fp32 models on any CPU with AVX2 (extend_attention.cpp, or the
@@ -305,21 +321,27 @@ class KernelPlan:
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
         fused_dtype = dtype in (torch.bfloat16, torch.float32)
-        amx_rows = 0  # bf16 products through bf16_linear_amx.cpp: its AMX or AVX-512 build
+        blocked_rows = 0  # through bf16_linear_amx.cpp (AMX or AVX-512) or fp32_linear_avx512
+        # fp32: measured on AMD's Zen 4 only; Intel's AVX-512 CPUs keep oneDNN and MKL
+        fp32_blocked = on_x86 and dtype == torch.float32 and wide and not cpu.intel
+        blocked_isa = "avx512"
         if packed and dtype == torch.bfloat16 and wide:
-            amx_rows = AMX_ROWS if cpu.amx_bf16 else AVX512_BF16_ROWS
+            blocked_rows = AMX_ROWS if cpu.amx_bf16 else AVX512_BF16_ROWS
+            blocked_isa = "amx" if cpu.amx_bf16 else "avx512"
+        elif fp32_blocked:
+            blocked_rows = FP32_BLOCKED_ROWS
         return cls(
             decode_attention=attention,
-            gemv=gemv,
+            gemv=gemv and not fp32_blocked,
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
-            packed_rows=PACKED_ROWS.get(dtype) if packed else None,
+            packed_rows=PACKED_ROWS.get(dtype) if packed and not fp32_blocked else None,
             decode_attention_isa=(
                 ("amx" if cpu.amx_bf16 else "avx512") if attention and wide else "avx2"
             ),
             fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
-            amx_rows=amx_rows,
-            amx_isa="avx512" if amx_rows and not cpu.amx_bf16 else "amx",
+            blocked_rows=blocked_rows,
+            blocked_isa=blocked_isa,
             extend_attention=attention
             and dtype == kv_dtype
             and (dtype == torch.float32 or (wide and dtype == torch.bfloat16)),

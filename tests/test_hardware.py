@@ -15,6 +15,7 @@ from radixserve.hardware import (
     AMX_ROWS,
     AVX512_BF16_ROWS,
     FEW_ROWS_MAX,
+    FP32_BLOCKED_ROWS,
     CpuInfo,
     KernelPlan,
     auto_dtype,
@@ -121,7 +122,7 @@ def test_kernel_plan_per_cpu():
     # (and bf16 models: with AMX, decode-sized products through the AMX kernel; prompts'
     # attention through the extend kernel where the pool is bf16 too)
     amx_rows = AMX_ROWS if onednn else 0
-    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows)
+    intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows, "amx")
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == dataclasses.replace(
         intel_bf16, extend_attention=True
@@ -134,23 +135,25 @@ def test_kernel_plan_per_cpu():
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
     # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, decode-sized
-    # ones through the AMX kernel's AVX-512 build; fp32 single rows to the one-row kernel,
-    # MKL's sgemv being slow off Intel
+    # ones through the AMX kernel's AVX-512 build; fp32 products of up to 64 rows through
+    # the fp32 blocked kernel (nothing packed: prefill stays MKL's; no one-row kernel)
     zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
     zen4_rows = AVX512_BF16_ROWS if onednn else 0  # the AVX-512 build of the AMX kernel
     assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
-        *(True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows),
-        "avx512" if onednn else "amx",
+        *(True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows, "avx512"),
         extend_attention=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
-        True, True, 0, 16, fp32_rows, "avx512", "avx512", extend_attention=True
+        *(True, False, 0, 16, None, "avx512", "avx512", FP32_BLOCKED_ROWS, "avx512"),
+        extend_attention=True,
     )
+    # (measured on AMD's Zen 4 only: Intel's AVX-512 CPUs keep oneDNN for fp32, above)
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel).blocked_rows == 0
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
     # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them
     avx512_only = cpu(AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl", "AVX512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, avx512_only).packed_rows is None
-    assert KernelPlan.choose("auto", CPU, f32, f32, intel).amx_rows == 0  # bf16 only
+    assert KernelPlan.choose("auto", CPU, f32, f32, avx512_only).blocked_rows == 0
     # torch ops only, or not a CPU with AVX2, or not a CPU at all
     assert KernelPlan.choose("torch", CPU, f32, f32, amd) == KernelPlan(False, False)
     assert KernelPlan.choose("auto", CPU, f32, f32, cpu("sse sse2 avx")) == KernelPlan(False, False)

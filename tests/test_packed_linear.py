@@ -1,11 +1,12 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
-CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on AVX-512 CPUs) or laid out as AMX
-tiles for the project's kernel (`KernelPlan.amx_rows`: bf16 decode-sized products on CPUs
-with AMX): the product against F.linear, and a whole bf16 model packed, with the AMX kernel
-and with the fused element-wise ops (`KernelPlan.fused_elementwise`) against the same model
-with torch's ops, on any CPU (all forced here where the CPU runs them; which machines get
-them by default is tests/test_hardware.py's business; the ops alone:
-tests/test_cpu_kernels.py)."""
+CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on Intel's AVX-512 CPUs) or laid out
+for the project's blocked kernels (`KernelPlan.blocked_rows`: bf16 decode-sized products as
+AMX tiles on CPUs with AMX or AVX512-BF16; fp32 ones in blocks of 16 features on AMD's
+AVX-512 CPUs): the product against F.linear, and a whole bf16 model packed, with the AMX
+kernel and with the fused element-wise ops (`KernelPlan.fused_elementwise`) against the same
+model with torch's ops, and an fp32 model through the fp32 kernel, on any CPU (all forced
+here where the CPU runs them; which machines get them by default is tests/test_hardware.py's
+business; the ops alone: tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import torch.nn.functional as F
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
-from radixserve.model.cpu_kernels import amx_linear, cpu_runs, fused_ops, gemv_kernel
+from radixserve.model.cpu_kernels import (
+    amx_linear,
+    cpu_runs,
+    fp32_linear,
+    fused_ops,
+    gemv_kernel,
+)
 from radixserve.model.layers import Linear, PackedRows, RowKernels, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -39,6 +46,8 @@ needs_onednn_bf16 = pytest.mark.skipif(
 AMX = amx_linear() if cpu_info().amx_bf16 else amx_linear(None, "avx512")
 FUSED = fused_ops(None, "avx512") if cpu_runs("avx512") else fused_ops()  # the plan's build
 needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor AVX512-BF16")
+FP32 = fp32_linear()  # fp32_linear_avx512.cpp: AVX-512 (the kernels' build takes AVX512-BF16)
+needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-512")
 
 
 def bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -108,11 +117,44 @@ def test_fp32_single_rows_go_to_the_one_row_kernel_beside_packed_rows():
     torch.testing.assert_close(layer(x), packed, atol=0, rtol=0)
 
 
-def test_the_amx_kernel_is_there_wherever_the_cpu_has_amx():
+def test_the_blocked_kernels_are_there_wherever_the_cpu_runs_them():
     """On an AMX (or AVX512-BF16) CPU a failed build or a refused tile permission must not
     pass unseen."""
     if cpu_runs("avx512"):
-        assert AMX is not None
+        assert AMX is not None and FP32 is not None
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40, 64, 200])
+@pytest.mark.parametrize(("n", "k"), [(16, 1), (32, 203), (48, 64), (192, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_blocked_product_matches_a_float64_one(rows, n, k, bias):
+    """Row counts around the kernel's 8-row chunks, feature counts around its groups of 3
+    blocks of 16 (1, 2, 3, 4 blocks; 36 blocks for 2 threads), odd column counts."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = FP32(x, FP32.pack(weight), n, b)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    ref = x.double() @ weight.double().T + (0 if b is None else b.double())
+    # fp32 sums of k products in order: within k ulps of the exact sum's scale
+    scale = (x.double().abs() @ weight.double().abs().T).max().item() + 1
+    assert (out.double() - ref).abs().max().item() < 2**-23 * k * scale
+
+
+@needs_fp32_kernel
+def test_the_fp32_blocked_layer_takes_few_rows_and_leaves_the_rest_to_mkl():
+    """Rows 1..64 through the blocked copy; prefill products through F.linear on the plain
+    weight (MKL), exactly; weights the kernel does not take stay plain."""
+    layer = Linear(64, 48, bias=True)
+    assert not FP32.fits(layer.weight.to(BF16)) and not FP32.fits(torch.zeros(40, 64))
+    few, prefill = torch.randn(64, 64), torch.randn(65, 64)
+    expected = F.linear(prefill, layer.weight, layer.bias)
+    layer.use_blocked(FP32, PackedRows(1, 64))
+    assert layer.uses_blocked(few[:1]) and layer.uses_blocked(few)
+    assert not layer.uses_blocked(prefill) and layer.blocked_weight.numel() == 64 * 48
+    torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(prefill), expected, atol=0, rtol=0)
 
 
 @needs_amx
@@ -131,15 +173,15 @@ def test_the_amx_layer_takes_few_rows_and_leaves_the_rest_to_onednn():
     layer = Linear(64, 48, bias=True).to(BF16)
     small, big = torch.randn(7, 64).to(BF16), torch.randn(9, 64).to(BF16)
     expected = F.linear(small, layer.weight, layer.bias), F.linear(big, layer.weight, layer.bias)
-    layer.use_amx(AMX, PackedRows(1, 8))
+    layer.use_blocked(AMX, PackedRows(1, 8))
     layer.pack(PackedRows())
-    assert layer.uses_amx(small) and not layer.uses_amx(big) and layer.uses_packed(big)
-    assert layer.amx_weight.numel() == 64 * 48
+    assert layer.uses_blocked(small) and not layer.uses_blocked(big) and layer.uses_packed(big)
+    assert layer.blocked_weight.numel() == 64 * 48
     bf16_close(layer(small), expected[0])
     bf16_close(layer(big), expected[1])
     odd = Linear(64, 40).to(BF16)  # 40 output features: not whole 16-wide tiles
-    odd.use_amx(AMX, PackedRows(1, 8))
-    assert odd.amx is None and not odd.uses_amx(small)
+    odd.use_blocked(AMX, PackedRows(1, 8))
+    assert odd.blocked is None and not odd.uses_blocked(small)
 
 
 def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
@@ -156,7 +198,7 @@ def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
     runner = ModelRunner(config, progress=False)
     if pack:
         if AMX is not None:  # the products of up to 64 rows: every one in these tests
-            runner.model.use_amx_linears(AMX, PackedRows(1, 64))
+            runner.model.use_blocked_linears(AMX, PackedRows(1, 64))
         if ONEDNN_BF16:
             runner.model.pack_linears()
         if FUSED is not None:
@@ -189,8 +231,8 @@ def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_
         assert (packed.model.lm_packed is not None) == (packed.model.lm_head is None)
     if AMX is not None:
         linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
-        assert linears and all(m.amx is not None for m in linears)
-        assert (packed.model.lm_amx is not None) == (packed.model.lm_head is None)
+        assert linears and all(m.blocked is not None for m in linears)
+        assert (packed.model.lm_blocked is not None) == (packed.model.lm_head is None)
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
     ours, ref = prefill_logits(packed, prompts), prefill_logits(plain, prompts)
     # the same up to bf16 rounding of sums taken in another order (measured on an Intel
@@ -204,3 +246,34 @@ def test_a_packed_model_computes_what_the_plain_one_does(tiny_model_dirs, model_
     b = StaticGenerator(plain).generate(prompts, params)
     same = sum(x.output_ids == y.output_ids for x, y in zip(a, b, strict=True))
     assert same >= 2  # bf16 near-ties may flip one prompt; a broken layer flips them all
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_fp32_model_through_the_blocked_kernel_decodes_as_the_plain_one(
+    tiny_model_dirs, model_cache_dir, arch
+):
+    """llama: an untied LM head (a Linear); qwen2: q/k/v biases and a tied head (the
+    blocked copy of the embedding matrix). Decode steps (one row per request) through the
+    kernel, greedy, against torch's ops on the same fp32 weights."""
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs[arch]),
+        max_total_tokens=1024,
+        model_cache_dir=str(model_cache_dir),
+        dtype="float32",
+        kernels="torch",
+    )
+    plain, blocked = ModelRunner(config, progress=False), ModelRunner(config, progress=False)
+    blocked.model.use_blocked_linears(FP32, PackedRows(1, 64))
+    linears = [m for m in blocked.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.blocked is not None for m in linears)
+    assert (blocked.model.lm_blocked is not None) == (blocked.model.lm_head is None)
+    prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
+    params = [greedy(12) for _ in prompts]
+    a = StaticGenerator(blocked).generate(prompts, params, return_logprob=True)
+    b = StaticGenerator(plain).generate(prompts, params, return_logprob=True)
+    assert [x.output_ids for x in a] == [y.output_ids for y in b]
+    for x, y in zip(a, b, strict=True):  # the chosen tokens' logprobs, every step
+        torch.testing.assert_close(
+            torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0
+        )

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import AmxLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -62,8 +62,8 @@ class CausalLM(nn.Module):
         self.row_kernels = NO_ROW_KERNELS  # see use_row_kernels
         self.lm_packed: torch.Tensor | None = None  # see pack_linears
         self.lm_packed_rows = EVERY_ROW
-        self.lm_amx: AmxLinear | None = None  # see use_amx_linears
-        self.lm_amx_rows: PackedRows | None = None
+        self.lm_blocked: BlockedLinear | None = None  # see use_blocked_linears
+        self.lm_blocked_rows: PackedRows | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -105,8 +105,10 @@ class CausalLM(nn.Module):
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (L, hidden), already normed → (L, vocab) in x's dtype (under tensor
         parallelism on rank 0; the other ranks get their vocabulary slice)."""
-        if self.lm_head is None and self.lm_amx_rows is not None and self.lm_amx_rows.covers(x):
-            local = self.lm_amx(x, self.lm_amx_weight, self.embed_tokens.weight.shape[0], None)
+        rows = self.lm_blocked_rows
+        if self.lm_head is None and rows is not None and rows.covers(x):
+            weight = self.lm_blocked_weight
+            local = self.lm_blocked(x, weight, self.embed_tokens.weight.shape[0], None)
         elif self.lm_head is None:
             packed = self.lm_packed if self.lm_packed_rows.covers(x) else None
             local = logits_linear(x, self.embed_tokens.weight, self.row_kernels, packed)
@@ -139,17 +141,18 @@ class CausalLM(nn.Module):
                 if module.down_proj.weight.dtype == torch.bfloat16:
                     module.fused = ops
 
-    def use_amx_linears(self, kernel: AmxLinear, rows: PackedRows) -> None:
-        """bf16 products of `rows` rows in every linear layer and the LM head through the
-        AMX kernel (`bf16_linear_amx.cpp`), each weight copied once into its tile layout; a
-        tied head gets a copy of the embedding matrix. Before `pack_linears`."""
+    def use_blocked_linears(self, kernel: BlockedLinear, rows: PackedRows) -> None:
+        """Products of `rows` rows in every linear layer and the LM head through a kernel
+        that reads its own layout of the weights (`bf16_linear_amx.cpp`,
+        `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
+        of the embedding matrix. Before `pack_linears`."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_amx(kernel, rows)
+                module.use_blocked(kernel, rows)
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             packed = kernel.pack(self.embed_tokens.weight)
-            self.register_buffer("lm_amx_weight", packed, persistent=False)
-            self.lm_amx, self.lm_amx_rows = kernel, rows
+            self.register_buffer("lm_blocked_weight", packed, persistent=False)
+            self.lm_blocked, self.lm_blocked_rows = kernel, rows
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

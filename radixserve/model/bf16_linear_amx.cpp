@@ -32,24 +32,12 @@
 
 #include <vector>
 
+#include "linear_groups.h"
+
 namespace {
 
 constexpr int64_t kTile = 16 * 32;  // bf16 elements of one B tile (16 rows of 64 bytes)
 constexpr int kGroup = 4;           // output blocks per group: the accumulator tiles
-
-// Inside a parallel region: body(first block, count) for each group of output blocks this
-// thread takes, kGroup blocks a group, fewer where that would leave a thread without work.
-template <typename Body>
-inline void this_threads_groups(int64_t blocks, int threads, Body body) {
-    const int64_t per_thread = (blocks + threads - 1) / threads;
-    const int64_t size = per_thread < kGroup ? (per_thread < 1 ? 1 : per_thread) : kGroup;
-    const int64_t groups = (blocks + size - 1) / size;
-    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-    for (int64_t g = groups * id / nt; g < groups * (id + 1) / nt; g++) {
-        const int64_t b = g * size;
-        body(b, blocks - b < size ? blocks - b : size);
-    }
-}
 
 #ifdef __AMX_BF16__
 struct alignas(64) TileConfig {
@@ -232,7 +220,7 @@ extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const
     {
         configure(m < 16 ? static_cast<int>(m) : 16);
         alignas(64) float scratch[16 * 16];
-        this_threads_groups(blocks, threads, [&](int64_t b, int64_t count) {
+        linear_groups::this_threads(blocks, kGroup, [&](int64_t b, int64_t count) {
             const uint16_t* w = packed + b * stride;
             const float* gb = bias ? bias + b * 16 : nullptr;
             uint16_t* o = out + b * 16;
@@ -251,7 +239,7 @@ extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const
                                 uint16_t* out, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = n / 16, stride = k / 32 * kTile;
 #pragma omp parallel num_threads(threads)
-    this_threads_groups(blocks, threads, [&](int64_t b, int64_t count) {
+    linear_groups::this_threads(blocks, kGroup, [&](int64_t b, int64_t count) {
         const uint16_t* w = packed + b * stride;
         const float* gb = bias ? bias + b * 16 : nullptr;
         uint16_t* o = out + b * 16;

@@ -250,45 +250,47 @@ def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
     return None if library is None else FusedOps(library, 16 if isa == "avx512" else 8)
 
 
-class AmxLinear:
-    """`bf16_linear_amx.cpp`: bf16 products of few rows with the weight laid out once as
-    AMX tiles (`pack`), on AMX or, built for AVX-512, with AVX512-BF16. Takes what `fits`
-    says yes to."""
+class BlockedLinear:
+    """A linear kernel for products of few rows (decode steps) that reads each weight from a
+    copy laid out once in its own order (`pack`): `bf16_linear_amx.cpp` (bf16, AMX tiles,
+    or that layout read with AVX512-BF16) and `fp32_linear_avx512.cpp` (fp32, blocks of 16
+    features). Takes what `fits` says yes to."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, prefix: str, dtype: torch.dtype, k_multiple: int):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._pack = library.bf16_amx_pack
+        self._pack = getattr(library, f"{prefix}_pack")
         self._pack.argtypes = [p, p, i64, i64]
         self._pack.restype = None
-        self._linear = library.bf16_amx_linear
+        self._linear = getattr(library, f"{prefix}_linear")
         self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
         self._linear.restype = None
+        self.dtype, self._k_multiple = dtype, k_multiple
 
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        """A 2-D bf16 weight of a multiple of 16 rows (output features) by a multiple of 32
-        columns (the tiles' sizes)."""
+    def fits(self, weight: torch.Tensor) -> bool:
+        """A 2-D weight of the kernel's dtype, a multiple of 16 rows (output features) by a
+        multiple of the kernel's columns (32 for the bf16 tiles)."""
         return (
-            weight.dtype == torch.bfloat16
+            weight.dtype == self.dtype
             and weight.dim() == 2
             and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 32 == 0
+            and weight.shape[1] % self._k_multiple == 0
         )
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight (N, K) in the kernel's tile layout: a flat bf16 tensor of N * K."""
+        """weight (N, K) in the kernel's layout: a flat tensor of N * K."""
         weight = weight.detach().contiguous()
-        out = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        out = torch.empty(weight.numel(), dtype=self.dtype)
         self._pack(weight.data_ptr(), out.data_ptr(), *weight.shape)
         return out
 
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x (M, K) bf16 @ the packed (n, K) weight .T + bias (fp32 or None) → (M, n) bf16."""
+        """x (M, K) @ the packed (n, K) weight .T + bias (fp32 or None) → (M, n), x's
+        dtype (the kernel's)."""
         x = x.contiguous()
         m, k = x.shape
-        out = torch.empty(m, n, dtype=torch.bfloat16)
+        out = torch.empty(m, n, dtype=self.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
         with profiled("kernel:linear"):
             self._linear(
@@ -299,7 +301,7 @@ class AmxLinear:
 
 
 @functools.cache
-def amx_linear(folder: Path | None = None, isa: str = "amx") -> AmxLinear | None:
+def amx_linear(folder: Path | None = None, isa: str = "amx") -> BlockedLinear | None:
     """The bf16 linear kernel on the AMX tile layout built for `isa`: "amx" (tile
     products) or "avx512" (AVX512-BF16's vdpbf16ps on the same layout, for CPUs without
     AMX); None where it cannot be built or Linux does not grant this process the AMX tile
@@ -310,4 +312,22 @@ def amx_linear(folder: Path | None = None, isa: str = "amx") -> AmxLinear | None
     if not library.bf16_amx_enable():
         logger.warning("Linux refused this process AMX's tile state: the AMX kernel is not used")
         return None
-    return AmxLinear(library)
+    return BlockedLinear(library, "bf16_amx", torch.bfloat16, k_multiple=32)
+
+
+@functools.cache
+def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
+    """The fp32 linear kernel on its 16-feature block layout (AVX-512), or None where it
+    cannot be built."""
+    library = load_kernel("fp32_linear_avx512", folder, isa="avx512")
+    return None if library is None else BlockedLinear(library, "fp32_blocked", torch.float32, 1)
+
+
+def blocked_linear(
+    dtype: torch.dtype, folder: Path | None = None, isa: str = "avx512"
+) -> BlockedLinear | None:
+    """The blocked-layout linear kernel for a model of `dtype` (bf16: `amx_linear` built for
+    `isa`; fp32: `fp32_linear`), or None where there is none or it cannot be built."""
+    if dtype == torch.bfloat16:
+        return amx_linear(folder, isa)
+    return fp32_linear(folder) if dtype == torch.float32 else None

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixserve.model.cpu_kernels import AmxLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
@@ -83,25 +83,26 @@ class Linear(nn.Linear):
     """nn.Linear that hands one row, or a few, to the project's kernels when the model was
     given them (`RowKernels`): on CPU in float32 they stream the weights faster than MKL's
     sgemv / sgemm do at those sizes, which is what decode steps are made of. After
-    `pack(rows)` products of those rows go to `packed_linear` with a copy of the weight in
-    oneDNN's blocked layout."""
+    `use_blocked(kernel, rows)` products of those rows go to a kernel that reads its own
+    copy of the weight (`BlockedLinear`); after `pack(rows)` products of those rows go to
+    `packed_linear` with a copy of the weight in oneDNN's blocked layout."""
 
     kernels: RowKernels = NO_ROW_KERNELS
     packed_weight: torch.Tensor | None = None
     packed_rows: PackedRows | None = None
-    amx: AmxLinear | None = None  # see use_amx
-    amx_rows: PackedRows | None = None
-    amx_bias: torch.Tensor | None = None
+    blocked: BlockedLinear | None = None  # see use_blocked
+    blocked_rows: PackedRows | None = None
+    blocked_bias: torch.Tensor | None = None
 
-    def use_amx(self, kernel: AmxLinear, rows: PackedRows) -> None:
-        """Products of `rows` rows through the AMX kernel, with a copy of the weight in its
-        tile layout (a buffer: the model's bytes count it); a weight whose shape the kernel
+    def use_blocked(self, kernel: BlockedLinear, rows: PackedRows) -> None:
+        """Products of `rows` rows through `kernel`, with a copy of the weight in its layout
+        (a buffer: the model's bytes count it); a weight whose shape or dtype the kernel
         does not take is left alone. Before `pack`, which may drop the plain weight."""
         if not kernel.fits(self.weight):
             return
-        self.register_buffer("amx_weight", kernel.pack(self.weight), persistent=False)
-        self.amx, self.amx_rows = kernel, rows
-        self.amx_bias = None if self.bias is None else self.bias.detach().float()
+        self.register_buffer("blocked_weight", kernel.pack(self.weight), persistent=False)
+        self.blocked, self.blocked_rows = kernel, rows
+        self.blocked_bias = None if self.bias is None else self.bias.detach().float()
 
     def pack(self, rows: PackedRows) -> None:
         """Keep a oneDNN-blocked copy of the weight for products of `rows` rows; for every
@@ -111,16 +112,17 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(packed, requires_grad=False)  # an alias, no copy
         self.packed_weight, self.packed_rows = packed, rows
 
-    def uses_amx(self, x: torch.Tensor) -> bool:
-        return self.amx_rows is not None and x.dim() == 2 and self.amx_rows.covers(x)
+    def uses_blocked(self, x: torch.Tensor) -> bool:
+        return self.blocked_rows is not None and x.dim() == 2 and self.blocked_rows.covers(x)
 
     def uses_packed(self, x: torch.Tensor) -> bool:
-        """A product of x's rows reads a weight laid out at load (AMX tiles or oneDNN's)."""
-        return self.uses_amx(x) or (self.packed_rows is not None and self.packed_rows.covers(x))
+        """A product of x's rows reads a weight laid out at load (the blocked kernel's or
+        oneDNN's)."""
+        return self.uses_blocked(x) or (self.packed_rows is not None and self.packed_rows.covers(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_amx(x):
-            return self.amx(x, self.amx_weight, self.out_features, self.amx_bias)
+        if self.uses_blocked(x):
+            return self.blocked(x, self.blocked_weight, self.out_features, self.blocked_bias)
         if self.packed_rows is not None and self.packed_rows.covers(x):
             return packed_linear(x, self.packed_weight, self.bias)
         kernel = self.kernels.pick(x)

@@ -31,7 +31,7 @@ from radixserve.hardware import (
 )
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
-from radixserve.model.cpu_kernels import amx_linear, fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import blocked_linear, fused_ops, gemm_small_kernel, gemv_kernel
 from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
@@ -384,10 +384,11 @@ def build_model(
         rows = kernels.int8_dequant_min_rows if kernels is not None else DEQUANT_MIN_ROWS
         quantize_model_int8(model, kernel_dir, rows)
     elif kernels is not None:
+        if kernels.blocked_rows:
+            blocked = blocked_linear(dtype, kernel_dir, kernels.blocked_isa)
+            if blocked is not None:
+                model.use_blocked_linears(blocked, PackedRows(1, kernels.blocked_rows))
         if kernels.packed_rows is not None:
-            amx = amx_linear(kernel_dir, kernels.amx_isa) if kernels.amx_rows else None
-            if amx is not None:
-                model.use_amx_linears(amx, PackedRows(1, kernels.amx_rows))
             model.pack_linears(PackedRows(*kernels.packed_rows))
         if kernels.gemv or kernels.few_rows_max:  # the row counts packing leaves to them
             gemv = gemv_kernel(kernel_dir) if kernels.gemv else None
