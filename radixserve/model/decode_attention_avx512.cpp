@@ -33,14 +33,17 @@ namespace {
 using simd512::exp16;
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
-// Rows are prefetched twice: kFar positions ahead into L2, kAhead ahead into L1. AMD EPYC
-// Zen 4, SmolLM2 bf16 (3 KV heads: a head's 128-byte row every 384 bytes), 30 layers, 16
-// requests of 544 positions, K/V from memory, ms (medians of 12, alternated): into L1 32
-// ahead alone 19.5-23.8 (no prefetch at all: 17.6-18.7); + into L2 64 ahead, L1 8 ahead
-// 12.2-14.6 (~15 GB/s, up from ~9); L2 96, 128, 160 ahead 12.6-14.2; the whole slot row
-// (every KV head) into L2 on the first head's pass 16.0. 1.5-1.7x at 4 and 64 requests, and
-// with shuffled slots.
-constexpr int64_t kAhead = 8;
+// Rows are prefetched kFar positions ahead into L2 (the AMX build's q . k also kAhead
+// ahead into L1). AMD EPYC Zen 4, SmolLM2 bf16 (3 KV heads: a head's 128-byte row every 384
+// bytes), 30 layers, 16 requests of 544 positions, K/V from memory, ms (medians of 12,
+// alternated): into L1 32 ahead alone 19.5-23.8 (no prefetch at all: 17.6-18.7); into L2
+// 64 ahead and L1 8 ahead 12.2-14.6 (~15 GB/s, up from ~9); L2 96, 128, 160 ahead
+// 12.6-14.2; the whole slot row (every KV head) into L2 on the first head's pass 16.0. Then
+// L2 alone against L2 + L1 8 ahead, the same shapes (medians of 12-16 alternated, three
+// runs): fp32 25.8-27.6 -> 20.7-22.3, bf16 12.0-14.9 -> 11.4-13.8; fp32 at 64 requests
+// 115.6 -> 85.9, 4 requests of 2048 24.4 -> 18.3, shuffled slots 26.4 -> 20.9 (bf16 alike
+// or slightly faster): an L1 prefetch takes a load slot per line, and the rows come from L2
+// in time without it.
 constexpr int64_t kFar = 64;
 
 // r[i] = sum of a[i]'s 16 lanes, for i < 16 (unused a[i] may be anything: their lanes are
@@ -75,12 +78,6 @@ struct Fp16 {
     using T = uint16_t;
     static __m512 load(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 };
-
-template <typename T>
-inline void prefetch_row(const T* p, int64_t dim) {
-    const char* bytes = (const char*)p;
-    for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
-}
 
 template <typename T>
 inline void prefetch_row_l2(const T* p, int64_t dim) {
@@ -120,11 +117,8 @@ void scores_of(const float* q, const uint16_t* q_bf16, const typename Kv::T* k_p
                const int64_t* slots, int64_t len, int64_t group, int64_t kv_heads, int64_t kh,
                int64_t dim, float scale, float* scores) {
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
     for (int64_t s0 = 0; s0 < len; s0 += 16) {
         const int64_t n = len - s0 < 16 ? len - s0 : 16;
-        for (int64_t s = s0 + kAhead; s < len && s < s0 + kAhead + 16; s++)
-            prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
         for (int64_t s = s0 + kFar; s < len && s < s0 + kFar + 16; s++)
             prefetch_row_l2(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
         const typename Kv::T* k[16];
@@ -145,6 +139,13 @@ void scores_of(const float* q, const uint16_t* q_bf16, const typename Kv::T* k_p
 // head, unused columns 0), one tile product per 32 dims. Exact bf16 products summed in
 // fp32, as vdpbf16ps does, in another order. Tiles: 0 C, 1 A, 2 B.
 constexpr int64_t kAmxMaxDim = 256;
+constexpr int64_t kAhead = 8;  // positions ahead into L1 (measured with the tile loads)
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+    const char* bytes = (const char*)p;
+    for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
 
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -239,10 +240,7 @@ void weighted_values(const float* p, const typename Kv::T* v_pool, const int64_t
     for (int64_t d = 0; d < dim; d += 32) {
         __m512 acc[kMaxGroup][2];
         for (int64_t g = 0; g < group; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-        if (d == 0)
-            for (int64_t s = 0; s < len && s < kAhead; s++) prefetch_row(v_pool + (slots[s] * kv_heads + kh) * dim, dim);
         for (int64_t s = 0; s < len; s++) {
-            if (d == 0 && s + kAhead < len) prefetch_row(v_pool + (slots[s + kAhead] * kv_heads + kh) * dim, dim);
             if (d == 0 && s + kFar < len) prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
             const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
