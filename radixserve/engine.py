@@ -75,30 +75,42 @@ class InProcessTransport:
         self.waiters: dict[str, list[_Waiter]] = {}
         self.controls: dict[int, Future] = {}
         self.stopped = False
+        self.closed: BaseException | None = None  # set once the loop has ended
         self._lock = threading.Lock()
         self._call_ids = iter(range(1 << 62))
 
     # -- the Engine's side ----------------------------------------------------------------
     def submit(self, msg: GenerateReq, sink: Sink) -> None:
         with self._lock:
+            self._check_open()
             self.waiters.setdefault(msg.rid, []).append(_Waiter(sink))
         self.inbox.put(msg)
 
     def control(self, op: ControlOp) -> Future:
         future: Future = Future()
         with self._lock:
+            self._check_open()
             call_id = next(self._call_ids)
             self.controls[call_id] = future
         self.inbox.put(ControlReq(call_id, op))
         return future
 
+    def _check_open(self) -> None:
+        """Under the lock: nothing is taken once the loop is stopping or has ended (what is
+        taken before either is answered by the loop or by `fail_all`)."""
+        if self.closed is not None or self.stopped:
+            raise EngineDeadError(f"the engine is not running: {self.closed or 'shut down'}")
+
     def stop(self) -> None:
-        self.stopped = True
+        with self._lock:
+            self.stopped = True
         self.inbox.put(None)  # wakes a waiting `receive`
 
     def fail_all(self, error: BaseException) -> None:
-        """Every waiter and every pending call ends with `error` (nobody hangs)."""
+        """Every waiter and every pending call ends with `error` (nobody hangs), and no
+        later one is taken."""
         with self._lock:
+            self.closed = error
             waiters = [w for ws in self.waiters.values() for w in ws]
             controls = list(self.controls.values())
             self.waiters.clear()

@@ -267,3 +267,7 @@ def test_shutdown_fails_waiters_instead_of_hanging(tiny_model_dirs):
         list(stream)
     with pytest.raises(EngineDeadError):
         engine.generate(input_ids=[1, 2], sampling_params=greedy(2))
+    # control calls too (they used to wait forever on a loop that had ended)
+    for call in (engine.get_server_info, engine.flush_cache, engine.check_kv_accounting):
+        with pytest.raises(EngineDeadError):
+            call()
