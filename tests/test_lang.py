@@ -415,6 +415,45 @@ def test_fork_sends_the_prefix_hint_for_long_unseen_text_only(server):
     backend.shutdown()
 
 
+class SlowHintEndpoint(RuntimeEndpoint):
+    """The real HTTP backend whose prefix hints wait until a branch has generated (at most
+    `patience` s), or fail: the branches must never wait for a hint."""
+
+    def __init__(self, url: str, fail: bool = False, patience: float = 60.0) -> None:
+        super().__init__(url)
+        self.branch_ran = threading.Event()
+        self.hint_waited: list[bool] = []
+        self.fail = fail
+        self.patience = patience
+
+    def cache_prefix(self, prefix: str) -> int:
+        self.hint_waited.append(self.branch_ran.wait(self.patience))
+        if self.fail:
+            raise sgl.BackendError("the hint failed on purpose")
+        return super().cache_prefix(prefix)
+
+    def generate(self, s, params):
+        self.branch_ran.set()
+        return super().generate(s, params)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_prefix_hint_is_not_waited_for_and_may_fail(server, fail):
+    backend = SlowHintEndpoint(server.url, fail=fail)
+
+    @sgl.function
+    def branches(s):
+        s += "You are a careful writer who states facts plainly and briefly. Two facts:\n"
+        forks = s.fork(2)
+        forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=4, stop="\n")
+        forks.join()
+
+    state = _within(120, lambda: branches.run(backend=backend, **GREEDY))
+    assert backend.hint_waited == [True]  # a branch generated while the hint was in flight
+    assert len(state["fact"]) == 2 and state.error() is None
+    backend.shutdown()
+
+
 def test_http_in_process_and_openai_backends_agree(http_backend, engine_backend, openai_backend):
     for program, kwargs in [
         (multi_turn, {"first": "Hello!", "second": "What is 2+2?"}),

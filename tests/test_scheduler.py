@@ -52,6 +52,27 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(tiny_model_dirs):
     assert sched.stats.cached_tokens >= 3 * len(SHARED)
 
 
+@pytest.mark.parametrize(
+    "shared, own, waits",
+    [
+        (12, 10, True),  # a short shared context that is most of each request: computed once
+        (12, 20, False),  # under half of what each computes: all run at once
+        (6, 2, False),  # fewer than IN_BATCH_SHARE_MIN shared tokens
+    ],
+)
+def test_a_short_shared_prefix_waits_when_it_is_most_of_the_request(
+    tiny_model_dirs, shared, own, waits
+):
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
+    for i in range(4):
+        tail = [(7 * i + j) % 200 + 300 for j in range(own)]
+        sched.add_request(req(f"r{i}", SHARED[:shared] + tail, max_new_tokens=1))
+    first = sched.step()
+    assert len(first) == (1 if waits else 4)
+    run_to_end(sched)
+    assert sched.stats.cached_tokens == (3 * shared if waits else 0)
+
+
 def test_chunked_prefill_interleaves_with_decode(tiny_model_dirs):
     sched = make_scheduler(
         tiny_model_dirs, max_total_tokens=2048, chunked_prefill_size=16, enable_mixed_chunk=False

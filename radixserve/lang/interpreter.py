@@ -8,9 +8,12 @@ failed backend call is kept as the state's error: every waiter wakes, the expres
 it are skipped, and each later read raises `ProgramError` (nothing hangs).
 
 `fork(n)` waits for the parent's queue to drain, first sending the parent's text to the
-backend once as a prefix hint (so the n branches find it cached rather than racing to
-compute it), then gives each child a copy of the parent's text, messages and variables and a
-worker of its own. `join()` waits for the children and gathers their new variables into
+backend once as a prefix hint (so the n branches find it cached, or being computed, rather
+than each computing it), then gives each child a copy of the parent's text, messages and
+variables and a worker of its own. The hint is sent, not waited for: the branches follow it
+at once, and the runtime holds them back a round behind the prefix the hint computes (its
+in-batch sharing rule), so the hint costs the program no round trip. A failed hint costs
+only the cache (logged); the program waits for its hints before it finishes. `join()` waits for the children and gathers their new variables into
 lists on the parent.
 """
 
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from radixserve.lang.ir import Function
 
 logger = logging.getLogger(__name__)
+_HINT_POOL = ThreadPoolExecutor(8, thread_name_prefix="sgl-prefix-hint")  # shared, lazy threads
 
 
 class ProgramError(RuntimeError):
@@ -95,6 +99,7 @@ class Executor:
         self._ended = False
         self._threaded = threaded
         self._queue: queue.Queue[Expr | None] = queue.Queue()
+        self._hints: list[Future] = []  # prefix hints sent and maybe still in flight
         if threaded:
             self._worker = threading.Thread(
                 target=self._work, name=f"sgl-program-{self.sid[:8]}", daemon=True
@@ -245,6 +250,9 @@ class Executor:
             self._changed.notify_all()
 
     def _finish(self) -> None:
+        for hint in self._hints:  # nothing of the program's is left in flight
+            hint.exception()
+        self._hints.clear()
         with self._changed:
             self.finished = True
             self._changed.notify_all()
@@ -277,10 +285,16 @@ class Executor:
             unseen = len(self.text_) - self.backend_seen
             worth_it = unseen >= global_config.fork_hint_min_chars
             if global_config.enable_fork_prefix_hint and worth_it:
-                self.backend.cache_prefix(self.text_)
+                self._hints.append(_HINT_POOL.submit(self._send_hint, self.text_))
                 self.backend_seen = len(self.text_)
         else:
             raise TypeError(f"cannot run {expr!r} in a program")
+
+    def _send_hint(self, prefix: str) -> None:
+        try:
+            self.backend.cache_prefix(prefix)
+        except Exception as e:  # only the cache is lost: the branches compute the prefix
+            logger.info("program %s: the prefix hint failed: %r", self.sid[:8], e)
 
     def _fill(self, value: str) -> None:
         value = str(value)

@@ -28,7 +28,12 @@ from radixserve.core.req import Req
 from radixserve.core.tokens import common_prefix_len
 from radixserve.scheduler.kv_manager import KVManager
 
-IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one round
+# A request waits one round when one admitted this round computes an uncached prefix of it:
+# at least IN_BATCH_PREFIX_MIN tokens, or at least IN_BATCH_SHARE_MIN that are half or more
+# of what it would compute (the continuations of one scoring call: a short context each
+# would otherwise compute again).
+IN_BATCH_PREFIX_MIN = 32
+IN_BATCH_SHARE_MIN = 8
 NEW_TOKEN_RESERVE_CAP = 4096  # at most this many future tokens reserved per request
 RATIO_DECAY = 0.001  # per decode step that needed no retraction
 RATIO_BUMP = 0.1  # per retraction
@@ -184,12 +189,13 @@ class PrefillAdder:
 
     def _shares_uncached_prefix(self, req: Req) -> bool:
         """True if a request admitted this round will compute a prefix `req` could reuse
-        (at least IN_BATCH_PREFIX_MIN tokens past what the tree holds): it waits a round."""
+        (IN_BATCH_PREFIX_MIN tokens past what the tree holds, or IN_BATCH_SHARE_MIN that
+        are at least half of `req`'s uncached tokens): it waits a round."""
         if self.kv.tree is None or not self.reqs:
             return False
         ids = req.all_ids
         cached = self.kv.peek_prefix_len(ids, req)
-        return any(
-            common_prefix_len(ids, other.all_ids) - cached >= IN_BATCH_PREFIX_MIN
-            for other in self.reqs
+        shared = max(common_prefix_len(ids, other.all_ids) for other in self.reqs) - cached
+        return shared >= IN_BATCH_PREFIX_MIN or (
+            shared >= IN_BATCH_SHARE_MIN and 2 * shared >= len(ids) - cached
         )
