@@ -13,8 +13,8 @@ than each computing it), then gives each child a copy of the parent's text, mess
 variables and a worker of its own. The hint is sent, not waited for: the branches follow it
 at once, and the runtime holds them back a round behind the prefix the hint computes (its
 in-batch sharing rule), so the hint costs the program no round trip. A failed hint costs
-only the cache (logged); the program waits for its hints before it finishes. `join()` waits for the children and gathers their new variables into
-lists on the parent.
+only the cache (logged); the program waits for its hints before it finishes. `join()`
+waits for the children and gathers their new variables into lists on the parent.
 """
 
 from __future__ import annotations
