@@ -189,3 +189,22 @@ def test_retraction_accounting_under_pressure(tiny_model_dirs, page_size):
     assert finished == {f"r{i}" for i in range(5)}
     assert sched.stats.retractions > 0
     assert sched.flush_cache() and sched.runner.allocator.num_free == 120
+
+
+@pytest.mark.parametrize("start", [0, 5, 30, 33, 47, 60])
+def test_prompt_logprobs_survive_chunking(tiny_model_dirs, start):
+    """Input logprobs from `start` on are the same whether the prompt runs in one piece or
+    in chunks of 16 (chunk boundaries before, inside and at the end of the span)."""
+    ids = SHARED[:61]
+    results = {}
+    for chunk in (None, 16):
+        chunking = {"chunked_prefill_size": chunk} if chunk else {}
+        sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, **chunking)
+        r = req("r", ids, max_new_tokens=1, return_logprob=True, logprob_start_len=start)
+        sched.add_request(r)
+        run_to_end(sched)
+        assert [t for _, t in r.input_logprobs] == ids[start:], (chunk, r.input_logprobs)
+        results[chunk] = [lp for lp, _ in r.input_logprobs]
+    one, chunked = results[None], results[16]
+    assert (one[0] is None) == (chunked[0] is None) == (start == 0)
+    assert chunked[1:] == pytest.approx(one[1:], abs=1e-4)

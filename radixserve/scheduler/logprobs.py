@@ -11,20 +11,29 @@ from radixserve.model.sampler import SampleOutput
 
 
 def wants_prompt_logits(req: Req) -> bool:
-    """Whether the prefill must return the logits of every new token of `req`."""
-    return req.wants_input_logprobs and not req.input_logprobs
+    """Whether the prefill must return the logits of every new token of `req`: some of its
+    prompt logprobs are still to come (a chunked prompt takes them chunk by chunk)."""
+    return req.wants_input_logprobs and _next_target(req) < len(req.input_ids)
+
+
+def _next_target(req: Req) -> int:
+    """The first prompt position whose logprob is not recorded yet: the entries recorded
+    are those of positions logprob_start_len, logprob_start_len + 1, ... in order (position
+    0's is None)."""
+    return req.logprob_start_len + len(req.input_logprobs)
 
 
 def record_input_logprobs(req: Req, logits: torch.Tensor, start: int) -> None:
     """Logprobs of prompt tokens start+1..start+len(logits) (each from the logits of the
-    position before it); the first prompt token has none."""
+    position before it) not recorded yet; the first prompt token has none."""
     ids = req.input_ids
     lp_all = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
-    if start == 0 and not req.input_logprobs and req.logprob_start_len == 0:
+    if start == 0 and _next_target(req) == 0:
         req.input_logprobs.append((None, ids[0]))
         req.input_top_logprobs.append([])
+    first = _next_target(req)
     targets = [p + 1 for p in range(start, start + len(logits))]
-    keep = [(i, t) for i, t in enumerate(targets) if req.logprob_start_len <= t < len(ids)]
+    keep = [(i, t) for i, t in enumerate(targets) if first <= t < len(ids)]
     if not keep:
         return
     rows = torch.tensor([i for i, _ in keep])
