@@ -209,6 +209,32 @@ def test_bf16_query_and_output_passed_as_they_are_change_nothing(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pool_dtype, q_dtype", [(torch.float32,) * 2, (BF16,) * 2, (BF16, None)])
+@pytest.mark.parametrize("layout", ["one request", "mixed"])
+def test_a_requests_verified_rows_equal_each_row_alone(isa, pool_dtype, q_dtype, layout):
+    """Speculative decoding verifies a request's token and its drafted tokens as one-token
+    rows of one request (one table row, lengths +1 each): the kernel attends such rows
+    together; every row's output has the same bits as that row attended alone."""
+    kernel = decode_attention_kernel(isa=isa)
+    gen = torch.Generator().manual_seed(7)
+    k_pool, v_pool = (torch.randn(900, 3, 64, generator=gen).to(pool_dtype) for _ in range(2))
+    table = torch.randperm(900, generator=gen)[:880].view(4, 220).contiguous()
+    if layout == "one request":
+        rows, seq_lens = [1] * 9, list(range(150, 159))  # a token and 8 drafted tokens
+    else:  # verified drafts beside plain decode rows, one draft longer than kMaxRows
+        rows = [3, 0, 0, 0, 2, *[1] * 19]
+        seq_lens = [40, 17, 18, 19, 200, *range(100, 119)]
+    q = torch.randn(len(rows), 9, 64, generator=gen).to(q_dtype or torch.float32)
+    rows_t, lens_t = torch.tensor(rows), torch.tensor(seq_lens)
+    together = kernel(q, k_pool, v_pool, table, rows_t, lens_t, 0.125)
+    for i in range(len(rows)):
+        alone = kernel(
+            q[i : i + 1], k_pool, v_pool, table, rows_t[i : i + 1], lens_t[i : i + 1], 0.125
+        )
+        assert torch.equal(together[i : i + 1], alone), i
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     """Jump-forward makes extend batches of one-token rows beside longer rows: the one-token
     rows go to the kernel, the others to SDPA; the result equals the torch path's."""
