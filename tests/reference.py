@@ -46,5 +46,7 @@ def verification_free(engine):
     real controller drafts almost nothing): for tests of what drafts do to the outputs.
     The controller's own rules are tested in tests/test_speculative.py."""
     if engine.scheduler.spec is not None:
-        engine.scheduler.spec.cost.coefficients = lambda: FREE_VERIFICATION
+        cost = engine.scheduler.spec.cost
+        cost.coefficients = lambda: FREE_VERIFICATION
+        cost.seconds = lambda tokens: FREE_VERIFICATION[0] + FREE_VERIFICATION[1] * tokens
     return engine

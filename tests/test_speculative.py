@@ -95,6 +95,31 @@ def test_controller_drafts_only_what_pays():
     assert mixed[0] == 4 and mixed[1] < 4  # the better request gets more
 
 
+def test_controller_follows_a_step_shaped_cost():
+    """Rows in groups of 8: a step of 16 + 1 tokens costs as one of 24. One sure token past
+    16 does not pay, eight do; measured costs override the line where there are some."""
+    line = (0.030, 0.0010)
+
+    def steps(tokens: int) -> float:
+        return 0.030 + 0.010 * ((tokens + 7) // 8)
+
+    one = plan([0.9, 0.0], [1, 0], 16, line, 100, steps)
+    assert one == [0, 0]  # 17 tokens cost a third row group for 0.9 of a token
+    many = plan([0.99] * 8, [1] * 8, 16, line, 100, steps)
+    assert many == [1] * 8  # 24 tokens: the same group, ~8 more tokens
+    on_the_line = plan([0.9, 0.0], [1, 0], 16, line, 100)
+    assert on_the_line == [1, 0]  # what the line alone would have done
+    cost = CostModel()
+    for _ in range(20):
+        cost.observe(16, steps(16))
+        cost.observe(8, steps(8))
+    assert cost.seconds(16) == pytest.approx(steps(16)) and cost.seconds(17) > steps(16)
+    cost.observe(17, steps(17))
+    assert cost.seconds(17) < steps(17)  # one step of a count is not enough to trust
+    cost.observe(17, steps(17))
+    assert cost.seconds(17) == pytest.approx(steps(17))
+
+
 def test_cost_model_fits_the_measured_steps():
     cost = CostModel()
     for tokens in (1, 2, 4, 8, 1, 9, 3, 5, 1, 16):

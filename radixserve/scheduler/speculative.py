@@ -73,12 +73,13 @@ class Speculator:
             for r, d in zip(reqs, found)
         ]
         lengths = [0 if d is None else len(d.tokens) for d in found]
-        take = plan(rates, lengths, sum(pending), self.cost.coefficients(), free_slots)
+        cost = self.cost
+        self.stats.spec_cost_model = list(cost.coefficients())  # refitted only when it is used
+        take = plan(rates, lengths, sum(pending), cost.coefficients(), free_slots, cost.seconds)
         return [[] if d is None else d.tokens[:k] for d, k in zip(found, take)]
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
-        self.stats.spec_cost_model = list(self.cost.coefficients())  # fitted once a step
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """Request `req` verified `drafted` tokens this step and `accepted` of them."""

@@ -2,7 +2,12 @@
 
 A decode step's forward costs about `a + b * T` seconds for T tokens (on a CPU at small
 batches `a`, reading the weights, dwarfs `b`; at large batches T dominates). `CostModel`
-fits a and b by least squares over the recent steps' measured (T, seconds).
+fits a and b by least squares over the recent steps' measured (T, seconds). The true cost
+is not a line: a CPU's linear kernels take rows in groups (8 at a time in the AVX-512 fp32
+kernel, so a step of 17 tokens costs ~1.4x one of 16 on an AMD EPYC Zen 4) and turn
+compute-bound past a few rows. So `CostModel.seconds(T)` is the median of the recent steps
+of exactly T tokens where there are some, the line elsewhere (a T the line under-prices is
+tried once or twice, then known).
 
 Each draft gets an estimate q of the chance that each of its tokens is accepted given the
 previous one was: how drafts found the same way (own tokens or shared index, and how many
@@ -11,14 +16,11 @@ the request's own record (`Acceptance`: decayed counts) moves it. Measured on Sm
 (copy-heavy and free-form tasks): the first drafted token was accepted 45% of the time
 after a 2-token match, 76% after 4-5, 91% after 8. Its j-th drafted token then adds q**j
 expected tokens. A step with E expected tokens over T forward
-tokens yields E / (a + b T) tokens per second; one more drafted token worth p raises that
-exactly when
-
-    p * (a + b T) > b * E.
-
-`plan` adds drafted tokens from the most to the least valuable while that holds (the values
-of a request's tokens fall with j, so each request keeps a prefix of its draft). Requests
-whose drafts keep failing fall below the bar and draft nothing.
+tokens yields E / seconds(T) tokens per second. `plan` ranks drafted tokens from the most
+to the least valuable (the values of a request's tokens fall with j, so each request keeps
+a prefix of its draft) and keeps the count that makes E / seconds(T) largest; with the line
+for seconds, that is adding tokens while one more worth p pays, p * (a + b T) > b * E.
+Requests whose drafts keep failing fall below the bar and draft nothing.
 
 That rule counts an accepted token as a token of progress, which holds while requests queue
 behind the batch. When they do not, the step count of a batch is set by its longest request
@@ -36,6 +38,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PRIOR_SLOPE = 0.08  # b / (a + b) assumed until the measured steps vary enough to fit b
@@ -44,14 +47,39 @@ DECAY = 0.9  # per verified step: older acceptance counts weigh less
 OUTLIER_MADS = 5.0  # a step this many median residuals off the fit is left out of it
 
 
+MEASURED_KEEP = 5  # recent steps kept per token count
+MEASURED_MIN = 2  # steps of a token count before their median replaces the line
+MEASURED_STALE = 2000  # steps after which a token count not seen again is forgotten
+
+
 class CostModel:
     def __init__(self, window: int = 128) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float] | None = None
+        self._by_tokens: dict[int, tuple[deque[float], int]] = {}  # T -> (seconds, last step)
+        self._steps = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         self._samples.append((tokens, seconds))
         self._fit = None
+        self._steps += 1
+        recent = self._by_tokens.get(tokens)
+        times = recent[0] if recent is not None else deque(maxlen=MEASURED_KEEP)
+        times.append(seconds)
+        self._by_tokens[tokens] = (times, self._steps)
+
+    def seconds(self, tokens: int) -> float:
+        """What a step of `tokens` tokens costs: the median of the recent such steps, else
+        the fitted line."""
+        recent = self._by_tokens.get(tokens)
+        if recent is not None:
+            times, last = recent
+            if self._steps - last > MEASURED_STALE:
+                del self._by_tokens[tokens]  # conditions change: measure it again
+            elif len(times) >= MEASURED_MIN:
+                return statistics.median(times)
+        a, b = self.coefficients()
+        return a + b * tokens
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b): fixed seconds per step and seconds per token (refitted after each new
@@ -96,6 +124,9 @@ def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations the prior counts for against a request's own record
 GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all requests
+# plan() looks past tokens that do not pay on the line by this factor (a step-shaped cost
+# can make several tokens pay where one does not), never further
+MIN_GAIN = 0.25
 
 
 @dataclass
@@ -139,26 +170,34 @@ def plan(
     base_tokens: int,
     coefficients: tuple[float, float],
     budget: int,
+    seconds: Callable[[int], float] | None = None,
 ) -> list[int]:
     """Drafted tokens to verify per request: request i has `lengths[i]` drafted tokens and
     acceptance rate `rates[i]`; the step already runs `base_tokens` tokens (one per running
-    request, more after a jump-forward) and may add at most `budget` (free KV slots)."""
+    request, more after a jump-forward) and may add at most `budget` (free KV slots).
+    `seconds(T)`: a step's cost (default: the line of `coefficients`)."""
     a, b = coefficients
-    take = [0] * len(rates)
-    expected = float(base_tokens)
-    tokens = base_tokens
+    cost = seconds or (lambda tokens: a + b * tokens)
     budget = min(budget, int(a / b) - base_tokens)  # keep verification almost free
     heap = [(-q, i) for i, (q, n) in enumerate(zip(rates, lengths)) if n > 0 and q > 0]
     heapq.heapify(heap)
-    while heap and budget > 0:
+    picks: list[int] = []  # requests, in the order of their tokens' values
+    taken = [0] * len(rates)
+    expected, best_rate, best = float(base_tokens), base_tokens / cost(base_tokens), 0
+    while heap and len(picks) < budget:
         neg_value, i = heapq.heappop(heap)
         value = -neg_value
-        if value * (a + b * tokens) <= b * expected:
-            break  # every remaining token is worth less than this one
-        take[i] += 1
+        if value * (a + b * (base_tokens + len(picks))) <= b * expected * MIN_GAIN:
+            break  # worth less than its row even on the line: so is every later one
+        picks.append(i)
+        taken[i] += 1
         expected += value
-        tokens += 1
-        budget -= 1
-        if take[i] < lengths[i]:
+        rate = expected / cost(base_tokens + len(picks))
+        if rate > best_rate:
+            best_rate, best = rate, len(picks)
+        if taken[i] < lengths[i]:
             heapq.heappush(heap, (-value * rates[i], i))
+    take = [0] * len(rates)
+    for i in picks[:best]:
+        take[i] += 1
     return take
