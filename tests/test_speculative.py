@@ -109,6 +109,11 @@ def test_controller_follows_a_step_shaped_cost():
     assert many == [1] * 8  # 24 tokens: the same group, ~8 more tokens
     on_the_line = plan([0.9, 0.0], [1, 0], 16, line, 100)
     assert on_the_line == [1, 0]  # what the line alone would have done
+    # a line bent by such steps (a / b ~ 6) does not cut a batch of 1's draft where the
+    # measured steps say 9 tokens cost ~1.1 one-token steps
+    bent = (0.018, 0.00285)
+    assert plan([0.9], [8], 1, bent, 100) == [7]
+    assert plan([0.9], [8], 1, bent, 100, lambda t: 0.030 + 0.0004 * t) == [8]
     cost = CostModel()
     for _ in range(20):
         cost.observe(16, steps(16))

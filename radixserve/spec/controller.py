@@ -25,11 +25,13 @@ Requests whose drafts keep failing fall below the bar and draft nothing.
 That rule counts an accepted token as a token of progress, which holds while requests queue
 behind the batch. When they do not, the step count of a batch is set by its longest request
 and a token accepted for another saves only its own row (b), no more than it cost to verify.
-So a step also stays where verification is almost free: its tokens cost at most its fixed
-part (T <= a / b). On the 2-core AVX2 EPYC, a ~ 45-55 ms and b ~ 3-4.5 ms for SmolLM2 in
-fp32: up to 12-19 tokens a step, so a batch of 1 verifies all its drafted tokens and a batch
-of 12-19 or more verifies none (measured: 16 concurrent requests, drafts accepted 78% of the
-time and still 0.92x without this cap; with it, 1.00-1.03x). On a GPU a / b is far larger
+So a step also stays where verification is almost free: it costs at most FREE_FACTOR (2)
+one-token steps (on the line: T <= a / b + 2; measured costs where there are some, so a
+line bent by the step shape cannot cut a batch of 1's drafts). On the 2-core AVX2 EPYC,
+a ~ 45-55 ms and b ~ 3-4.5 ms for SmolLM2 in fp32: up to 12-19 tokens a step, so a batch of
+1 verifies all its drafted tokens and a batch of 12-19 or more verifies none (measured: 16
+concurrent requests, drafts accepted 78% of the time and still 0.92x without this cap; with
+it, 1.00-1.03x). On a GPU a / b is far larger
 and so is the batch where speculation stops.
 """
 
@@ -127,6 +129,7 @@ GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all req
 # plan() looks past tokens that do not pay on the line by this factor (a step-shaped cost
 # can make several tokens pay where one does not), never further
 MIN_GAIN = 0.25
+FREE_FACTOR = 2.0  # a step with drafts costs at most this many one-token steps
 
 
 @dataclass
@@ -178,13 +181,13 @@ def plan(
     `seconds(T)`: a step's cost (default: the line of `coefficients`)."""
     a, b = coefficients
     cost = seconds or (lambda tokens: a + b * tokens)
-    budget = min(budget, int(a / b) - base_tokens)  # keep verification almost free
+    ceiling = FREE_FACTOR * cost(1)  # keep verification almost free (see the docstring)
     heap = [(-q, i) for i, (q, n) in enumerate(zip(rates, lengths)) if n > 0 and q > 0]
     heapq.heapify(heap)
     picks: list[int] = []  # requests, in the order of their tokens' values
     taken = [0] * len(rates)
     expected, best_rate, best = float(base_tokens), base_tokens / cost(base_tokens), 0
-    while heap and len(picks) < budget:
+    while heap and len(picks) < budget and cost(base_tokens + len(picks) + 1) <= ceiling:
         neg_value, i = heapq.heappop(heap)
         value = -neg_value
         if value * (a + b * (base_tokens + len(picks))) <= b * expected * MIN_GAIN:
