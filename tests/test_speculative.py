@@ -114,6 +114,11 @@ def test_controller_follows_a_step_shaped_cost():
     bent = (0.018, 0.00285)
     assert plan([0.9], [8], 1, bent, 100) == [7]
     assert plan([0.9], [8], 1, bent, 100, lambda t: 0.030 + 0.0004 * t) == [8]
+    # nothing queued behind 12 running: drafts only within the row group they pay for
+    alone = plan([0.99] * 12, [8] * 12, 12, line, 100, steps, alone=True)
+    assert sum(alone) == 4
+    assert sum(plan([0.99] * 12, [8] * 12, 12, line, 100, steps)) > 4  # a queue: throughput
+    assert plan([0.9], [8], 1, line, 100, steps, alone=True) == [7]  # cost(1..8) alike
     cost = CostModel()
     for _ in range(20):
         cost.observe(16, steps(16))

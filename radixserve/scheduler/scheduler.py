@@ -324,7 +324,8 @@ class Scheduler:
         KV a step may take beyond its pending tokens (free or evictable, never retracting)."""
         if self.spec is None:
             return [[] for _ in reqs]
-        drafts = self.spec.propose(reqs, pending, self.kv.available - sum(pending))
+        queued = bool(self.waiting) or self.chunked is not None
+        drafts = self.spec.propose(reqs, pending, self.kv.available - sum(pending), queued)
         if not self.kv.ensure_free(sum(pending) + sum(map(len, drafts))):
             return [[] for _ in reqs]
         return drafts

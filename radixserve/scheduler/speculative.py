@@ -55,8 +55,11 @@ class Speculator:
             req.spec = SpecState(self.drafter.own_tokens())
         return req.spec
 
-    def propose(self, reqs: list[Req], pending: list[int], free_slots: int) -> list[list[int]]:
-        """Drafted tokens to verify this step, per request (most often none)."""
+    def propose(
+        self, reqs: list[Req], pending: list[int], free_slots: int, queued: bool = True
+    ) -> list[list[int]]:
+        """Drafted tokens to verify this step, per request (most often none); `queued`:
+        requests wait behind the running ones (see `plan`'s `alone`)."""
         found: list[Draft | None] = []
         for req, n in zip(reqs, pending, strict=True):
             # the step's own token plus the drafts must stay within the request's limits
@@ -75,7 +78,10 @@ class Speculator:
         lengths = [0 if d is None else len(d.tokens) for d in found]
         cost = self.cost
         self.stats.spec_cost_model = list(cost.coefficients())  # refitted only when it is used
-        take = plan(rates, lengths, sum(pending), cost.coefficients(), free_slots, cost.seconds)
+        alone = not queued and len(reqs) > 1
+        take = plan(
+            rates, lengths, sum(pending), cost.coefficients(), free_slots, cost.seconds, alone
+        )
         return [[] if d is None else d.tokens[:k] for d, k in zip(found, take)]
 
     def observe_forward(self, tokens: int, seconds: float) -> None:

@@ -33,6 +33,13 @@ a ~ 45-55 ms and b ~ 3-4.5 ms for SmolLM2 in fp32: up to 12-19 tokens a step, so
 concurrent requests, drafts accepted 78% of the time and still 0.92x without this cap; with
 it, 1.00-1.03x). On a GPU a / b is far larger
 and so is the batch where speculation stops.
+
+With several requests running and none queued, the step shape matters more: on the AMD EPYC
+Zen 4 (fp32, a kernel taking rows 8 at a time) a draft at 16 running buys a third row group
+(~1.4x the step) for a token that helps only if its request is the last to finish; 16
+concurrent requests ran 0.93-1.03x (median of six runs ~0.95x) with 2% of request-steps
+verifying a draft. So such a step takes drafts only while they keep its measured cost
+within ALONE_SLACK (5%) of the step without them: the rows its kernels pay for anyway.
 """
 
 from __future__ import annotations
@@ -130,6 +137,9 @@ GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all req
 # can make several tokens pay where one does not), never further
 MIN_GAIN = 0.25
 FREE_FACTOR = 2.0  # a step with drafts costs at most this many one-token steps
+ALONE_SLACK = (
+    0.05  # with nothing queued, drafts may make a step of several requests this much dearer
+)
 
 
 @dataclass
@@ -174,14 +184,19 @@ def plan(
     coefficients: tuple[float, float],
     budget: int,
     seconds: Callable[[int], float] | None = None,
+    alone: bool = False,
 ) -> list[int]:
     """Drafted tokens to verify per request: request i has `lengths[i]` drafted tokens and
     acceptance rate `rates[i]`; the step already runs `base_tokens` tokens (one per running
     request, more after a jump-forward) and may add at most `budget` (free KV slots).
-    `seconds(T)`: a step's cost (default: the line of `coefficients`)."""
+    `seconds(T)`: a step's cost (default: the line of `coefficients`). `alone`: several
+    requests run and none waits behind them: the step may only grow within ALONE_SLACK of
+    its cost without drafts (see the module docstring)."""
     a, b = coefficients
     cost = seconds or (lambda tokens: a + b * tokens)
     ceiling = FREE_FACTOR * cost(1)  # keep verification almost free (see the docstring)
+    if alone:
+        ceiling = min(ceiling, (1 + ALONE_SLACK) * cost(base_tokens))
     heap = [(-q, i) for i, (q, n) in enumerate(zip(rates, lengths)) if n > 0 and q > 0]
     heapq.heapify(heap)
     picks: list[int] = []  # requests, in the order of their tokens' values
