@@ -31,8 +31,7 @@ line bent by the step shape cannot cut a batch of 1's drafts). On the 2-core AVX
 a ~ 45-55 ms and b ~ 3-4.5 ms for SmolLM2 in fp32: up to 12-19 tokens a step, so a batch of
 1 verifies all its drafted tokens and a batch of 12-19 or more verifies none (measured: 16
 concurrent requests, drafts accepted 78% of the time and still 0.92x without this cap; with
-it, 1.00-1.03x). On a GPU a / b is far larger
-and so is the batch where speculation stops.
+it, 1.00-1.03x). On a GPU a / b is far larger and so is the batch where speculation stops.
 
 With several requests running and none queued, the step shape matters more: on the AMD EPYC
 Zen 4 (fp32, a kernel taking rows 8 at a time) a draft at 16 running buys a third row group
@@ -137,9 +136,7 @@ GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all req
 # can make several tokens pay where one does not), never further
 MIN_GAIN = 0.25
 FREE_FACTOR = 2.0  # a step with drafts costs at most this many one-token steps
-ALONE_SLACK = (
-    0.05  # with nothing queued, drafts may make a step of several requests this much dearer
-)
+ALONE_SLACK = 0.05  # nothing queued: drafts make a step of several requests this much dearer
 
 
 @dataclass
@@ -206,7 +203,7 @@ def plan(
         neg_value, i = heapq.heappop(heap)
         value = -neg_value
         if value * (a + b * (base_tokens + len(picks))) <= b * expected * MIN_GAIN:
-            break  # worth less than its row even on the line: so is every later one
+            break  # under a quarter of what its row costs on the line: so is every later one
         picks.append(i)
         taken[i] += 1
         expected += value
