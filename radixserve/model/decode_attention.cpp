@@ -26,9 +26,9 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
+#include "decode_pieces.h"
 #include "simd_avx2.h"
 
 namespace {
@@ -195,39 +195,6 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
     }
 }
 
-// The batch's rows cut into the pieces a task attends together: runs of consecutive rows
-// of one request (the same table row, lengths not decreasing) of at most kMaxRows, never
-// under a sliding window; then the pieces with most rows halved while pieces x KV heads
-// leave a thread without two tasks (one request's verified draft must still keep every
-// thread busy). (first row, rows) each.
-std::vector<std::pair<int64_t, int64_t>> pieces_of(const int64_t* rows, const int64_t* seq_lens,
-                                                   int64_t batch, int64_t window,
-                                                   int64_t kv_heads, int64_t threads) {
-    std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (int64_t b = 0; b < batch; b++) {
-        if (!pieces.empty()) {
-            auto& last = pieces.back();
-            const int64_t prev = last.first + last.second - 1;
-            if (window == 0 && last.second < kMaxRows && rows[b] == rows[prev] &&
-                seq_lens[b] >= seq_lens[prev]) {
-                last.second++;
-                continue;
-            }
-        }
-        pieces.push_back({b, 1});
-    }
-    while ((int64_t)pieces.size() * kv_heads < 2 * threads) {
-        auto most = std::max_element(pieces.begin(), pieces.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
-        if (most->second < 2) break;
-        const int64_t half = most->second / 2;
-        const std::pair<int64_t, int64_t> rest{most->first + half, most->second - half};
-        most->second = half;
-        pieces.insert(most + 1, rest);
-    }
-    return pieces;
-}
-
 template <typename Kv>
 void attend(const float* q, const void* k_pool_, const void* v_pool_, const int64_t* table,
             const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
@@ -236,7 +203,7 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
     const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
-    const auto pieces = pieces_of(rows, seq_lens, batch, window, kv_heads, num_threads);
+    const auto pieces = decode_pieces::of(rows, seq_lens, batch, window, kMaxRows, kv_heads, num_threads);
     const int64_t tasks = pieces.size() * kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {

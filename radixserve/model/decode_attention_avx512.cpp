@@ -25,9 +25,9 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
+#include "decode_pieces.h"
 #include "simd_avx512.h"
 
 namespace {
@@ -302,40 +302,6 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
     }
 }
 
-// The batch's rows cut into pieces a task attends together: runs of consecutive rows of one
-// request (the same table row, lengths not decreasing: a token and its drafted tokens) of
-// at most max_rows, never under a sliding window; then the pieces with most rows halved
-// while pieces x KV heads leave a thread without two tasks (one request's verified draft
-// must still keep every thread busy). (first row, rows) each.
-std::vector<std::pair<int64_t, int64_t>> pieces_of(const int64_t* rows, const int64_t* seq_lens,
-                                                   int64_t batch, int64_t window,
-                                                   int64_t max_rows, int64_t kv_heads,
-                                                   int64_t threads) {
-    std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (int64_t b = 0; b < batch; b++) {
-        if (!pieces.empty()) {
-            auto& last = pieces.back();
-            const int64_t prev = last.first + last.second - 1;
-            if (window == 0 && last.second < max_rows && rows[b] == rows[prev] &&
-                seq_lens[b] >= seq_lens[prev]) {
-                last.second++;
-                continue;
-            }
-        }
-        pieces.push_back({b, 1});
-    }
-    while ((int64_t)pieces.size() * kv_heads < 2 * threads) {
-        auto most = std::max_element(pieces.begin(), pieces.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
-        if (most->second < 2) break;
-        const int64_t half = most->second / 2;
-        const std::pair<int64_t, int64_t> rest{most->first + half, most->second - half};
-        most->second = half;
-        pieces.insert(most + 1, rest);
-    }
-    return pieces;
-}
-
 // q and out in fp32, or in bf16 (code 4: the query's bf16 values taken as they are, the
 // output rounded to bf16)
 template <typename Kv, typename Dot, bool bf16_io = false>
@@ -355,7 +321,7 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
 #endif
     // the AMX tile path takes one row's heads at a time
     const int64_t max_rows = amx ? 1 : std::min(kMaxRows, (int64_t)(16 * kMaxGroup) / group);
-    const auto pieces = pieces_of(rows, seq_lens, batch, window, max_rows, kv_heads, num_threads);
+    const auto pieces = decode_pieces::of(rows, seq_lens, batch, window, max_rows, kv_heads, num_threads);
     const int64_t count = pieces.size();
     // One task per piece when there are enough of them: its KV heads one after the other
     // on one core, so the rows the first head's pass brings in (a position's heads lie side
