@@ -274,21 +274,12 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
         __m512 acc[kMaxGroup][2];
         for (int64_t g = 0; g < count; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
         const float* pg = p + first * stride;
-        for (int64_t s = 0; s < shortest; s++) {  // every query's positions
+        for (int64_t s = 0; s < len; s++) {
             if (d == 0 && s + kFar < len) prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
             const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
             for (int64_t g = 0; g < count; g++) {
-                __m512 w = _mm512_set1_ps(pg[g * stride + s]);
-                acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
-                acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
-            }
-        }
-        for (int64_t s = shortest; s < len; s++) {  // the later rows' last positions
-            const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
-            __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
-            for (int64_t g = 0; g < count; g++) {
-                if (s >= qs.len(first + g)) continue;
+                if (s >= shortest && s >= qs.len(first + g)) continue;  // past this query's
                 __m512 w = _mm512_set1_ps(pg[g * stride + s]);
                 acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
                 acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);

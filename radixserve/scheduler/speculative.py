@@ -76,12 +76,10 @@ class Speculator:
             for r, d in zip(reqs, found)
         ]
         lengths = [0 if d is None else len(d.tokens) for d in found]
-        cost = self.cost
-        self.stats.spec_cost_model = list(cost.coefficients())  # refitted only when it is used
+        line = self.cost.coefficients()  # refitted only when it is used
+        self.stats.spec_cost_model = list(line)
         alone = not queued and len(reqs) > 1
-        take = plan(
-            rates, lengths, sum(pending), cost.coefficients(), free_slots, cost.seconds, alone
-        )
+        take = plan(rates, lengths, sum(pending), line, free_slots, self.cost.seconds, alone)
         return [[] if d is None else d.tokens[:k] for d, k in zip(found, take)]
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
