@@ -11,7 +11,13 @@ from radixserve.cache.allocator import SlotAllocator
 from radixserve.cache.radix_cache import CacheEventLog, RadixCache
 from radixserve.core.messages import AbortReq, ControlReq, GenerateReq
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.server.dispatcher import BALANCE_ABS, MIN_HIT_TOKENS, Dispatcher, TokenTrie
+from radixserve.server.dispatcher import (
+    BALANCE_ABS,
+    BALANCE_PERSIST,
+    MIN_HIT_TOKENS,
+    Dispatcher,
+    TokenTrie,
+)
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
@@ -135,12 +141,52 @@ def test_a_miss_goes_where_there_is_room():
     assert [len(r.sent) for r in recorders] == [1, 3]
 
 
-def test_load_wins_over_hits_when_the_replicas_are_unbalanced():
+def test_a_prefix_shared_by_prompts_in_flight_counts_once_toward_room():
+    """Room is what a replica holds plus what its prompts in flight add: six requests of
+    one group are one prefix, three groups are three, so the next group goes to the
+    replica with one group however busy it is."""
+    d, recorders = dispatcher("cache_aware")
+    groups = [[g] * 100 for g in range(4)]
+    d.send(request("g0", groups[0] + [0]))  # a miss: either replica
+    one = 0 if recorders[0].sent else 1
+    for i in range(1, BALANCE_ABS):
+        d.send(request(f"g0-{i}", groups[0] + [i]))  # hits on the replica computing it
+    for g in (1, 2):
+        d.send(request(f"g{g}", groups[g] + [0]))  # misses: the other replica has room
+    assert len(recorders[one].sent) == BALANCE_ABS and len(recorders[1 - one].sent) == 2
+    d.on_cache_events(one, [groups[0] + [0]], [])  # cached now: still counted once
+    d.send(request("g3", groups[3] + [0]))
+    assert len(recorders[one].sent) == BALANCE_ABS + 1
+
+
+def test_a_burst_on_one_replica_keeps_its_hits():
+    """Replicas unbalanced for fewer than BALANCE_PERSIST dispatches in a row: hits stick
+    (moving a prefix to a replica whose pool is full of others would evict one of them)."""
     d, recorders = dispatcher("cache_aware")
     d.on_cache_events(0, [PREFIX], [])
-    for i in range(BALANCE_ABS + 2):  # all hit replica 0 until it is too far ahead
+    for i in range(BALANCE_ABS + BALANCE_PERSIST):
+        d.send(request(f"r{i}", PREFIX + [i]))  # unbalanced from request BALANCE_ABS + 1
+    assert [len(r.sent) for r in recorders] == [BALANCE_ABS + BALANCE_PERSIST, 0]
+    for i in range(BALANCE_ABS + BALANCE_PERSIST):
+        d.done(f"r{i}")  # the burst drains: balanced again, the count starts over
+    for i in range(BALANCE_ABS + BALANCE_PERSIST):
+        d.send(request(f"s{i}", PREFIX + [i]))
+    assert [len(r.sent) for r in recorders] == [2 * (BALANCE_ABS + BALANCE_PERSIST), 0]
+
+
+def test_load_wins_over_hits_when_the_imbalance_persists():
+    """A hot prefix keeps its replica unbalanced: after BALANCE_PERSIST dispatches in a row
+    its requests go to the idle replica, which then holds the prefix and shares the load
+    (no death spiral on the replica that holds it first)."""
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(0, [PREFIX], [])
+    spill = BALANCE_ABS + BALANCE_PERSIST  # the first request that finds it persisted
+    for i in range(spill + 1):
         d.send(request(f"r{i}", PREFIX + [i]))
-    assert len(recorders[0].sent) == BALANCE_ABS + 1 and len(recorders[1].sent) == 1
+    assert [len(r.sent) for r in recorders] == [spill, 1]
+    for i in range(spill + 1, spill + 9):
+        d.send(request(f"r{i}", PREFIX + [i]))  # held by both now: to the idle one till level
+    assert [len(r.sent) for r in recorders] == [spill, 9]
 
 
 def test_an_eviction_report_ends_the_stickiness():

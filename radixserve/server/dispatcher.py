@@ -7,12 +7,17 @@ scheduler replicas, by `--load-balance-method`:
   exact, not a guess: every replica reports each sequence its radix tree inserts and each
   leaf it evicts (`CacheEvents`), and the dispatcher mirrors each tree's token paths in a
   `TokenTrie` (a prompt dispatched but not yet cached counts too, from the requests in
-  flight). It is balanced against load: when the busiest replica has more than
-  `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, the idlest
-  gets the request; and a miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to
-  the replica with the most room (fewest tokens cached or in flight) among those not
-  overloaded, ties to the least loaded, then in turn, so misses spread over the replicas
-  instead of piling on the first one (the failure of a router that breaks ties by index).
+  flight). It is balanced against load: when the busiest replica has had more than
+  `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many for
+  `BALANCE_PERSIST` dispatches in a row, the idlest gets the request (a burst of one
+  group's arrivals passes in a few dispatches, and moving one of a busy replica's prefixes
+  onto a full replica would only evict another there; a hot prefix or a lopsided split
+  persists, and copying its prefix to the idle replica spreads its traffic for good); and a
+  miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to the replica with the most
+  room (`Replica.footprint`: fewest tokens cached or to be added by its prompts in flight)
+  among those not overloaded, ties to the least loaded, then in turn, so misses spread over
+  the replicas instead of piling on the first one (the failure of a router that breaks ties
+  by index) and prefix groups split evenly over the pools.
 
 Aborts go to the replica running the request (all of them for abort-all); control
 requests (flush, state, checks) go to every replica, and the tokenizer manager gathers one
@@ -30,6 +35,7 @@ from radixserve.core.messages import AbortReq, ControlReq, GenerateReq, Message
 
 BALANCE_ABS = 4  # requests in flight beyond the idlest replica before load wins over hits
 BALANCE_REL = 1.5  # ... and this many times its load
+BALANCE_PERSIST = 8  # ... for this many dispatches in a row
 MIN_HIT_TOKENS = 16  # a shorter cached prefix is a miss: load decides
 
 
@@ -128,10 +134,16 @@ class TokenTrie:
 
 
 @dataclass
+class InFlight:
+    prompt: list[int]
+    new_tokens: int  # what it adds to its replica: its prompt past the longest prefix held
+
+
+@dataclass
 class Replica:
     sender: Sends
     cached: TokenTrie = field(default_factory=TokenTrie)
-    in_flight: dict[str, list[int]] = field(default_factory=dict)  # rid → its prompt
+    in_flight: dict[str, InFlight] = field(default_factory=dict)  # rid → its prompt
 
     @property
     def load(self) -> int:
@@ -139,8 +151,14 @@ class Replica:
 
     @property
     def footprint(self) -> int:
-        """Tokens its tree holds, and the prompts in flight that it will hold."""
-        return self.cached.tokens + sum(len(p) for p in self.in_flight.values())
+        """Tokens its tree holds, and those the prompts in flight will add: a prefix that
+        several prompts in flight share counts once (each counts what it added when it was
+        dispatched), and none once the tree holds it, so a replica running many requests of
+        one group is not taken for one that holds many groups."""
+        return self.cached.tokens + sum(
+            min(r.new_tokens, len(r.prompt) - self.cached.match(r.prompt))
+            for r in self.in_flight.values()
+        )
 
     def hit(self, ids: Sequence[int]) -> int:
         """The longest prefix of `ids` this replica holds or is computing."""
@@ -148,7 +166,7 @@ class Replica:
         for other in self.in_flight.values():
             if best == len(ids):
                 break
-            best = max(best, _common(other, ids))
+            best = max(best, _common(other.prompt, ids))
         return best
 
 
@@ -162,6 +180,7 @@ class Dispatcher:
         self.method = method
         self.owner: dict[str, int] = {}  # rid → the replica running it
         self._turn = itertools.count()
+        self._strained = 0  # dispatches in a row that found the replicas unbalanced
         self.sent = [0] * len(self.replicas)  # requests sent to each, cumulative
 
     @property
@@ -170,9 +189,10 @@ class Dispatcher:
 
     def send(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
-            index = self.pick(msg.input_ids)
+            index, held = self.pick(msg.input_ids)
+            replica = self.replicas[index]
             self.owner[msg.rid] = index
-            self.replicas[index].in_flight[msg.rid] = msg.input_ids
+            replica.in_flight[msg.rid] = InFlight(msg.input_ids, len(msg.input_ids) - held)
             self.sent[index] += 1
             self.replicas[index].sender.send(msg)
         elif isinstance(msg, AbortReq) and msg.rid in self.owner:
@@ -197,18 +217,25 @@ class Dispatcher:
             cached.truncate(tokens, keep)
 
     # -- the policies -----------------------------------------------------------------------
-    def pick(self, ids: Sequence[int]) -> int:
+    def pick(self, ids: Sequence[int]) -> tuple[int, int]:
+        """The replica for a prompt, and how long a prefix of it that replica holds (known
+        to cache_aware only: 0 otherwise)."""
         if self.size == 1:
-            return 0
+            return 0, 0
         if self.method == "round_robin":
-            return next(self._turn) % self.size
-        if self.method == "shortest_queue" or self._unbalanced():
-            return self._least_loaded(range(self.size))
+            return next(self._turn) % self.size, 0
+        if self.method == "shortest_queue":
+            return self._least_loaded(range(self.size)), 0
         hits = [r.hit(ids) for r in self.replicas]
         best = max(hits)
-        if best < min(MIN_HIT_TOKENS, len(ids)):
-            return self._roomiest()
-        return self._least_loaded([i for i, h in enumerate(hits) if h == best])
+        self._strained = self._strained + 1 if self._unbalanced() else 0
+        if self._strained >= BALANCE_PERSIST:
+            index = self._least_loaded(range(self.size))
+        elif best < min(MIN_HIT_TOKENS, len(ids)):
+            index = self._roomiest()
+        else:
+            index = self._least_loaded([i for i, h in enumerate(hits) if h == best])
+        return index, hits[index]
 
     def _roomiest(self) -> int:
         """Where a miss goes: a new prefix starts a new working set, so the replica whose
