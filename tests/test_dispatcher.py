@@ -13,8 +13,9 @@ from radixserve.core.messages import AbortReq, ControlReq, GenerateReq
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.server.dispatcher import (
     BALANCE_ABS,
-    BALANCE_PERSIST,
     MIN_HIT_TOKENS,
+    SHARE_DECAY,
+    STARVED_SHARE,
     Dispatcher,
     TokenTrie,
 )
@@ -159,34 +160,45 @@ def test_a_prefix_shared_by_prompts_in_flight_counts_once_toward_room():
     assert len(recorders[one].sent) == BALANCE_ABS + 1
 
 
+def starved_after() -> int:
+    """Dispatches in a row to one of two replicas that starve the other (from even shares)."""
+    share, n = 0.5, 0
+    while share >= STARVED_SHARE / 2:
+        share, n = share * (1 - SHARE_DECAY), n + 1
+    return n
+
+
 def test_a_burst_on_one_replica_keeps_its_hits():
-    """Replicas unbalanced for fewer than BALANCE_PERSIST dispatches in a row: hits stick
+    """Replicas unbalanced by a burst shorter than what starves the idle one: hits stick
     (moving a prefix to a replica whose pool is full of others would evict one of them)."""
     d, recorders = dispatcher("cache_aware")
     d.on_cache_events(0, [PREFIX], [])
-    for i in range(BALANCE_ABS + BALANCE_PERSIST):
-        d.send(request(f"r{i}", PREFIX + [i]))  # unbalanced from request BALANCE_ABS + 1
-    assert [len(r.sent) for r in recorders] == [BALANCE_ABS + BALANCE_PERSIST, 0]
-    for i in range(BALANCE_ABS + BALANCE_PERSIST):
-        d.done(f"r{i}")  # the burst drains: balanced again, the count starts over
-    for i in range(BALANCE_ABS + BALANCE_PERSIST):
-        d.send(request(f"s{i}", PREFIX + [i]))
-    assert [len(r.sent) for r in recorders] == [2 * (BALANCE_ABS + BALANCE_PERSIST), 0]
+    burst = starved_after()
+    assert burst > BALANCE_ABS + 1  # the replicas are unbalanced well before that
+    for i in range(burst):
+        d.send(request(f"r{i}", PREFIX + [i]))
+    assert [len(r.sent) for r in recorders] == [burst, 0]
 
 
-def test_load_wins_over_hits_when_the_imbalance_persists():
-    """A hot prefix keeps its replica unbalanced: after BALANCE_PERSIST dispatches in a row
-    its requests go to the idle replica, which then holds the prefix and shares the load
-    (no death spiral on the replica that holds it first)."""
+def test_load_wins_over_hits_when_a_replica_is_starved():
+    """A hot prefix starves the other replica: once the idle one's share of recent dispatches
+    falls that far, its requests go there, which then holds the prefix and shares the load
+    (no death spiral on the replica that holds it first). The load dropping between the
+    busy replica's batches (as its requests finish together) does not reset that."""
     d, recorders = dispatcher("cache_aware")
     d.on_cache_events(0, [PREFIX], [])
-    spill = BALANCE_ABS + BALANCE_PERSIST  # the first request that finds it persisted
-    for i in range(spill + 1):
+    busy = starved_after()
+    for i in range(busy):  # the busy replica's batch finishes twice on the way
         d.send(request(f"r{i}", PREFIX + [i]))
-    assert [len(r.sent) for r in recorders] == [spill, 1]
-    for i in range(spill + 1, spill + 9):
-        d.send(request(f"r{i}", PREFIX + [i]))  # held by both now: to the idle one till level
-    assert [len(r.sent) for r in recorders] == [spill, 9]
+        if i in (1, busy - BALANCE_ABS - 2):
+            for j in range(i + 1):
+                d.done(f"r{j}")
+    assert [len(r.sent) for r in recorders] == [busy, 0]
+    d.send(request("spill", PREFIX + [busy]))
+    assert [len(r.sent) for r in recorders] == [busy, 1]
+    for i in range(4):
+        d.send(request(f"s{i}", PREFIX + [busy + 1 + i]))  # held by both: the less loaded
+    assert len(recorders[1].sent) == 5
 
 
 def test_an_eviction_report_ends_the_stickiness():

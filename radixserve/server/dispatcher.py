@@ -7,12 +7,17 @@ scheduler replicas, by `--load-balance-method`:
   exact, not a guess: every replica reports each sequence its radix tree inserts and each
   leaf it evicts (`CacheEvents`), and the dispatcher mirrors each tree's token paths in a
   `TokenTrie` (a prompt dispatched but not yet cached counts too, from the requests in
-  flight). It is balanced against load: when the busiest replica has had more than
-  `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many for
-  `BALANCE_PERSIST` dispatches in a row, the idlest gets the request (a burst of one
-  group's arrivals passes in a few dispatches, and moving one of a busy replica's prefixes
-  onto a full replica would only evict another there; a hot prefix or a lopsided split
-  persists, and copying its prefix to the idle replica spreads its traffic for good); and a
+  flight). It is balanced against load: when the busiest replica has more than
+  `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, and a replica
+  has been starved (its share of recent dispatches, decayed by `SHARE_DECAY` a dispatch,
+  fell under `STARVED_SHARE` of its fair share), the least loaded starved one gets the
+  request. A burst of
+  one group's arrivals passes before its replica's share grows that far, and moving one of
+  a busy replica's prefixes onto a full replica would only evict another there; a hot
+  prefix or a lopsided split does not pass, and copying its prefix to the idle replica
+  spreads its traffic for good. Counting load alone fails both ways: a low bar moves
+  prefixes on every burst, and the in-flight count of a replica that runs a hot prefix
+  drops every time a batch finishes, so a bar on it never holds long. And a
   miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to the replica with the most
   room (`Replica.footprint`: fewest tokens cached or to be added by its prompts in flight)
   among those not overloaded, ties to the least loaded, then in turn, so misses spread over
@@ -35,7 +40,8 @@ from radixserve.core.messages import AbortReq, ControlReq, GenerateReq, Message
 
 BALANCE_ABS = 4  # requests in flight beyond the idlest replica before load wins over hits
 BALANCE_REL = 1.5  # ... and this many times its load
-BALANCE_PERSIST = 8  # ... for this many dispatches in a row
+SHARE_DECAY = 1 / 16  # each dispatch's weight in a replica's recent share of them
+STARVED_SHARE = 0.5  # ... under this fraction of its fair share, the idlest is starved
 MIN_HIT_TOKENS = 16  # a shorter cached prefix is a miss: load decides
 
 
@@ -180,7 +186,7 @@ class Dispatcher:
         self.method = method
         self.owner: dict[str, int] = {}  # rid → the replica running it
         self._turn = itertools.count()
-        self._strained = 0  # dispatches in a row that found the replicas unbalanced
+        self.recent = [1 / self.size] * self.size  # each one's share of recent dispatches
         self.sent = [0] * len(self.replicas)  # requests sent to each, cumulative
 
     @property
@@ -194,6 +200,8 @@ class Dispatcher:
             self.owner[msg.rid] = index
             replica.in_flight[msg.rid] = InFlight(msg.input_ids, len(msg.input_ids) - held)
             self.sent[index] += 1
+            self.recent = [(1 - SHARE_DECAY) * r for r in self.recent]
+            self.recent[index] += SHARE_DECAY
             self.replicas[index].sender.send(msg)
         elif isinstance(msg, AbortReq) and msg.rid in self.owner:
             self.replicas[self.owner[msg.rid]].sender.send(msg)
@@ -228,9 +236,9 @@ class Dispatcher:
             return self._least_loaded(range(self.size)), 0
         hits = [r.hit(ids) for r in self.replicas]
         best = max(hits)
-        self._strained = self._strained + 1 if self._unbalanced() else 0
-        if self._strained >= BALANCE_PERSIST:
-            index = self._least_loaded(range(self.size))
+        starved = [i for i, share in enumerate(self.recent) if share < STARVED_SHARE / self.size]
+        if starved and self._unbalanced():
+            index = self._least_loaded(starved)
         elif best < min(MIN_HIT_TOKENS, len(ids)):
             index = self._roomiest()
         else:
