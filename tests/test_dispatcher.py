@@ -18,6 +18,7 @@ from radixserve.server.dispatcher import (
     STARVED_SHARE,
     Dispatcher,
     TokenTrie,
+    _common,
 )
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
@@ -28,6 +29,13 @@ def lcp(a, b) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=tokens, b=tokens, shared=st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_length(a, b, shared):
+    assert _common(shared + a, shared + b) == lcp(shared + a, shared + b)
+    assert _common(tuple(shared + a), shared + b) == lcp(shared + a, shared + b)
 
 
 @settings(max_examples=300, deadline=None)

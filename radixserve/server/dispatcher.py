@@ -11,13 +11,12 @@ scheduler replicas, by `--load-balance-method`:
   `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, and a replica
   has been starved (its share of recent dispatches, decayed by `SHARE_DECAY` a dispatch,
   fell under `STARVED_SHARE` of its fair share), the least loaded starved one gets the
-  request. A burst of
-  one group's arrivals passes before its replica's share grows that far, and moving one of
-  a busy replica's prefixes onto a full replica would only evict another there; a hot
-  prefix or a lopsided split does not pass, and copying its prefix to the idle replica
-  spreads its traffic for good. Counting load alone fails both ways: a low bar moves
-  prefixes on every burst, and the in-flight count of a replica that runs a hot prefix
-  drops every time a batch finishes, so a bar on it never holds long. And a
+  request. A burst of one group's arrivals passes before its replica's share grows that
+  far, and moving one of a busy replica's prefixes onto a full replica would only evict
+  another there; a hot prefix or a lopsided split does not pass, and copying its prefix to
+  the idle replica spreads its traffic for good. Counting load alone fails both ways: a
+  low bar moves prefixes on every burst, and the in-flight count of a replica that runs a
+  hot prefix drops every time a batch finishes, so a bar on it never holds long. And a
   miss (no replica holds `MIN_HIT_TOKENS` of the prompt) goes to the replica with the most
   room (`Replica.footprint`: fewest tokens cached or to be added by its prompts in flight)
   among those not overloaded, ties to the least loaded, then in turn, so misses spread over
@@ -41,7 +40,7 @@ from radixserve.core.messages import AbortReq, ControlReq, GenerateReq, Message
 BALANCE_ABS = 4  # requests in flight beyond the idlest replica before load wins over hits
 BALANCE_REL = 1.5  # ... and this many times its load
 SHARE_DECAY = 1 / 16  # each dispatch's weight in a replica's recent share of them
-STARVED_SHARE = 0.5  # ... under this fraction of its fair share, the idlest is starved
+STARVED_SHARE = 0.5  # ... under this fraction of its fair share, a replica is starved
 MIN_HIT_TOKENS = 16  # a shorter cached prefix is a miss: load decides
 
 
@@ -58,11 +57,21 @@ class _Node:
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of a and b, by slice comparisons (run in C:
+    the prompts of a prefix group share ~1k tokens, and a loop over them in Python per
+    request in flight would cost milliseconds a dispatch)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = tuple(a[:n]), tuple(b[:n])
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _held(node: _Node) -> int:
@@ -149,7 +158,7 @@ class InFlight:
 class Replica:
     sender: Sends
     cached: TokenTrie = field(default_factory=TokenTrie)
-    in_flight: dict[str, InFlight] = field(default_factory=dict)  # rid → its prompt
+    in_flight: dict[str, InFlight] = field(default_factory=dict)  # by rid
 
     @property
     def load(self) -> int:
@@ -202,7 +211,7 @@ class Dispatcher:
             self.sent[index] += 1
             self.recent = [(1 - SHARE_DECAY) * r for r in self.recent]
             self.recent[index] += SHARE_DECAY
-            self.replicas[index].sender.send(msg)
+            replica.sender.send(msg)
         elif isinstance(msg, AbortReq) and msg.rid in self.owner:
             self.replicas[self.owner[msg.rid]].sender.send(msg)
         elif isinstance(msg, AbortReq | ControlReq):
