@@ -261,9 +261,11 @@ class Dispatcher:
         Spreading misses by load alone lets one replica collect more prefix groups than its
         pool holds while the other has room (they then evict each other's hits)."""
         least = min(r.load for r in self.replicas)
-        near = [i for i, r in enumerate(self.replicas) if r.load <= least + BALANCE_ABS]
-        room = min(self.replicas[i].footprint for i in near)
-        return self._least_loaded([i for i in near if self.replicas[i].footprint == room])
+        footprints = {
+            i: r.footprint for i, r in enumerate(self.replicas) if r.load <= least + BALANCE_ABS
+        }  # each walks its replica's prompts in flight: once per miss
+        room = min(footprints.values())
+        return self._least_loaded([i for i, f in footprints.items() if f == room])
 
     def _unbalanced(self) -> bool:
         loads = [r.load for r in self.replicas]
