@@ -206,7 +206,9 @@ def test_a_dead_rank_fails_the_streams_and_stops_the_server(tiny_model_dirs, tmp
     server = tp_server(folder, tmp_path / "server.log")
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-        done = client.completions.create(model="m", prompt="hello there", max_tokens=8)
+        done = client.completions.create(  # EOS ignored: a sampled EOS would end it early
+            model="m", prompt="hello there", max_tokens=8, extra_body={"ignore_eos": True}
+        )
         assert done.choices[0].finish_reason == "length"
         info = requests.get(server.url + "/get_server_info", timeout=30).json()
         follower = psutil.Process(info["tp_pids"][1])
