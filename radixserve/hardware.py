@@ -242,8 +242,13 @@ AVX512_BF16_ROWS = 128
 # ~26), 25-28 -> 12-15 at 2, 22-26 -> 14-18 at 8, 30-34 -> 22-24 at 16, 46-51 -> 36-39 at 32,
 # 74-89 -> 69-71 at 64 (~36 GB/s of weights at 1-2 rows; ~210 GFLOP/s with the weights in
 # L2). The tied LM head (49152 x 576), ms, oneDNN -> kernel: 5.3 -> 4.2 at 1 row (fp32_gemv
-# 6.5), 6.9 -> 6.2 at 16, 19.2 -> 18.7 at 64. Up to 64 rows; fp32 prefill stays on MKL (see
-# PACKED_LINEAR: another order of the sums moves the fidelity suite past its bar).
+# 6.5), 6.9 -> 6.2 at 16, 19.2 -> 18.7 at 64. Up to 64 rows, and every row count (prefills)
+# for the weights whose products it gives bit for bit as torch's F.linear (its sums in MKL's
+# chunks, found at start-up: cpu_kernels.torch_sum_chunk; another order of the sums moved the
+# fidelity suite past its bar, see PACKED_LINEAR): MKL -> kernel, same CPU, 2 threads, ms,
+# 544 rows: 2.01 -> 1.66 (576 x 576), 6.16 -> 4.64 (1536 x 576), 5.54 -> 4.71 (576 x 1536),
+# i.e. 156-179 -> 204-217 GFLOP/s; a 544-token prefill of SmolLM2 through the runner, medians
+# of 20 alternated: 584-638 -> 735-781 tok/s.
 FP32_BLOCKED_ROWS = 64
 
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's

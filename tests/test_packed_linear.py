@@ -23,6 +23,7 @@ from radixserve.model.cpu_kernels import (
     fp32_linear,
     fused_ops,
     gemv_kernel,
+    torch_sum_chunk,
 )
 from radixserve.model.layers import Linear, PackedRows, RowKernels, pack_weight, packed_linear
 from radixserve.model.runner import ModelRunner
@@ -140,6 +141,70 @@ def test_the_fp32_blocked_product_matches_a_float64_one(rows, n, k, bias):
     # fp32 sums of k products in order: within k ulps of the exact sum's scale
     scale = (x.double().abs() @ weight.double().abs().T).max().item() + 1
     assert (out.double() - ref).abs().max().item() < 2**-23 * k * scale
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("chunk", [0, 16, 100, 192, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_blocked_sums_go_in_chunks_added_in_turn(chunk, bias):
+    """With `chunk` columns a partial sum, the product is (bias + the first chunk's product)
+    + the next chunk's + ..., each chunk's product from zero: bit for bit. A row of more
+    than one chunk and less than two (600 columns at 512) goes in two halves."""
+    gen = torch.Generator().manual_seed(chunk)
+    rows, n, k = 19, 48, 600  # a tail chunk at 100 and 192; one chunk at 0; halves at 512
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    previous = FP32.chunk
+    try:
+        FP32.chunk = chunk
+        out = FP32(x, FP32.pack(weight), n, b)
+        FP32.chunk = 0
+        step = k // 2 if chunk == 512 else chunk or k
+        expected = None if b is None else b.expand(rows, n)
+        for first in range(0, k, step):
+            part = x[:, first : first + step].contiguous()
+            partial = FP32(part, FP32.pack(weight[:, first : first + step]), n, None)
+            expected = partial if expected is None else expected + partial
+    finally:
+        FP32.chunk = previous
+    assert torch.equal(out, expected)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("rows", [16, 64, 544])
+@pytest.mark.parametrize(("n", "k"), [(192, 576), (1536, 576), (576, 1536), (64, 256)])
+def test_the_fp32_blocked_product_is_torchs_where_its_order_was_found(rows, n, k):
+    """Where start-up found the chunk that reproduces torch's F.linear (MKL 2025 on an AMD
+    Zen 4: 192, and halves of 256), a product of 16 or more rows with a weight of a shape
+    `same_as_torch` vouches for is F.linear's bit for bit, prefill-sized too: what lets a
+    prefill take the kernel. Elsewhere the kernel takes no prefill (the plan's row limit;
+    tested below) and this has nothing to check."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(rows + n)) / 24
+    if not FP32.same_as_torch(weight):
+        pytest.skip(f"the kernel does not reproduce this CPU's MKL sgemm at ({n}, {k})")
+    gen = torch.Generator().manual_seed(rows + k)
+    x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    packed = FP32.pack(weight)
+    assert torch.equal(FP32(x, packed, n, None), F.linear(x, weight))
+    assert torch.equal(FP32(x, packed, n, b), F.linear(x, weight, b))
+
+
+def test_no_chunk_is_claimed_where_none_reproduces_torch():
+    """torch_sum_chunk answers None for a kernel whose sums cannot match F.linear's, and
+    leaves the kernel's chunk as it was."""
+    if FP32 is None:
+        pytest.skip("this CPU lacks AVX-512")
+
+    class Skewed:  # the kernel's product, one ulp off in one element
+        chunk, pack = FP32.chunk, FP32.pack
+
+        def __call__(self, x, packed, n, bias):
+            out = FP32(x, packed, n, bias)
+            out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(float("inf")))
+            return out
+
+    skewed = Skewed()
+    assert torch_sum_chunk(skewed) is None and skewed.chunk == FP32.chunk
 
 
 @needs_fp32_kernel
@@ -277,3 +342,36 @@ def test_an_fp32_model_through_the_blocked_kernel_decodes_as_the_plain_one(
         torch.testing.assert_close(
             torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0
         )
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_fp32_prefill_through_the_blocked_kernel_is_the_plain_one_bit_for_bit(
+    tiny_model_dirs, model_cache_dir, arch
+):
+    """Where the kernel sums in MKL's order (`reproduces_torch`) the runner gives it every
+    product, prefills too: a batch's prefill logits are then those of torch's ops exactly
+    (58 rows: MKL splits fewer than 12 rows between 2 threads, and some of those go through
+    its other paths)."""
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs[arch]),
+        max_total_tokens=1024,
+        model_cache_dir=str(model_cache_dir),
+        dtype="float32",
+        kernels="torch",
+    )
+    plain, blocked = ModelRunner(config, progress=False), ModelRunner(config, progress=False)
+    blocked.model.use_blocked_linears(FP32, PackedRows(1, 8), exact_rows=PackedRows(1, None))
+    linears = [m for m in blocked.model.modules() if isinstance(m, Linear)]
+    for m in linears:  # which layers take the prefill: those the check vouched for
+        assert m.blocked_rows.last == (None if FP32.same_as_torch(m.weight) else 8)
+    if not any(m.blocked_rows.last is None for m in linears):
+        pytest.skip("the kernel reproduces this CPU's MKL sgemm for none of the layers")
+    # the head alone stays on the plain path: with every row's logits the plain one takes
+    # (vocabulary chunk @ x.T), another product than F.linear (which the kernel reproduces)
+    if blocked.model.lm_head is None:
+        blocked.model.lm_blocked_rows = None
+    else:
+        blocked.model.lm_head.blocked_rows = None
+    prompts = [list(range(5, 45)), [11] * 18]
+    assert torch.equal(prefill_logits(blocked, prompts), prefill_logits(plain, prompts))

@@ -141,18 +141,27 @@ class CausalLM(nn.Module):
                 if module.down_proj.weight.dtype == torch.bfloat16:
                     module.fused = ops
 
-    def use_blocked_linears(self, kernel: BlockedLinear, rows: PackedRows) -> None:
+    def use_blocked_linears(
+        self, kernel: BlockedLinear, rows: PackedRows, exact_rows: PackedRows | None = None
+    ) -> None:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
         `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
-        of the embedding matrix. Before `pack_linears`."""
+        of the embedding matrix. With `exact_rows`, a weight whose products the kernel gives
+        bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
+        instead. Before `pack_linears`."""
+
+        def rows_for(weight: torch.Tensor) -> PackedRows:
+            return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
+
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_blocked(kernel, rows)
+                module.use_blocked(kernel, rows_for(module.weight))
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             packed = kernel.pack(self.embed_tokens.weight)
             self.register_buffer("lm_blocked_weight", packed, persistent=False)
-            self.lm_blocked, self.lm_blocked_rows = kernel, rows
+            self.lm_blocked = kernel
+            self.lm_blocked_rows = rows_for(self.embed_tokens.weight)
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.config import default_model_cache_dir
 from radixserve.hardware import cpu_info
@@ -256,15 +257,28 @@ class BlockedLinear:
     or that layout read with AVX512-BF16) and `fp32_linear_avx512.cpp` (fp32, blocks of 16
     features). Takes what `fits` says yes to."""
 
-    def __init__(self, library: ctypes.CDLL, prefix: str, dtype: torch.dtype, k_multiple: int):
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        prefix: str,
+        dtype: torch.dtype,
+        k_multiple: int,
+        chunked: bool = False,
+    ):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = getattr(library, f"{prefix}_pack")
         self._pack.argtypes = [p, p, i64, i64]
         self._pack.restype = None
         self._linear = getattr(library, f"{prefix}_linear")
-        self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
+        self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int] + [i64] * chunked
         self._linear.restype = None
         self.dtype, self._k_multiple = dtype, k_multiple
+        # a chunked kernel's columns per partial sum (fp32_linear_avx512.cpp; 0: one sum
+        # over all), or None where the kernel takes no such argument
+        self.chunk: int | None = 0 if chunked else None
+        # its chunk is the one that reproduces torch's F.linear on this CPU (torch_sum_chunk)
+        self.reproduces_torch = False
+        self._same_as_torch: dict[tuple[int, int], bool] = {}
 
     def fits(self, weight: torch.Tensor) -> bool:
         """A 2-D weight of the kernel's dtype, a multiple of 16 rows (output features) by a
@@ -275,6 +289,19 @@ class BlockedLinear:
             and weight.shape[0] % 16 == 0
             and weight.shape[1] % self._k_multiple == 0
         )
+
+    def same_as_torch(self, weight: torch.Tensor) -> bool:
+        """The kernel's products with a weight of this shape are torch's F.linear bit for
+        bit (products of 16 or more rows; checked once per shape on random values, at the
+        thread count in force): only where `reproduces_torch`."""
+        if not self.reproduces_torch or not self.fits(weight):
+            return False
+        shape = tuple(weight.shape)
+        if shape not in self._same_as_torch:
+            self._same_as_torch[shape] = all(
+                products_agree(self, rows, *shape) for rows in SAME_AS_TORCH_ROWS
+            )
+        return self._same_as_torch[shape]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight (N, K) in the kernel's layout: a flat tensor of N * K."""
@@ -292,10 +319,11 @@ class BlockedLinear:
         m, k = x.shape
         out = torch.empty(m, n, dtype=self.dtype)
         bias_ptr = None if bias is None else bias.data_ptr()
+        chunk = () if self.chunk is None else (self.chunk,)
         with profiled("kernel:linear"):
             self._linear(
                 x.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), m, n, k,
-                torch.get_num_threads(),
+                torch.get_num_threads(), *chunk,
             )  # fmt: skip
         return out
 
@@ -315,12 +343,61 @@ def amx_linear(folder: Path | None = None, isa: str = "amx") -> BlockedLinear | 
     return BlockedLinear(library, "bf16_amx", torch.bfloat16, k_multiple=32)
 
 
+# Columns per partial sum that fp32_linear_avx512.cpp tries in order to reproduce torch's fp32
+# F.linear (MKL's sgemm; its kc): 0 (one sum over all columns), then multiples of 16. MKL
+# 2025 on an AMD EPYC Zen 4 sums in blocks of 192 columns, a row of 193-383 columns in two
+# halves (even lengths; odd ones in some other way), for products of 4 rows or more at one
+# thread, 12 or more at two (MKL gives each thread its rows, and fewer than 4 take its other
+# paths); measured ad hoc against every split.
+SUM_CHUNKS = (0, *range(16, 1025, 16))
+# The products that decide the chunk: (rows, output features, columns). The columns are no
+# multiple of the usual blocks, so a chunk's tail is checked too; the second is a prefill's.
+SUM_CHUNK_PROBES = ((64, 32, 1400), (544, 48, 1400))
+SAME_AS_TORCH_ROWS = (16, 64)  # the rows of the products checked for each weight's shape
+
+
+def products_agree(kernel: BlockedLinear, rows: int, features: int, columns: int) -> bool:
+    """`kernel` and torch's F.linear give the same bits for a product of this shape on
+    random values (seeded by the shape), with and without a bias."""
+    generator = torch.Generator().manual_seed(rows * 7919 + features * 31 + columns)
+    x = torch.randn(rows, columns, generator=generator)
+    weight = torch.randn(features, columns, generator=generator) / columns**0.5
+    bias = torch.randn(features, generator=generator)
+    packed = kernel.pack(weight)
+    return all(
+        torch.equal(kernel(x, packed, features, b), F.linear(x, weight, b)) for b in (None, bias)
+    )
+
+
+def torch_sum_chunk(kernel: BlockedLinear) -> int | None:
+    """The chunk of columns with which `kernel` (chunked) gives torch's F.linear bit for bit
+    on this CPU at the thread count in force; None when no chunk does. Screens every
+    candidate on the small probe, then checks the one found on the others; leaves the
+    kernel's chunk as it was."""
+    previous = kernel.chunk
+    try:
+        for chunk in SUM_CHUNKS:
+            kernel.chunk = chunk
+            if products_agree(kernel, *SUM_CHUNK_PROBES[0]):
+                others = SUM_CHUNK_PROBES[1:]
+                return chunk if all(products_agree(kernel, *p) for p in others) else None
+        return None
+    finally:
+        kernel.chunk = previous
+
+
 @functools.cache
 def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
     """The fp32 linear kernel on its 16-feature block layout (AVX-512), or None where it
-    cannot be built."""
+    cannot be built. Its sums go in the chunks that reproduce torch's F.linear on this CPU
+    where some chunk does (`reproduces_torch`; see torch_sum_chunk), in one chunk elsewhere."""
     library = load_kernel("fp32_linear_avx512", folder, isa="avx512")
-    return None if library is None else BlockedLinear(library, "fp32_blocked", torch.float32, 1)
+    if library is None:
+        return None
+    kernel = BlockedLinear(library, "fp32_blocked", torch.float32, 1, chunked=True)
+    chunk = torch_sum_chunk(kernel)
+    kernel.chunk, kernel.reproduces_torch = chunk or 0, chunk is not None
+    return kernel
 
 
 def blocked_linear(

@@ -14,8 +14,17 @@
 // register per (row of x, block), no horizontal sums. Each thread takes whole groups of up
 // to kGroup consecutive blocks and runs x's rows against them, kRows at a time (kRows x
 // kGroup accumulators); the group's weights come from memory for the first rows and from
-// L2 for the next. Each output's sum runs over the columns in order, one fp32 FMA a column:
-// another order than MKL's or oneDNN's, fp32 rounding apart.
+// L2 for the next.
+//
+// Order of the sums: each output's sum runs over the columns in order, one fp32 FMA a
+// column, in chunks of `chunk` columns: each chunk's sum starts from zero and is added to the
+// output (which starts as the bias, or as the first chunk's sum) in turn. That is the order
+// of MKL's sgemm (whose microkernels take the columns in blocks of kc and add each block's
+// products into C; a row of more than one block and less than two it cuts in two halves,
+// and so does this kernel when the row's length is even); with MKL's kc as `chunk` the
+// kernel's product is bit for bit torch's F.linear on the same CPU (cpu_kernels.py finds the
+// chunk at start-up and checks each weight's shape), so a prefill may go through it without
+// moving logits from the reference. chunk <= 0: one chunk.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -26,54 +35,65 @@ namespace {
 constexpr int kRows = 8;   // rows of x at a time
 constexpr int kGroup = 3;  // blocks of 16 features at a time: 24 accumulators
 
-// x's `rows` rows (k apart) times the `count` blocks at w (`stride` apart) + bias into out's
-// rows (n apart). The loops over rows and blocks are unrolled so that the sums stay in
-// registers (GCC kept them on the stack otherwise: half the speed).
+// x's `rows` rows (k apart) times the `count` blocks at w (`stride` apart), bias first, into
+// out's rows (n apart), the columns in chunks (see the order of the sums above). The loops
+// over rows and blocks are unrolled so that the sums stay in registers (GCC kept them on the
+// stack otherwise: half the speed).
 template <int count, int rows>
-void rows_times_group(const float* x, int64_t k, const float* w, int64_t stride,
+void rows_times_group(const float* x, int64_t k, int64_t chunk, const float* w, int64_t stride,
                       const float* bias, float* out, int64_t n) {
-    __m512 acc[rows][count];
-#pragma GCC unroll 16
-    for (int r = 0; r < rows; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t col = 0; col < k; col++) {
-        __m512 wv[count];
-#pragma GCC unroll 4
-        for (int c = 0; c < count; c++) wv[c] = _mm512_load_ps(w + c * stride + col * 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * k + col]);
-#pragma GCC unroll 4
-            for (int c = 0; c < count; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < count; c++) {
-        const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+    for (int64_t first = 0; first < k; first += chunk) {
+        const int64_t end = first + chunk < k ? first + chunk : k;
+        __m512 acc[rows][count];
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++)
-            _mm512_storeu_ps(out + r * n + c * 16, _mm512_add_ps(acc[r][c], b));
+#pragma GCC unroll 4
+            for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t col = first; col < end; col++) {
+            __m512 wv[count];
+#pragma GCC unroll 4
+            for (int c = 0; c < count; c++) wv[c] = _mm512_load_ps(w + c * stride + col * 16);
+#pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * k + col]);
+#pragma GCC unroll 4
+                for (int c = 0; c < count; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < count; c++) {
+            const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                float* o = out + r * n + c * 16;
+                __m512 sum = acc[r][c];
+                if (first > 0)
+                    sum = _mm512_add_ps(_mm512_loadu_ps(o), sum);
+                else if (bias)
+                    sum = _mm512_add_ps(b, sum);
+                _mm512_storeu_ps(o, sum);
+            }
+        }
     }
 }
 
 // rows_times_group<count, rows> for rows <= R, a compile-time count of rows each.
 template <int count, int R>
-inline void rows_of(int64_t rows, const float* x, int64_t k, const float* w, int64_t stride,
-                    const float* bias, float* out, int64_t n) {
+inline void rows_of(int64_t rows, const float* x, int64_t k, int64_t chunk, const float* w,
+                    int64_t stride, const float* bias, float* out, int64_t n) {
     if constexpr (R > 1)
         if (rows < R)
-            return rows_of<count, R - 1>(rows, x, k, w, stride, bias, out, n);
-    rows_times_group<count, R>(x, k, w, stride, bias, out, n);
+            return rows_of<count, R - 1>(rows, x, k, chunk, w, stride, bias, out, n);
+    rows_times_group<count, R>(x, k, chunk, w, stride, bias, out, n);
 }
 
 template <int count>
-void group(const float* x, int64_t m, int64_t k, const float* w, int64_t stride,
+void group(const float* x, int64_t m, int64_t k, int64_t chunk, const float* w, int64_t stride,
            const float* bias, float* out, int64_t n) {
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const float* xr = x + r0 * k;
         float* o = out + r0 * n;
-        rows_of<count, kRows>(m - r0 < kRows ? m - r0 : kRows, xr, k, w, stride, bias, o, n);
+        rows_of<count, kRows>(m - r0 < kRows ? m - r0 : kRows, xr, k, chunk, w, stride, bias, o, n);
     }
 }
 
@@ -87,19 +107,24 @@ extern "C" void fp32_blocked_pack(const float* w, float* out, int64_t n, int64_t
             for (int64_t f = 0; f < 16; f++) out[(b * k + col) * 16 + f] = w[(b * 16 + f) * k + col];
 }
 
-// out (m, n) = x (m, k) @ W.T + bias; x contiguous, n a multiple of 16, bias (n,) or null.
+// out (m, n) = x (m, k) @ W.T + bias; x contiguous, n a multiple of 16, bias (n,) or null;
+// the sums over the columns in chunks of `chunk` (<= 0: one chunk).
 extern "C" void fp32_blocked_linear(const float* x, const float* packed, const float* bias, float* out,
-                            int64_t m, int64_t n, int64_t k, int threads) {
+                                    int64_t m, int64_t n, int64_t k, int threads, int64_t chunk) {
     const int64_t stride = k * 16;
+    if (chunk <= 0 || chunk > k)
+        chunk = k;
+    else if (k < 2 * chunk && k % 2 == 0)
+        chunk = k / 2;
 #pragma omp parallel num_threads(threads)
     linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count) {
         const float* w = packed + b * stride;
         const float* gb = bias ? bias + b * 16 : nullptr;
         float* o = out + b * 16;
         switch (count) {
-            case 1: group<1>(x, m, k, w, stride, gb, o, n); break;
-            case 2: group<2>(x, m, k, w, stride, gb, o, n); break;
-            default: group<kGroup>(x, m, k, w, stride, gb, o, n); break;
+            case 1: group<1>(x, m, k, chunk, w, stride, gb, o, n); break;
+            case 2: group<2>(x, m, k, chunk, w, stride, gb, o, n); break;
+            default: group<kGroup>(x, m, k, chunk, w, stride, gb, o, n); break;
         }
     });
 }

@@ -387,7 +387,16 @@ def build_model(
         if kernels.blocked_rows:
             blocked = blocked_linear(dtype, kernel_dir, kernels.blocked_isa)
             if blocked is not None:
-                model.use_blocked_linears(blocked, PackedRows(1, kernels.blocked_rows))
+                # a weight whose products the kernel gives as torch's F.linear does takes
+                # every product, prefills too: the same bits, faster (hardware.FP32_LINEAR)
+                rows = PackedRows(1, kernels.blocked_rows)
+                model.use_blocked_linears(blocked, rows, exact_rows=PackedRows(1, None))
+                if blocked.reproduces_torch:
+                    logger.info(
+                        "%s linear layers whose products the blocked kernel gives bit for bit "
+                        "as torch's (sums in chunks of %d columns) take it at every row count",
+                        blocked.dtype, blocked.chunk,
+                    )  # fmt: skip
         if kernels.packed_rows is not None:
             model.pack_linears(PackedRows(*kernels.packed_rows))
         if kernels.gemv or kernels.few_rows_max:  # the row counts packing leaves to them
