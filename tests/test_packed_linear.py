@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
+from radixserve.model import layers
 from radixserve.model.cpu_kernels import (
     amx_linear,
     cpu_runs,
@@ -25,7 +26,14 @@ from radixserve.model.cpu_kernels import (
     gemv_kernel,
     torch_sum_chunk,
 )
-from radixserve.model.layers import Linear, PackedRows, RowKernels, pack_weight, packed_linear
+from radixserve.model.layers import (
+    GatedMLP,
+    Linear,
+    PackedRows,
+    RowKernels,
+    pack_weight,
+    packed_linear,
+)
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.static_generator import StaticGenerator
@@ -375,3 +383,32 @@ def test_an_fp32_prefill_through_the_blocked_kernel_is_the_plain_one_bit_for_bit
         blocked.model.lm_head.blocked_rows = None
     prompts = [list(range(5, 45)), [11] * 18]
     assert torch.equal(prefill_logits(blocked, prompts), prefill_logits(plain, prompts))
+
+
+@needs_fp32_kernel
+def test_an_fp32_prefill_mlp_in_row_chunks_is_the_whole_one_bit_for_bit(
+    tiny_model_dirs, model_cache_dir, monkeypatch
+):
+    """A prefill's MLP goes a chunk of rows at a time where the blocked kernel takes its
+    products at every row count (layers.GatedMLP._in_chunks): the same logits as in one
+    piece, bit for bit (chunks of 256 rows here, a tail of 88)."""
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]),
+        max_total_tokens=1024,
+        model_cache_dir=str(model_cache_dir),
+        dtype="float32",
+        kernels="torch",
+    )
+    runner = ModelRunner(config, progress=False)
+    runner.model.use_blocked_linears(FP32, PackedRows(1, 8), exact_rows=PackedRows(1, None))
+    mlp = next(m for m in runner.model.modules() if isinstance(m, GatedMLP))
+    if not FP32.same_as_torch(mlp.gate_up_proj.weight):
+        pytest.skip("the kernel does not reproduce this CPU's MKL sgemm for the MLP")
+    x = torch.zeros(600, mlp.gate_up_proj.in_features)
+    prompts = [[(7 * i) % 500 + 3 for i in range(300)], [(11 * i) % 500 + 3 for i in range(300)]]
+    monkeypatch.setattr(layers, "MLP_CHUNK_ROWS", 10**6)
+    assert not mlp._in_chunks(x)
+    whole = prefill_logits(runner, prompts)
+    monkeypatch.setattr(layers, "MLP_CHUNK_ROWS", 256)
+    assert mlp._in_chunks(x) == FP32.same_as_torch(mlp.down_proj.weight)
+    assert torch.equal(prefill_logits(runner, prompts), whole)

@@ -34,6 +34,13 @@ namespace {
 
 constexpr int kRows = 8;   // rows of x at a time
 constexpr int kGroup = 3;  // blocks of 16 features at a time: 24 accumulators
+// x's rows a panel at a time, each thread running its groups of blocks against a panel
+// before the next: a panel (64 x k floats, 147 kB at k = 576) stays in L2 across the
+// groups, where x's whole rows (a prefill of 8,160 tokens: 18.8 MB) came from memory for
+// each group. AMD EPYC Zen 4, 2 threads, 8160 rows, GFLOP/s, whole -> panels of 64 (128 and
+// 256 alike): 143 -> 167 (1536 x 576), 175 -> 194 (576 x 1536), 178 -> 203 (576 x 576);
+// 544 rows and decode steps (one panel) unchanged.
+constexpr int64_t kPanel = 64;
 
 // x's `rows` rows (k apart) times the `count` blocks at w (`stride` apart), bias first, into
 // out's rows (n apart), the columns in chunks (see the order of the sums above). The loops
@@ -117,14 +124,18 @@ extern "C" void fp32_blocked_linear(const float* x, const float* packed, const f
     else if (k < 2 * chunk && k % 2 == 0)
         chunk = k / 2;
 #pragma omp parallel num_threads(threads)
-    linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count) {
-        const float* w = packed + b * stride;
-        const float* gb = bias ? bias + b * 16 : nullptr;
-        float* o = out + b * 16;
-        switch (count) {
-            case 1: group<1>(x, m, k, chunk, w, stride, gb, o, n); break;
-            case 2: group<2>(x, m, k, chunk, w, stride, gb, o, n); break;
-            default: group<kGroup>(x, m, k, chunk, w, stride, gb, o, n); break;
-        }
-    });
+    for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
+        const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+        const float* xp = x + r0 * k;
+        linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count) {
+            const float* w = packed + b * stride;
+            const float* gb = bias ? bias + b * 16 : nullptr;
+            float* o = out + r0 * n + b * 16;
+            switch (count) {
+                case 1: group<1>(xp, rows, k, chunk, w, stride, gb, o, n); break;
+                case 2: group<2>(xp, rows, k, chunk, w, stride, gb, o, n); break;
+                default: group<kGroup>(xp, rows, k, chunk, w, stride, gb, o, n); break;
+            }
+        });
+    }
 }

@@ -18,6 +18,8 @@ from radixserve.model.cpu_kernels import BlockedLinear, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
+# A CPU prefill's MLP runs this many rows at a time (see GatedMLP.forward)
+MLP_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,29 @@ class GatedMLP(nn.Module):
         self.fused: FusedOps | None = None  # silu(gate) * up in one pass (silu only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._in_chunks(x):
+            return self.tp.all_reduce(torch.cat([self._local(p) for p in x.split(MLP_CHUNK_ROWS)]))
         return self.tp.all_reduce(self._local(x))
+
+    def _in_chunks(self, x: torch.Tensor) -> bool:
+        """A CPU prefill of more than MLP_CHUNK_ROWS rows goes MLP_CHUNK_ROWS at a time
+        where that leaves the sums as they are: its gate/up (2I wide) would take over 32 MB,
+        which glibc's malloc maps afresh for every layer (hardware.MALLOC), page faults and
+        all, and act * up would stream it through memory twice. Only where both products
+        go through the blocked kernel at every row count (fp32 where it reproduces
+        F.linear), whose order of the sums does not depend on the rows: the chunks' outputs
+        are the whole product's bits. SmolLM2 fp32 on an AMD EPYC Zen 4 (2 threads), a
+        prefill of 15 x 544 tokens: 641 -> 716-748 tok/s (act * up 0.91 -> 0.35 s of it).
+        Not for bf16 through oneDNN: 1331 -> 1280 tok/s there."""
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] <= MLP_CHUNK_ROWS:
+            return False
+        layers = (self.gate_up_proj, self.down_proj)
+        return all(
+            isinstance(layer, Linear)
+            and layer.blocked_rows is not None
+            and layer.blocked_rows.every
+            for layer in layers
+        )
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, half = self.gate_up_proj, self.intermediate
