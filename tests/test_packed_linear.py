@@ -257,18 +257,23 @@ def test_the_amx_layer_takes_few_rows_and_leaves_the_rest_to_onednn():
     assert odd.blocked is None and not odd.uses_blocked(small)
 
 
-def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
-    """A bf16 runner with the torch kernels (nothing chosen by this CPU), or that model
-    packed (where oneDNN runs bf16 products) and with the fused ops (where they can be
-    built)."""
+def torch_runner(folder, cache_dir, dtype: str = "float32") -> ModelRunner:
+    """A tiny model's runner on torch's ops alone: nothing chosen by this CPU."""
     config = Config.from_flat(
         model_path=str(folder),
         max_total_tokens=1024,
         model_cache_dir=str(cache_dir),
-        dtype="bfloat16",
+        dtype=dtype,
         kernels="torch",
     )
-    runner = ModelRunner(config, progress=False)
+    return ModelRunner(config, progress=False)
+
+
+def runner_of(folder, cache_dir, pack: bool) -> ModelRunner:
+    """A bf16 runner with the torch kernels (nothing chosen by this CPU), or that model
+    packed (where oneDNN runs bf16 products) and with the fused ops (where they can be
+    built)."""
+    runner = torch_runner(folder, cache_dir, "bfloat16")
     if pack:
         if AMX is not None:  # the products of up to 64 rows: every one in these tests
             runner.model.use_blocked_linears(AMX, PackedRows(1, 64))
@@ -329,14 +334,8 @@ def test_an_fp32_model_through_the_blocked_kernel_decodes_as_the_plain_one(
     """llama: an untied LM head (a Linear); qwen2: q/k/v biases and a tied head (the
     blocked copy of the embedding matrix). Decode steps (one row per request) through the
     kernel, greedy, against torch's ops on the same fp32 weights."""
-    config = Config.from_flat(
-        model_path=str(tiny_model_dirs[arch]),
-        max_total_tokens=1024,
-        model_cache_dir=str(model_cache_dir),
-        dtype="float32",
-        kernels="torch",
-    )
-    plain, blocked = ModelRunner(config, progress=False), ModelRunner(config, progress=False)
+    plain = torch_runner(tiny_model_dirs[arch], model_cache_dir)
+    blocked = torch_runner(tiny_model_dirs[arch], model_cache_dir)
     blocked.model.use_blocked_linears(FP32, PackedRows(1, 64))
     linears = [m for m in blocked.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.blocked is not None for m in linears)
@@ -361,14 +360,8 @@ def test_an_fp32_prefill_through_the_blocked_kernel_is_the_plain_one_bit_for_bit
     product, prefills too: a batch's prefill logits are then those of torch's ops exactly
     (58 rows: MKL splits fewer than 12 rows between 2 threads, and some of those go through
     its other paths)."""
-    config = Config.from_flat(
-        model_path=str(tiny_model_dirs[arch]),
-        max_total_tokens=1024,
-        model_cache_dir=str(model_cache_dir),
-        dtype="float32",
-        kernels="torch",
-    )
-    plain, blocked = ModelRunner(config, progress=False), ModelRunner(config, progress=False)
+    plain = torch_runner(tiny_model_dirs[arch], model_cache_dir)
+    blocked = torch_runner(tiny_model_dirs[arch], model_cache_dir)
     blocked.model.use_blocked_linears(FP32, PackedRows(1, 8), exact_rows=PackedRows(1, None))
     linears = [m for m in blocked.model.modules() if isinstance(m, Linear)]
     for m in linears:  # which layers take the prefill: those the check vouched for
@@ -392,14 +385,7 @@ def test_an_fp32_prefill_mlp_in_row_chunks_is_the_whole_one_bit_for_bit(
     """A prefill's MLP goes a chunk of rows at a time where the blocked kernel takes its
     products at every row count (layers.GatedMLP._in_chunks): the same logits as in one
     piece, bit for bit (chunks of 256 rows here, a tail of 88)."""
-    config = Config.from_flat(
-        model_path=str(tiny_model_dirs["llama"]),
-        max_total_tokens=1024,
-        model_cache_dir=str(model_cache_dir),
-        dtype="float32",
-        kernels="torch",
-    )
-    runner = ModelRunner(config, progress=False)
+    runner = torch_runner(tiny_model_dirs["llama"], model_cache_dir)
     runner.model.use_blocked_linears(FP32, PackedRows(1, 8), exact_rows=PackedRows(1, None))
     mlp = next(m for m in runner.model.modules() if isinstance(m, GatedMLP))
     if not FP32.same_as_torch(mlp.gate_up_proj.weight):
