@@ -346,9 +346,10 @@ class GatedMLP(nn.Module):
 
     def _in_chunks(self, x: torch.Tensor) -> bool:
         """A CPU prefill of more than MLP_CHUNK_ROWS rows goes MLP_CHUNK_ROWS at a time
-        where that leaves the sums as they are: its gate/up (2I wide) would take over 32 MB,
-        which glibc's malloc maps afresh for every layer (hardware.MALLOC), page faults and
-        all, and act * up would stream it through memory twice. Only where both products
+        where that leaves the sums as they are. Whole, its gate/up output (2I wide) grows
+        past 32 MB (SmolLM2 fp32: 100 MB at 8,160 rows), which glibc's malloc maps afresh
+        for every layer (hardware.MALLOC), page faults and all, and act * up streams it
+        through memory twice. Only where both products
         go through the blocked kernel at every row count (fp32 where it reproduces
         F.linear), whose order of the sums does not depend on the rows: the chunks' outputs
         are the whole product's bits. SmolLM2 fp32 on an AMD EPYC Zen 4 (2 threads), a
