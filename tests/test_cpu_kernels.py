@@ -235,6 +235,43 @@ def test_a_requests_verified_rows_equal_each_row_alone(isa, pool_dtype, q_dtype,
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pool_dtype, q_dtype", [(torch.float32,) * 2, (BF16,) * 2, (BF16, None)])
+def test_requests_sharing_a_cached_prefix_equal_each_alone(isa, pool_dtype, q_dtype):
+    """Requests whose first slots are one cached prefix (a system prompt) are attended
+    together by the AVX-512 kernel, that prefix's K/V read once for all of them: each
+    request's output has the same bits as alone, whatever the batch's order; and it
+    matches softmax(q K^T) V over its own slots."""
+    kernel = decode_attention_kernel(isa=isa)
+    gen = torch.Generator().manual_seed(11)
+    k_pool, v_pool = (torch.randn(14000, 3, 64, generator=gen).to(pool_dtype) for _ in range(2))
+    prefixes = [torch.arange(0, 150), torch.arange(150, 450), torch.arange(450, 514)]
+    lens = torch.randint(310, 700, (19,), generator=gen).tolist()
+    lens[17:] = [40, 160]  # one shorter than the grouping asks; one 10 past its prefix
+    table = torch.zeros(19, 720, dtype=torch.int64)
+    free = 600
+    for i, n in enumerate(lens):
+        shared = prefixes[i % 3][:n]
+        own = n - len(shared)
+        table[i, : len(shared)] = torch.as_tensor(shared, dtype=torch.int64)
+        table[i, len(shared) : n] = torch.arange(free, free + own)
+        free += own
+    rows = torch.randperm(19, generator=gen)  # sharers scattered over the batch
+    seq_lens = torch.tensor(lens)[rows]
+    q = torch.randn(19, 9, 64, generator=gen).to(q_dtype or torch.float32)
+    together = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125)
+    for i in range(19):
+        alone = kernel(q[i : i + 1], k_pool, v_pool, table, rows[i : i + 1], seq_lens[i : i + 1], 0.125)
+        assert torch.equal(together[i : i + 1], alone), i
+        slots = table[rows[i], : seq_lens[i]]
+        keys = k_pool[slots].float().repeat_interleave(3, dim=1)
+        values = v_pool[slots].float().repeat_interleave(3, dim=1)
+        probs = (torch.einsum("hd,shd->hs", q[i].float(), keys) * 0.125).softmax(-1)
+        expected = torch.einsum("hs,shd->hd", probs, values).reshape(-1)
+        tolerance = 1e-5 if q.dtype == torch.float32 and pool_dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(together[i].float(), expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     """Jump-forward makes extend batches of one-token rows beside longer rows: the one-token
     rows go to the kernel, the others to SDPA; the result equals the torch path's."""

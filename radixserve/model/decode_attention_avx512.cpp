@@ -14,6 +14,7 @@
 // - the softmax and the weighted sum of V in fp32, 16 lanes (V widened in registers).
 // - kv_dtype code 4 is code 3 with the query and the output in bf16 (the model's own
 //   tensors, no widened copies): the output rounded to nearest even, as torch rounds.
+// - requests sharing a cached prefix are attended together (kMinShared below).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -35,7 +36,7 @@ namespace {
 using simd512::exp16;
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
-// A task attends the queries of up to kMaxRows consecutive rows of one request at once (a
+// A task attends the queries of up to kMaxRows rows of one request at once (a
 // decode step's token and its drafted tokens, verified in one pass: speculative decoding),
 // so that each K and V row is loaded once for all of them rather than once per row. Each
 // query's sums run in the same order as alone: bit-identical to one row at a time. AMD EPYC
@@ -44,6 +45,16 @@ constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers a
 // 4 requests with 4 fp32 19.7 -> 16.0, bf16 14.3 -> 11.9; 16 requests with 2 fp32 57.3 ->
 // 39.4, bf16 33.6 -> 27.8; plain decode steps unchanged (16 requests fp32 ~23, bf16 ~14).
 constexpr int64_t kMaxRows = 16;
+// Rows of different requests whose first kMinShared slots are the same (a cached prefix:
+// the requests of one system prompt) are attended together too (decode_pieces.h): the
+// prefix's K and V rows loaded once for all their queries, each row's own positions after
+// it on their own, each query's sums in the same order as alone: bit-identical. AMD EPYC
+// Zen 4, SmolLM2 fp32, 30 layers, a decode step of 16 requests, K/V from memory, ms apart
+// -> together (medians of 10, alternated, two runs): 2 prefixes of 512 and 48 positions
+// each past them 11.1-9.9 -> 9.1-8.1; 4 such prefixes 13.3-11.6 -> 10.8-9.4; 8 (two
+// requests each) 18.8-16.2 -> 12.9-13.5; 4 prefixes of 256 and 300 past them 16.8-14.9 ->
+// 15.2-15.1; nothing shared 22.0-22.5 -> 22.3-22.2.
+constexpr int64_t kMinShared = 64;
 // Rows are prefetched kFar positions ahead into L2 (the AMX build's q . k also kAhead
 // ahead into L1). AMD EPYC Zen 4, SmolLM2 bf16 (3 KV heads: a head's 128-byte row every 384
 // bytes), 30 layers, 16 requests of 544 positions, K/V from memory, ms (medians of 12,
@@ -119,50 +130,94 @@ struct Bf16Dot {
     }
 };
 
-// One task's queries: query i is head i % group of the task's KV head in its row i / group;
-// its fp32 values at q + row * row_stride + head * dim (null with bf16 io), its bf16 pairs
-// (Bf16Dot) at q_bf16 + i * dim, its output at out + row * row_stride + head * dim, and it
-// attends positions [0, lens[row]) of the slots (the rows' lengths differ by their drafted
-// tokens). Each query's scores are `stride` apart.
+// One task's queries: query i is head i % group of the task's KV head in its piece row
+// r = i / group, batch row batch_rows[r]; its fp32 values at q + batch_rows[r] * row_stride +
+// head * dim (null with bf16 io), its bf16 pairs (Bf16Dot) at q_bf16 + i * dim, its output
+// at out + the same offset, and it attends positions [0, lens[r]) of slots[r] (the rows'
+// lengths differ: drafted tokens, other requests). Below `shared` every row's slots are
+// slots[count / group - 1]'s (the longest row's): one request's rows, or requests sharing a
+// cached prefix, whose K and V rows there are read once for all. Each query's scores are
+// `stride` apart.
 struct Queries {
     const float* q;
     const uint16_t* q_bf16;
     const int64_t* lens;
-    int64_t count, group, row_stride, dim, stride;
-    int64_t offset(int64_t i) const { return i / group * row_stride + i % group * dim; }
+    const int64_t* batch_rows;
+    const int64_t* const* slots;
+    int64_t count, group, row_stride, dim, stride, shared;
+    int64_t offset(int64_t i) const { return batch_rows[i / group] * row_stride + i % group * dim; }
     int64_t len(int64_t i) const { return lens[i / group]; }
-    int64_t longest() const { return lens[(count - 1) / group]; }  // rows in increasing length
+    int64_t rows() const { return count / group; }
+    int64_t longest() const { return lens[rows() - 1]; }  // rows in increasing length
+    const int64_t* common() const { return slots[rows() - 1]; }
 };
 
-// scores[i * stride + s] = q_i . k(s) * scale for s < len(i), 16 positions per pass, the
-// rows ahead prefetched.
+// The K or V row of position s of piece row r, read kFar positions ahead: past the row's
+// end the stream goes on at the next row's position `start` (the rows' own positions one
+// row after the other), or null past the last row's.
+template <typename T>
+inline const T* ahead_of(const Queries& qs, const T* pool, int64_t kv_heads, int64_t kh,
+                         int64_t r, int64_t s, int64_t start) {
+    s += kFar;
+    while (r < qs.rows() && s >= qs.lens[r]) s = s - qs.lens[r] + start, r++;
+    return r < qs.rows() ? pool + (qs.slots[r][s] * kv_heads + kh) * qs.dim : nullptr;
+}
+
+// The products of queries [first, end) with the 16 positions from s0 whose K rows are at k.
 template <typename Kv, typename Dot>
-void scores_of(const Queries& qs, const typename Kv::T* k_pool, const int64_t* slots,
-               int64_t kv_heads, int64_t kh, float scale, float* scores) {
+inline void scores16(const Queries& qs, const typename Kv::T* const* k, int64_t s0, int64_t first,
+                     int64_t end, __m512 vscale, float* scores) {
+    const int64_t dim = qs.dim;
+    for (int64_t i = first; i < end; i++) {
+        const int64_t m = qs.len(i) - s0 < 16 ? qs.len(i) - s0 : 16;  // this query's
+        if (m <= 0) continue;
+        const float* q = qs.q ? qs.q + qs.offset(i) : nullptr;
+        const uint16_t* q16 = qs.q_bf16 + i * dim;
+        // one register of the query against the 16 positions' values at a time, so each
+        // product takes one load, not two (the loads bound this pass: a Zen 4 takes one
+        // 512-bit load a cycle); each position's sum in the same order as before
+        __m512 acc[16];
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += Dot::kLanes) {
+            const __m512 qv = Dot::load_q(q, q16, d);
+            for (int t = 0; t < 16; t++) acc[t] = Dot::template step<Kv>(acc[t], qv, k[t] + d);
+        }
+        __m512 sums = _mm512_mul_ps(hsum16(acc), vscale);
+        _mm512_mask_storeu_ps(scores + i * qs.stride + s0, (__mmask16)((1u << m) - 1), sums);
+    }
+}
+
+// scores[i * stride + s] = q_i . k(s) * scale for s < len(i), 16 positions per pass, the
+// rows ahead prefetched: the blocks below `shared` for every query at once, then each
+// row's blocks past them for its queries (the same products, block by block, as alone).
+template <typename Kv, typename Dot>
+void scores_of(const Queries& qs, const typename Kv::T* k_pool, int64_t kv_heads, int64_t kh,
+               float scale, float* scores) {
+    using T = typename Kv::T;
     const __m512 vscale = _mm512_set1_ps(scale);
-    const int64_t len = qs.longest(), dim = qs.dim;
-    for (int64_t s0 = 0; s0 < len; s0 += 16) {
-        const int64_t n = len - s0 < 16 ? len - s0 : 16;
-        for (int64_t s = s0 + kFar; s < len && s < s0 + kFar + 16; s++)
-            prefetch_row_l2(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
-        const typename Kv::T* k[16];
-        for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
-        for (int64_t i = 0; i < qs.count; i++) {
-            const int64_t m = qs.len(i) - s0 < 16 ? qs.len(i) - s0 : 16;  // this query's
-            if (m <= 0) continue;
-            const float* q = qs.q ? qs.q + qs.offset(i) : nullptr;
-            const uint16_t* q16 = qs.q_bf16 + i * dim;
-            // one register of the query against the 16 positions' values at a time, so each
-            // product takes one load, not two (the loads bound this pass: a Zen 4 takes one
-            // 512-bit load a cycle); each position's sum in the same order as before
-            __m512 acc[16];
-            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; d += Dot::kLanes) {
-                const __m512 qv = Dot::load_q(q, q16, d);
-                for (int t = 0; t < 16; t++) acc[t] = Dot::template step<Kv>(acc[t], qv, k[t] + d);
-            }
-            __m512 sums = _mm512_mul_ps(hsum16(acc), vscale);
-            _mm512_mask_storeu_ps(scores + i * qs.stride + s0, (__mmask16)((1u << m) - 1), sums);
+    const int64_t longest = qs.longest(), dim = qs.dim, rows = qs.rows();
+    const int64_t split = longest <= qs.shared ? longest : qs.shared / 16 * 16;
+    const int64_t* common = qs.common();
+    const T* k[16];
+    for (int64_t s0 = 0; s0 < split; s0 += 16) {
+        for (int64_t s = s0 + kFar; s < s0 + kFar + 16; s++) {
+            const T* row = s < split ? k_pool + (common[s] * kv_heads + kh) * dim
+                                     : ahead_of(qs, k_pool, kv_heads, kh, 0, s - kFar, split);
+            if (row) prefetch_row_l2(row, dim);
+        }
+        const int64_t n = split - s0 < 16 ? split - s0 : 16;
+        for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (common[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
+        scores16<Kv, Dot>(qs, k, s0, 0, qs.count, vscale, scores);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = qs.lens[r];
+        const int64_t* slots = qs.slots[r];
+        for (int64_t s0 = split; s0 < len; s0 += 16) {
+            for (int64_t s = s0; s < s0 + 16; s++)
+                if (const T* row = ahead_of(qs, k_pool, kv_heads, kh, r, s, split)) prefetch_row_l2(row, dim);
+            const int64_t n = len - s0 < 16 ? len - s0 : 16;
+            for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
+            scores16<Kv, Dot>(qs, k, s0, r * qs.group, (r + 1) * qs.group, vscale, scores);
         }
     }
 }
@@ -269,20 +324,28 @@ void softmax(float* row, int64_t len) {
 
 // out_i = sum_{s < len(i)} p[i * stride + s] * v(s) for queries first..first+count-1
 // (count <= kMaxGroup), 32 dims per pass with every query's accumulators in registers, in
-// the order of s; the first pass prefetches whole rows ahead. out_i at out + offset(i), or
-// with `packed` at out + i * dim.
+// the order of s: below `shared` one V row serves them all; past it each query reads its
+// row's own. The first pass prefetches whole rows ahead. out_i at out + offset(i), or with
+// `packed` at out + i * dim.
 template <typename Kv>
 void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t count,
-                     const typename Kv::T* v_pool, const int64_t* slots, int64_t kv_heads,
-                     int64_t kh, float* out, bool packed) {
+                     const typename Kv::T* v_pool, int64_t kv_heads, int64_t kh, float* out,
+                     bool packed) {
     const int64_t dim = qs.dim, stride = qs.stride;
     const int64_t shortest = qs.len(first), len = qs.len(first + count - 1);
+    const int64_t common = len < qs.shared ? len : qs.shared;
+    const int64_t* slots = qs.common();
     for (int64_t d = 0; d < dim; d += 32) {
         __m512 acc[kMaxGroup][2];
         for (int64_t g = 0; g < count; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
         const float* pg = p + first * stride;
-        for (int64_t s = 0; s < len; s++) {
-            if (d == 0 && s + kFar < len) prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
+        const int64_t first_row = first / qs.group;
+        for (int64_t s = 0; s < common; s++) {
+            if (d == 0 && s + kFar < common) {
+                prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
+            } else if (d == 0) {  // then the rows' own ones
+                if (const auto* row = ahead_of(qs, v_pool, kv_heads, kh, first_row, s, common)) prefetch_row_l2(row, dim);
+            }
             const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
             for (int64_t g = 0; g < count; g++) {
@@ -291,6 +354,24 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
                 acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
                 acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
             }
+        }
+        // past it, a row at a time: its queries among these (consecutive), its own V rows
+        for (int64_t g0 = 0; g0 < count;) {
+            const int64_t r = (first + g0) / qs.group;
+            const int64_t g1 = std::min(count, (r + 1) * qs.group - first), row_len = qs.lens[r];
+            const int64_t* own = qs.slots[r];
+            for (int64_t s = common; s < row_len; s++) {
+                if (d == 0)
+                    if (const auto* row = ahead_of(qs, v_pool, kv_heads, kh, r, s, common)) prefetch_row_l2(row, dim);
+                const typename Kv::T* v = v_pool + (own[s] * kv_heads + kh) * dim + d;
+                __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
+                for (int64_t g = g0; g < g1; g++) {
+                    __m512 w = _mm512_set1_ps(pg[g * stride + s]);
+                    acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+                    acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+                }
+            }
+            g0 = g1;
         }
         for (int64_t g = 0; g < count; g++) {
             float* o = out + (packed ? (first + g) * dim : qs.offset(first + g));
@@ -319,8 +400,9 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
 #endif
     // the AMX tile path takes one row's heads at a time
     const int64_t max_rows = amx ? 1 : std::min(kMaxRows, (int64_t)(16 * kMaxGroup) / group);
-    const auto pieces = decode_pieces::of(rows, seq_lens, batch, window, max_rows, kv_heads, num_threads);
-    const int64_t count = pieces.size();
+    const auto plan = decode_pieces::plan(table, table_stride, rows, seq_lens, batch, window, max_rows,
+                                          kv_heads, num_threads, kMinShared);
+    const int64_t count = plan.pieces.size();
     // One task per piece when there are enough of them: its KV heads one after the other
     // on one core, so the rows the first head's pass brings in (a position's heads lie side
     // by side in the pool) serve the others from that core's cache. Else one per (piece,
@@ -333,25 +415,30 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
         std::vector<uint16_t> q_bf16;  // (Q, D): the queries as bf16 (Bf16Dot)
         std::vector<float> out32;      // (Q, D): the outputs before rounding (bf16 io)
         int64_t lens[kMaxRows];
+        const int64_t* slots[kMaxRows];
 #ifdef __AMX_BF16__
         alignas(64) uint16_t b_tiles[kAmxMaxDim / 32 * 512], k_rows[16 * kAmxMaxDim];
         if (amx) amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const auto [b0, nrows] = pieces[task * heads_per_task / kv_heads];
+            const decode_pieces::Piece& piece = plan.pieces[task * heads_per_task / kv_heads];
+            const int64_t* batch_rows = plan.order.data() + piece.first;
+            const int64_t nrows = piece.rows, b0 = batch_rows[0];
             const int64_t first_kh = task * heads_per_task % kv_heads;
             // a piece of several rows has no window: each attends from position 0
             const int64_t first_pos = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
-            for (int64_t r = 0; r < nrows; r++) lens[r] = seq_lens[b0 + r] - first_pos;
-            const int64_t* slots = table + rows[b0] * table_stride + first_pos;
+            for (int64_t r = 0; r < nrows; r++) {
+                lens[r] = seq_lens[batch_rows[r]] - first_pos;
+                slots[r] = table + rows[batch_rows[r]] * table_stride + first_pos;
+            }
             const int64_t nq = nrows * group, stride = lens[nrows - 1];
             for (int64_t kh = first_kh; kh < first_kh + heads_per_task; kh++) {
-                const int64_t first = (b0 * heads + kh * group) * dim;  // row 0's head 0
+                const int64_t first = kh * group * dim;  // head 0 of the KV head's queries
                 scores.resize(nq * stride);
                 q_bf16.resize(nq * dim);  // sized either way: Queries points into it
                 for (int64_t r = 0; r < nrows; r++) {
-                    const int64_t at = first + r * heads * dim;
+                    const int64_t at = batch_rows[r] * heads * dim + first;
                     uint16_t* dst = q_bf16.data() + r * group * dim;
                     if (bf16_io) {
                         __builtin_memcpy(dst, (const uint16_t*)q_ + at, group * dim * 2);
@@ -364,16 +451,16 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
                         }
                     }
                 }
-                const Queries qs{bf16_io ? nullptr : q + first, q_bf16.data(), lens, nq, group,
-                                 heads * dim, dim, stride};
+                const Queries qs{bf16_io ? nullptr : q + first, q_bf16.data(), lens, batch_rows, slots,
+                                 nq, group, heads * dim, dim, stride, piece.shared - first_pos};
 #ifdef __AMX_BF16__
                 if (amx) {
                     amx_query_tiles(q_bf16.data(), group, dim, b_tiles);
-                    scores_amx(b_tiles, (const uint16_t*)k_pool, slots, stride, group, kv_heads, kh,
+                    scores_amx(b_tiles, (const uint16_t*)k_pool, slots[0], stride, group, kv_heads, kh,
                                dim, scale, scores.data(), k_rows);
                 } else
 #endif
-                scores_of<Kv, Dot>(qs, k_pool, slots, kv_heads, kh, scale, scores.data());
+                scores_of<Kv, Dot>(qs, k_pool, kv_heads, kh, scale, scores.data());
                 for (int64_t i = 0; i < nq; i++) softmax(scores.data() + i * stride, qs.len(i));
                 float* dst = out + first;
                 if (bf16_io) {
@@ -382,7 +469,7 @@ void attend(const void* q_, const void* k_pool_, const void* v_pool_, const int6
                 }
                 for (int64_t i = 0; i < nq; i += kMaxGroup)
                     weighted_values<Kv>(scores.data(), qs, i, std::min(kMaxGroup, nq - i), v_pool,
-                                        slots, kv_heads, kh, dst, bf16_io);
+                                        kv_heads, kh, dst, bf16_io);
                 if (bf16_io) {
                     for (int64_t i = 0; i < nq; i++) {
                         uint16_t* o = (uint16_t*)out_ + first + qs.offset(i);

@@ -44,4 +44,82 @@ inline std::vector<std::pair<int64_t, int64_t>> of(const int64_t* rows, const in
     return pieces;
 }
 
+// A piece whose rows may belong to different requests (decode_attention_avx512.cpp): its
+// rows are order[first .. first + rows), by increasing length, and every row reads the same
+// slots as the longest one at positions [0, shared) (below its own length).
+struct Piece {
+    int64_t first, rows, shared;
+};
+
+struct Plan {
+    std::vector<int64_t> order;  // batch rows, each piece's consecutive
+    std::vector<Piece> pieces;
+};
+
+// Leading positions where table rows a and b hold the same slots, below `len`.
+inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
+    if (a == b) return len;
+    int64_t s = 0;
+    while (s < len && a[s] == b[s]) s++;
+    return s;
+}
+
+// As `of`, and rows of different requests that share at least `min_shared` leading slots
+// (a prefix cached once: the requests of a shared system prompt) join one piece too, so
+// that its K and V are read once for all of their queries. Rows are matched on their first
+// slot (sorted by it), then on their first min_shared slots; a piece's `shared` is the
+// prefix every row holds in common with its longest row. Not under a sliding window.
+inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows,
+                 const int64_t* seq_lens, int64_t batch, int64_t window, int64_t max_rows,
+                 int64_t kv_heads, int64_t threads, int64_t min_shared) {
+    Plan plan;
+    auto slots = [&](int64_t b) { return table + rows[b] * table_stride; };
+    plan.order.resize(batch);
+    for (int64_t b = 0; b < batch; b++) plan.order[b] = b;
+    const bool grouping = window == 0 && max_rows > 1;
+    if (grouping)  // rows that may share a prefix side by side (a request's rows stay in order)
+        std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t x, int64_t y) {
+            const bool long_x = seq_lens[x] >= min_shared, long_y = seq_lens[y] >= min_shared;
+            if (long_x != long_y) return long_x;
+            return long_x && slots(x)[0] < slots(y)[0];
+        });
+    for (int64_t i = 0; i < batch;) {
+        const int64_t head = plan.order[i];
+        int64_t j = i + 1;
+        while (grouping && j < batch && j - i < max_rows) {
+            const int64_t b = plan.order[j];
+            const bool same_request = rows[b] == rows[head];
+            const int64_t need = std::min(min_shared, std::min(seq_lens[b], seq_lens[head]));
+            if (!same_request && (need < min_shared || same_slots(slots(b), slots(head), need) < need))
+                break;
+            j++;
+        }
+        const auto first = plan.order.begin() + i, last = plan.order.begin() + j;
+        std::stable_sort(first, last, [&](int64_t x, int64_t y) { return seq_lens[x] < seq_lens[y]; });
+        const int64_t longest = *(last - 1);
+        int64_t shared = seq_lens[longest];
+        for (auto it = first; it != last - 1; it++) {
+            const int64_t len = seq_lens[*it];
+            const int64_t same = same_slots(slots(*it), slots(longest), len);
+            if (same < len) shared = std::min(shared, same);
+        }
+        plan.pieces.push_back({i, j - i, shared});
+        i = j;
+    }
+    while ((int64_t)plan.pieces.size() * kv_heads < 2 * threads) {
+        auto most = std::max_element(plan.pieces.begin(), plan.pieces.end(),
+                                     [](const Piece& a, const Piece& b) { return a.rows < b.rows; });
+        if (most->rows < 2) break;
+        const int64_t half = most->rows / 2;
+        const int64_t longest_first = plan.order[most->first + half - 1];
+        // the first half's longest row shares at least what every row shared with the
+        // longest of all, below its own length
+        const Piece rest{most->first + half, most->rows - half, most->shared};
+        most->rows = half;
+        most->shared = std::min(most->shared, seq_lens[longest_first]);
+        plan.pieces.insert(most + 1, rest);
+    }
+    return plan;
+}
+
 }  // namespace decode_pieces
