@@ -260,7 +260,8 @@ def test_requests_sharing_a_cached_prefix_equal_each_alone(isa, pool_dtype, q_dt
     q = torch.randn(19, 9, 64, generator=gen).to(q_dtype or torch.float32)
     together = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125)
     for i in range(19):
-        alone = kernel(q[i : i + 1], k_pool, v_pool, table, rows[i : i + 1], seq_lens[i : i + 1], 0.125)
+        one = slice(i, i + 1)
+        alone = kernel(q[one], k_pool, v_pool, table, rows[one], seq_lens[one], 0.125)
         assert torch.equal(together[i : i + 1], alone), i
         slots = table[rows[i], : seq_lens[i]]
         keys = k_pool[slots].float().repeat_interleave(3, dim=1)
