@@ -248,7 +248,9 @@ AVX512_BF16_ROWS = 128
 # fidelity suite past its bar, see PACKED_LINEAR): MKL -> kernel, same CPU, 2 threads, ms,
 # 544 rows: 2.01 -> 1.66 (576 x 576), 6.16 -> 4.64 (1536 x 576), 5.54 -> 4.71 (576 x 1536),
 # i.e. 156-179 -> 204-217 GFLOP/s; a 544-token prefill of SmolLM2 through the runner, medians
-# of 20 alternated: 584-638 -> 735-781 tok/s.
+# of 20 alternated: 584-638 -> 735-781 tok/s. With each thread's next group of weights
+# fetched into L2 while it works on a group: all 30 layers + the LM head at 16 rows 29.6-34.0
+# -> 24.8-25.7 ms, at 8 rows 23.6 -> 20.2 (fp32_linear_avx512.cpp).
 FP32_BLOCKED_ROWS = 64
 
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
