@@ -203,15 +203,17 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
     const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
     const int64_t group = heads / kv_heads;
-    const auto pieces = decode_pieces::of(rows, seq_lens, batch, window, kMaxRows, kv_heads, num_threads);
-    const int64_t tasks = pieces.size() * kv_heads;
+    // one request's rows a piece: consecutive batch rows (the plan's order is the batch's)
+    const auto plan = decode_pieces::plan(table, table_stride, rows, seq_lens, batch, window, kMaxRows,
+                                          kv_heads, num_threads, decode_pieces::kOwnRowsOnly);
+    const int64_t tasks = plan.pieces.size() * kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores;  // (Q, S) of the current task
         int64_t lens[kMaxRows];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const auto [b0, nrows] = pieces[task / kv_heads];
+            const int64_t b0 = plan.pieces[task / kv_heads].first, nrows = plan.pieces[task / kv_heads].rows;
             const int64_t kh = task % kv_heads;
             // a piece of several rows has no window: each attends from position 0
             const int64_t first_pos = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;

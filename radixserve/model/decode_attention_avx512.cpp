@@ -53,7 +53,7 @@ constexpr int64_t kMaxRows = 16;
 // -> together (medians of 10, alternated, two runs): 2 prefixes of 512 and 48 positions
 // each past them 11.1-9.9 -> 9.1-8.1; 4 such prefixes 13.3-11.6 -> 10.8-9.4; 8 (two
 // requests each) 18.8-16.2 -> 12.9-13.5; 4 prefixes of 256 and 300 past them 16.8-14.9 ->
-// 15.2-15.1; nothing shared 22.0-22.5 -> 22.3-22.2. (The AVX2 build, decode_attention.cpp,
+// 15.2-15.1 (a third run: 16.8 -> 17.7); nothing shared 22.0-22.5 -> 22.3-22.2. (The AVX2 build, decode_attention.cpp,
 // keeps one request per piece: the same change there measured 0.90-1.17x on this CPU.)
 constexpr int64_t kMinShared = 64;
 // Rows are prefetched kFar positions ahead into L2 (the AMX build's q . k also kAhead
@@ -153,13 +153,12 @@ struct Queries {
     const int64_t* common() const { return slots[rows() - 1]; }
 };
 
-// The K or V row of position s of piece row r, read kFar positions ahead: past the row's
-// end the stream goes on at the next row's position `start` (the rows' own positions one
-// row after the other), or null past the last row's.
+// The K or V row at position s of the stream of the piece's own positions from row r on
+// (each row's positions from `start` to its length, one row after the other), or null past
+// the last row's: what to prefetch kFar positions ahead past the shared prefix.
 template <typename T>
-inline const T* ahead_of(const Queries& qs, const T* pool, int64_t kv_heads, int64_t kh,
-                         int64_t r, int64_t s, int64_t start) {
-    s += kFar;
+inline const T* stream_row(const Queries& qs, const T* pool, int64_t kv_heads, int64_t kh,
+                           int64_t r, int64_t s, int64_t start) {
     while (r < qs.rows() && s >= qs.lens[r]) s = s - qs.lens[r] + start, r++;
     return r < qs.rows() ? pool + (qs.slots[r][s] * kv_heads + kh) * qs.dim : nullptr;
 }
@@ -203,7 +202,7 @@ void scores_of(const Queries& qs, const typename Kv::T* k_pool, int64_t kv_heads
     for (int64_t s0 = 0; s0 < split; s0 += 16) {
         for (int64_t s = s0 + kFar; s < s0 + kFar + 16; s++) {
             const T* row = s < split ? k_pool + (common[s] * kv_heads + kh) * dim
-                                     : ahead_of(qs, k_pool, kv_heads, kh, 0, s - kFar, split);
+                                     : stream_row(qs, k_pool, kv_heads, kh, 0, s, split);
             if (row) prefetch_row_l2(row, dim);
         }
         const int64_t n = split - s0 < 16 ? split - s0 : 16;
@@ -215,7 +214,7 @@ void scores_of(const Queries& qs, const typename Kv::T* k_pool, int64_t kv_heads
         const int64_t* slots = qs.slots[r];
         for (int64_t s0 = split; s0 < len; s0 += 16) {
             for (int64_t s = s0; s < s0 + 16; s++)
-                if (const T* row = ahead_of(qs, k_pool, kv_heads, kh, r, s, split)) prefetch_row_l2(row, dim);
+                if (const T* row = stream_row(qs, k_pool, kv_heads, kh, r, s + kFar, split)) prefetch_row_l2(row, dim);
             const int64_t n = len - s0 < 16 ? len - s0 : 16;
             for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
             scores16<Kv, Dot>(qs, k, s0, r * qs.group, (r + 1) * qs.group, vscale, scores);
@@ -334,18 +333,17 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
                      bool packed) {
     const int64_t dim = qs.dim, stride = qs.stride;
     const int64_t shortest = qs.len(first), len = qs.len(first + count - 1);
-    const int64_t common = len < qs.shared ? len : qs.shared;
+    const int64_t common = len < qs.shared ? len : qs.shared, first_row = first / qs.group;
     const int64_t* slots = qs.common();
     for (int64_t d = 0; d < dim; d += 32) {
         __m512 acc[kMaxGroup][2];
         for (int64_t g = 0; g < count; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
         const float* pg = p + first * stride;
-        const int64_t first_row = first / qs.group;
         for (int64_t s = 0; s < common; s++) {
             if (d == 0 && s + kFar < common) {
                 prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
             } else if (d == 0) {  // then the rows' own ones
-                if (const auto* row = ahead_of(qs, v_pool, kv_heads, kh, first_row, s, common)) prefetch_row_l2(row, dim);
+                if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, first_row, s + kFar, common)) prefetch_row_l2(row, dim);
             }
             const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
@@ -363,7 +361,7 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
             const int64_t* own = qs.slots[r];
             for (int64_t s = common; s < row_len; s++) {
                 if (d == 0)
-                    if (const auto* row = ahead_of(qs, v_pool, kv_heads, kh, r, s, common)) prefetch_row_l2(row, dim);
+                    if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, r, s + kFar, common)) prefetch_row_l2(row, dim);
                 const typename Kv::T* v = v_pool + (own[s] * kv_heads + kh) * dim + d;
                 __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
                 for (int64_t g = g0; g < g1; g++) {

@@ -5,48 +5,13 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <utility>
 #include <vector>
 
 namespace decode_pieces {
 
-// Runs of consecutive rows of one request (the same table row, lengths not decreasing: a
-// decode step's token and its drafted tokens, verified in one pass) of at most max_rows,
-// never under a sliding window; then the pieces with most rows halved while pieces x KV
-// heads leave a thread without two tasks (one request's verified draft must still keep
-// every thread busy). (first row, rows) each.
-inline std::vector<std::pair<int64_t, int64_t>> of(const int64_t* rows, const int64_t* seq_lens,
-                                                   int64_t batch, int64_t window,
-                                                   int64_t max_rows, int64_t kv_heads,
-                                                   int64_t threads) {
-    std::vector<std::pair<int64_t, int64_t>> pieces;
-    for (int64_t b = 0; b < batch; b++) {
-        if (!pieces.empty()) {
-            auto& last = pieces.back();
-            const int64_t prev = last.first + last.second - 1;
-            if (window == 0 && last.second < max_rows && rows[b] == rows[prev] &&
-                seq_lens[b] >= seq_lens[prev]) {
-                last.second++;
-                continue;
-            }
-        }
-        pieces.push_back({b, 1});
-    }
-    while ((int64_t)pieces.size() * kv_heads < 2 * threads) {
-        auto most = std::max_element(pieces.begin(), pieces.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
-        if (most->second < 2) break;
-        const int64_t half = most->second / 2;
-        const std::pair<int64_t, int64_t> rest{most->first + half, most->second - half};
-        most->second = half;
-        pieces.insert(most + 1, rest);
-    }
-    return pieces;
-}
-
-// A piece whose rows may belong to different requests (decode_attention_avx512.cpp): its
-// rows are order[first .. first + rows), by increasing length, and every row reads the same
-// slots as the longest one at positions [0, shared) (below its own length).
+// A piece: the rows order[first .. first + rows) of a plan, by increasing length, attended by
+// one task; below `shared` (and below its own length) every row reads the slots of the
+// piece's longest row.
 struct Piece {
     int64_t first, rows, shared;
 };
@@ -56,6 +21,9 @@ struct Plan {
     std::vector<Piece> pieces;
 };
 
+// `min_shared` meaning: rows of different requests are never attended together.
+constexpr int64_t kOwnRowsOnly = INT64_MAX;
+
 // Leading positions where table rows a and b hold the same slots, below `len`.
 inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
     if (a == b) return len;
@@ -64,11 +32,17 @@ inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
     return s;
 }
 
-// As `of`, and rows of different requests that share at least `min_shared` leading slots
-// (a prefix cached once: the requests of a shared system prompt) join one piece too, so
-// that its K and V are read once for all of their queries. Rows are matched on their first
-// slot (sorted by it), then on their first min_shared slots; a piece's `shared` is the
-// prefix every row holds in common with its longest row. Not under a sliding window.
+// The batch cut into pieces of at most max_rows rows, never under a sliding window:
+// - runs of rows of one request (the same table row, lengths not decreasing: a decode
+//   step's token and its drafted tokens, verified in one pass);
+// - with `min_shared` < kOwnRowsOnly, rows of different requests whose first min_shared
+//   slots are the same (a prefix cached once: the requests of one system prompt) too, so
+//   that its K and V are read once for all their queries: rows are sorted by their first
+//   slot (a request's own rows keep their order), then matched on their first min_shared
+//   slots; a piece's `shared` is then the prefix every row holds in common with its
+//   longest row. Per call: a sort of the batch and one pass over each grouped row's slots.
+// Then the pieces with most rows are halved while pieces x KV heads leave a thread without
+// two tasks (one request's verified draft must still keep every thread busy).
 inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows,
                  const int64_t* seq_lens, int64_t batch, int64_t window, int64_t max_rows,
                  int64_t kv_heads, int64_t threads, int64_t min_shared) {
@@ -77,7 +51,8 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
     plan.order.resize(batch);
     for (int64_t b = 0; b < batch; b++) plan.order[b] = b;
     const bool grouping = window == 0 && max_rows > 1;
-    if (grouping)  // rows that may share a prefix side by side (a request's rows stay in order)
+    const bool across = grouping && min_shared != kOwnRowsOnly;
+    if (across)  // rows that may share a prefix side by side
         std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t x, int64_t y) {
             const bool long_x = seq_lens[x] >= min_shared, long_y = seq_lens[y] >= min_shared;
             if (long_x != long_y) return long_x;
@@ -86,13 +61,12 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
     for (int64_t i = 0; i < batch;) {
         const int64_t head = plan.order[i];
         int64_t j = i + 1;
-        while (grouping && j < batch && j - i < max_rows) {
-            const int64_t b = plan.order[j];
-            const bool same_request = rows[b] == rows[head];
-            const int64_t need = std::min(min_shared, std::min(seq_lens[b], seq_lens[head]));
-            if (!same_request && (need < min_shared || same_slots(slots(b), slots(head), need) < need))
+        for (; grouping && j < batch && j - i < max_rows; j++) {
+            const int64_t b = plan.order[j], prev = plan.order[j - 1];
+            if (rows[b] == rows[prev] && seq_lens[b] >= seq_lens[prev]) continue;  // its own
+            const int64_t need = across ? std::min(seq_lens[b], seq_lens[head]) : 0;
+            if (need < min_shared || same_slots(slots(b), slots(head), min_shared) < min_shared)
                 break;
-            j++;
         }
         const auto first = plan.order.begin() + i, last = plan.order.begin() + j;
         std::stable_sort(first, last, [&](int64_t x, int64_t y) { return seq_lens[x] < seq_lens[y]; });
@@ -111,12 +85,11 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
                                      [](const Piece& a, const Piece& b) { return a.rows < b.rows; });
         if (most->rows < 2) break;
         const int64_t half = most->rows / 2;
-        const int64_t longest_first = plan.order[most->first + half - 1];
         // the first half's longest row shares at least what every row shared with the
         // longest of all, below its own length
         const Piece rest{most->first + half, most->rows - half, most->shared};
         most->rows = half;
-        most->shared = std::min(most->shared, seq_lens[longest_first]);
+        most->shared = std::min(most->shared, seq_lens[plan.order[most->first + half - 1]]);
         plan.pieces.insert(most + 1, rest);
     }
     return plan;
