@@ -129,17 +129,16 @@ class CausalLM(nn.Module):
                 module.kernels = kernels
 
     def use_fused_ops(self, ops: FusedOps) -> None:
-        """RMSNorms, rotary embeddings and (bf16) SiLU gated MLPs through `fused_ops.cpp`
-        (Gemma's norms and GELU keep their torch ops). fp32 SiLU * up keeps torch's ops:
-        its e^x differs from torch's in the last place, which left SmolLM2's fp32 logits
-        1.001e-4 from transformers' in one fidelity test (over the 1e-4 bar, 8.6e-5 without
-        it; AMD EPYC Zen 4), for ~1 ms of a decode step."""
+        """RMSNorms, rotary embeddings and SiLU gated MLPs through `fused_ops.cpp` (Gemma's
+        norms and GELU keep their torch ops). SiLU's e^x there is torch's own (SLEEF's
+        expf_u10, simd_avx512.h): fp32 SiLU * up is torch's bit for bit (an e^x of our own,
+        off by an ulp here and there, had moved SmolLM2's fp32 logits to 1.001e-4 from
+        transformers' in one fidelity test, over the 1e-4 bar)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.fused = ops
             elif isinstance(module, GatedMLP) and module.act is F.silu:
-                if module.down_proj.weight.dtype == torch.bfloat16:
-                    module.fused = ops
+                module.fused = ops
 
     def use_blocked_linears(
         self, kernel: BlockedLinear, rows: PackedRows, exact_rows: PackedRows | None = None

@@ -37,6 +37,32 @@ inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// e^x for 8 lanes bit for bit as torch computes it for fp32 vectors (Vectorized<float>::exp:
+// SLEEF's expf_u10, 1 ulp): x = q ln2 + s with ln2 in two parts, e^s by a degree-7
+// polynomial, then 2^q in two halves (exact). Below -104 the result is 0, above 100
+// infinity. What SiLU uses where its output must be torch's (fp32 SiLU * up).
+inline __m256 exp8_torch(__m256 x) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.442695040888963407359924681f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), x);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i half = _mm256_srai_epi32(q, 1);
+    auto pow2 = [](__m256i e) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+    };
+    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2(half)), pow2(_mm256_sub_epi32(q, half)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    const __m256 inf = _mm256_set1_ps(__builtin_inff());
+    return _mm256_blendv_ps(u, inf, _mm256_cmp_ps(_mm256_set1_ps(100.0f), x, _CMP_LT_OQ));
+}
+
 // 8 bf16 values at p as fp32 lanes (bf16 is the top half of an fp32).
 inline __m256 load_bf16(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));

@@ -5,6 +5,7 @@ main process, each step's outputs to the detokenizer, replies and state to main.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 
@@ -92,6 +93,10 @@ def run_scheduler(
     # (the disk tier's queued page writes land) instead of dying mid-write
     signal.signal(signal.SIGTERM, transport.stop)
     to_main.send(Ready(f"scheduler{dp_rank}", scheduler.info))
+    # what start-up built (the model's modules, the tokenizer's tables) lives as long as the
+    # process: out of the collector's generations, so that its full collections during
+    # serving do not walk it again each time
+    gc.freeze()
     try:
         loop.run()
     except TensorParallelError as e:  # another rank died or hung: this replica is over
