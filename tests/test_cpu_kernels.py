@@ -280,6 +280,48 @@ def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens"),
+    [
+        ([10, 0, 33, 4, 20], [6, 3, 1, 1, 1]),  # a mixed step: prefill rows, then decode rows
+        ([10, 0, 33, 4], [1, 6, 1, 3]),  # a one-token extend among longer ones (jump-forward)
+    ],
+    ids=["stretches", "interleaved"],
+)
+def test_a_mixed_batch_attends_each_request_as_alone(isa, prefix_lens, extend_lens):
+    """A batch of one-token and longer rows is attended in two groups; put back together,
+    each request's output rows are what it gets attended alone, bit for bit (the decode
+    and extend kernels work per request)."""
+    inputs = {}
+    together, _ = attend_both_ways(
+        9, 3, 64, prefix_lens, extend_lens, inputs=inputs, isa=isa, extend_kernel=True
+    )
+    batch, q, k, v = (inputs[name] for name in ("batch", "q", "k", "v"))
+    backend = TorchNativeAttention(
+        *(inputs["pool"], inputs["table"], 64**-0.5, 9),
+        use_kernel=True,
+        kernel_isa=isa,
+        use_extend_kernel=True,
+    )
+    start = 0
+    for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens, strict=True)):
+        rows = slice(start, start + extend)
+        alone = ForwardBatch(
+            mode=ForwardMode.DECODE if extend == 1 else ForwardMode.EXTEND,
+            input_ids=torch.zeros(extend, dtype=torch.int64),
+            positions=torch.zeros(extend, dtype=torch.int64),
+            out_slots=batch.out_slots[rows],
+            req_rows=batch.req_rows[i : i + 1],
+            prefix_lens=[prefix],
+            extend_lens=[extend],
+            logits_indices=torch.zeros(1, dtype=torch.int64),
+        )
+        out = backend.forward(0, q[rows], k[rows], v[rows], backend.prepare(alone))
+        assert torch.equal(out, together[rows]), i
+        start += extend
+
+
 # the extend kernel's builds and the dtypes each takes: AVX2 fp32; AVX-512 fp32 and bf16
 EXTEND_BUILDS = [
     ("avx2", torch.float32),
