@@ -4,8 +4,10 @@ lost, and the padding slot is never allocated."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -165,3 +167,24 @@ def test_background_population_keeps_what_is_written_meanwhile():
     for layer in range(2):
         assert torch.equal(pool.k[layer][where], values)
         assert torch.equal(pool.v[layer][where], values * 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+def test_background_population_runs_on_idle_cpu_time_only():
+    """The thread that maps the pool's pages runs at SCHED_IDLE: serving never waits for
+    it (the server is ready before it ends)."""
+    slots = 512 * 2**20 // (64 * 4 * 2)  # 512 MiB in all: a second or two to map
+    pool = KVPool(slots, 2, 1, 64, torch.float32, "cpu", prefault=True)
+    thread = pool.populating
+    if thread is None:
+        pytest.skip("this kernel cannot map pages in the background (Linux 5.14+)")
+    policies = set()
+    while thread.is_alive():
+        try:
+            policies.add(os.sched_getscheduler(thread.native_id))
+        except OSError:  # it ended between the check and the call
+            break
+        time.sleep(0.005)  # leave the CPU idle: the thread runs only then
+    thread.join(timeout=60)
+    assert os.SCHED_IDLE in policies
+    assert policies <= {os.SCHED_IDLE, os.SCHED_OTHER}  # OTHER: before it lowered itself
