@@ -207,8 +207,9 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # passes. fp32 models take them too: they round as torch's fp32 ops do, but for the order of
 # the norm's sum (SiLU * up is torch's bit for bit: its e^x is torch's own, see
 # `CausalLM.use_fused_ops`); SiLU * up fused against torch's two ops, AMD EPYC Zen 4, fp32,
-# us per call (16 / 45 / 1,024 rows of 1,536): 24.3 -> 19.0, 40.1 -> 28.0, 1226 -> 561. AMD EPYC Zen 4, SmolLM2 fp32 decode steps (`bench
-# step-breakdown`, context 256, unprofiled ms, torch ops -> fused): 34.5 -> 30.0 at 1
+# us per call (16 / 45 / 1,024 rows of 1,536): 24.3 -> 19.0, 40.1 -> 28.0, 1226 -> 561.
+# AMD EPYC Zen 4, SmolLM2 fp32 decode steps (`bench step-breakdown`, context 256,
+# unprofiled ms, torch ops -> fused, before SiLU * up was): 34.5 -> 30.0 at 1
 # running, 70.4 -> 64.8 at 16, 239 -> 187 at 64; the fidelity suite passes. The AVX-512 build
 # (16 lanes) on CPUs with AVX-512 and AVX512-BF16, against the AVX2 one: SiLU * up 1.6-2.7x,
 # RMSNorm 1.3-1.6x, rotary 1.4-1.8x (figures in fused_ops.cpp).
