@@ -308,6 +308,10 @@ class KernelPlan:
     # AVX-512 build where decode_attention_isa says so), bf16 ones on CPUs with AVX-512 and
     # AVX512-BF16 (extend_attention_avx512.cpp) (see EXTEND_ATTENTION)
     extend_attention: bool = False
+    # a decode step's decoder layers driven from one C++ call (decode_layers.cpp) where
+    # every kernel of the step is one of the above: the same kernels in the same order,
+    # without ~300 Python calls a step (see DECODE_LAYERS)
+    decode_layers: bool = False
 
     @classmethod
     def choose(
@@ -351,6 +355,7 @@ class KernelPlan:
             fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
             blocked_rows=blocked_rows,
             blocked_isa=blocked_isa,
+            decode_layers=attention and on_x86 and fused_dtype,
             extend_attention=attention
             and dtype == kv_dtype
             and (dtype == torch.float32 or (wide and dtype == torch.bfloat16)),

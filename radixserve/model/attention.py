@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,19 @@ class TorchNativeMetadata:
     # longer than it (else those layers use `groups`: the window holds every key)
     window_groups: dict[int, list[AttentionGroup]] = field(default_factory=dict)
     window_out_slots: torch.Tensor | None = None  # (T,) hybrid window memory: window slots
+
+
+class DecodeView(NamedTuple):
+    """A plain decode step as the decode-attention kernel sees it (`decode_view`)."""
+
+    kernel: int  # the kernel's address
+    pool_k: list[torch.Tensor]  # per layer (N, KH, D)
+    pool_v: list[torch.Tensor]
+    slots: torch.Tensor  # (B,) where each row's K/V go
+    table: torch.Tensor  # the request→token table (R, C)
+    req_rows: torch.Tensor  # (B,) each row's request in the table
+    seq_lens: torch.Tensor  # (B,)
+    kv_code: int  # the kernel's dtype code for queries of the pool's dtype
 
 
 KERNEL_ISAS = ("amx", "avx512", "avx2")  # the decode kernel's builds, best first
@@ -321,6 +334,34 @@ class TorchNativeAttention:
             out.index_copy_(0, t, self._attend(layer, q[t], k[t], v[t], group))
         return out
 
+    def decode_view(self, meta: TorchNativeMetadata, dtype: torch.dtype) -> DecodeView | None:
+        """What `decode_layers.cpp` needs to write a decode step's K/V (of `dtype`, the
+        queries' too) and attend it in every layer as `forward` does, or None where
+        `forward` would do something else for this step (it is no plain decode step through
+        the decode kernel: a mixed or prefill batch, sliding windows, hybrid window memory,
+        K/V being loaded back, a pool of another dtype, queries the kernel converts)."""
+        kernel = self.decode_kernel
+        if kernel is None or meta.kv_loads or meta.window_groups or self.window_map is not None:
+            return None
+        if len(meta.groups) != 1 or any(self.windows):
+            return None
+        group = meta.groups[0]
+        if group.tokens is not None or group.kv_index is not None or group.window:
+            return None
+        if group.req_rows is None or group.seq_lens is None or group.decode_table is not None:
+            return None
+        pool_k, pool_v = self.kv_pool.k, self.kv_pool.v
+        if not all(t.is_contiguous() for t in (*pool_k, *pool_v)):
+            return None
+        code = kernel.io_code(dtype)
+        if code is None or pool_k[0].dtype != dtype:
+            return None
+        table = self.req_to_token.table
+        return DecodeView(
+            kernel.address, pool_k, pool_v, meta.out_slots.contiguous(), table,
+            group.req_rows.contiguous(), group.seq_lens.contiguous(), code,
+        )  # fmt: skip
+
     def _attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionGroup
     ) -> torch.Tensor:
@@ -453,6 +494,17 @@ class DecodeKernel(_AttentionLibrary):
         # the AVX-512 build reads a bf16 query and writes a bf16 output itself: two
         # conversions fewer per layer (torch ops of ~20 us each at 16 running)
         self.bf16_io = hasattr(library, "decode_attention_bf16_io")
+
+    @property
+    def address(self) -> int:
+        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
+
+    def io_code(self, dtype: torch.dtype) -> int | None:
+        """The kernel's dtype code for queries, pool and output all of `dtype`, taken and
+        written as they are; None where `__call__` would convert them."""
+        if dtype == torch.float32:
+            return KV_DTYPE_CODES[dtype]
+        return BF16_IO_CODE if dtype == torch.bfloat16 and self.bf16_io else None
 
     def __call__(
         self, q, k_pool, v_pool, table, rows, seq_lens, scale: float, window: int = 0

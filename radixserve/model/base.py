@@ -7,7 +7,7 @@ requests; attention goes through the backend, which owns the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ class CausalLM(nn.Module):
         self.lm_packed_rows = EVERY_ROW
         self.lm_blocked: BlockedLinear | None = None  # see use_blocked_linears
         self.lm_blocked_rows: PackedRows | None = None
+        # decode steps' decoder layers in one C++ call (decode_layers.py), where the model
+        # class runs it (Llama-family); None: layer by layer in Python
+        self.decode_layers: Callable[..., torch.Tensor | None] | None = None
 
     @property
     def attention_scale(self) -> float:

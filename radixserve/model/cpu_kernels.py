@@ -117,7 +117,12 @@ class LinearKernel:
         sizes = 3 if takes_rows else 2
         self._run.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes + [ctypes.c_int]
         self._run.restype = None
-        self._takes_rows = takes_rows
+        self.takes_rows = takes_rows
+
+    @property
+    def address(self) -> int:
+        """The kernel's address, for C code that calls it (decode_layers.cpp)."""
+        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -126,7 +131,7 @@ class LinearKernel:
         x = x.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        sizes = (m, n, k) if self._takes_rows else (n, k)
+        sizes = (m, n, k) if self.takes_rows else (n, k)
         with profiled("kernel:linear"):
             self._run(
                 x.data_ptr(),
@@ -178,6 +183,14 @@ class FusedOps:
                 kernel = getattr(library, f"{name}_{suffix}")
                 kernel.argtypes, kernel.restype = argtypes, None
                 self._kernels[name, dtype] = kernel
+
+    def pointers(self, dtype: torch.dtype) -> dict[str, int]:
+        """Each op's kernel for `dtype` by name, as an address (decode_layers.cpp)."""
+        return {
+            name: ctypes.cast(kernel, ctypes.c_void_p).value or 0
+            for (name, kernel_dtype), kernel in self._kernels.items()
+            if kernel_dtype == dtype
+        }
 
     def fits(self, *tensors: torch.Tensor, widths: int = 1) -> bool:
         """bf16 or fp32 (all alike), contiguous, last dimension a multiple of `widths` times
@@ -279,6 +292,11 @@ class BlockedLinear:
         # its chunk is the one that reproduces torch's F.linear on this CPU (torch_sum_chunk)
         self.reproduces_torch = False
         self._same_as_torch: dict[tuple[int, int], bool] = {}
+
+    @property
+    def address(self) -> int:
+        """The linear kernel's address, for C code that calls it (decode_layers.cpp)."""
+        return ctypes.cast(self._linear, ctypes.c_void_p).value or 0
 
     def fits(self, weight: torch.Tensor) -> bool:
         """A 2-D weight of the kernel's dtype, a multiple of 16 rows (output features) by a

@@ -126,6 +126,10 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:  # (T, hidden), before the final norm
         x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
+        if self.decode_layers is not None:  # a decode step's layers in one C++ call
+            out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta)
+            if out is not None:
+                return out
         for layer in self.layers:
             x, delta = layer(x, delta, rotary, attn, meta)
         return x if delta is None else x + delta

@@ -32,6 +32,7 @@ from radixserve.hardware import (
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.cpu_kernels import blocked_linear, fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
 from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
@@ -409,6 +410,10 @@ def build_model(
         fused = fused_ops(kernel_dir, kernels.fused_elementwise) or fused_ops(kernel_dir)
     if fused is not None:
         model.use_fused_ops(fused)
+    if kernels is not None and kernels.decode_layers and DecodeLayers.takes(model, fused):
+        library = decode_layers_library(kernel_dir)
+        if library is not None:
+            model.decode_layers = DecodeLayers(library, model, fused)
     return model
 
 

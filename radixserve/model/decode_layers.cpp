@@ -1,0 +1,129 @@
+// A decode step's decoder layers in one call: every layer of a Llama-family model over the
+// step's one-token rows, through the same kernels, in the same order, on the same buffers'
+// values as the Python model calls them one by one (cpu_kernels.py: the blocked or row
+// linear kernels, fused_ops.cpp, the decode-attention kernel), so the hidden states come out
+// bit for bit as they do there. What it saves is what lies between the kernels: ~10 Python
+// calls, ctypes conversions and torch allocations per layer (SmolLM2: 30 layers, ~300 calls
+// a step). Built and loaded by cpu_kernels.py; it calls the other kernels through the
+// function pointers decode_layers.py hands it, so it has no instructions of its own beyond
+// a copy (the new tokens' K/V into the pool).
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+using LinearChunked = void (*)(const void* x, const void* w, const void* bias, void* out, int64_t m,
+                               int64_t n, int64_t k, int threads, int64_t chunk);
+using LinearRows = void (*)(const void* x, const void* w, const void* bias, void* out, int64_t m,
+                            int64_t n, int64_t k, int threads);
+using LinearOneRow = void (*)(const void* x, const void* w, const void* bias, void* out, int64_t n,
+                              int64_t k, int threads);
+using RmsNorm = void (*)(const void* x, const void* w, void* out, int64_t rows, int64_t dim,
+                         float eps, int threads);
+using AddRmsNorm = void (*)(const void* x, const void* delta, const void* w, void* sum, void* out,
+                            int64_t rows, int64_t dim, float eps, int threads);
+using Rotary = void (*)(void* q, void* k, const void* cos, const void* sin, int64_t tokens,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int threads);
+using SiluMul = void (*)(const void* gate, const void* up, void* out, int64_t rows, int64_t width,
+                         int64_t stride, int threads);
+using Attention = void (*)(const void* q, const void* k_pool, const void* v_pool,
+                           const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
+                           void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t table_stride, float scale, int threads, int kv_dtype,
+                           int64_t window);
+
+// A linear layer's entry in a layer's row (decode_layers.py LINEAR_FIELDS): the kernel, the
+// weight (its layout), the bias or 0, and how the kernel is called.
+struct Linear {
+    int64_t fn, weight, bias, kind;
+};
+constexpr int64_t kOneRow = -2;  // fp32_gemv: (x, w, bias, out, n, k, threads)
+constexpr int64_t kRows = -1;    // (x, w, bias, out, m, n, k, threads)
+// kind >= 0: a chunked kernel (fp32_linear_avx512.cpp), kind its chunk of columns
+
+void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int64_t k,
+            int threads) {
+    const void *w = (const void*)l.weight, *bias = (const void*)l.bias;
+    if (l.kind == kOneRow)
+        ((LinearOneRow)l.fn)(x, w, bias, out, n, k, threads);
+    else if (l.kind == kRows)
+        ((LinearRows)l.fn)(x, w, bias, out, m, n, k, threads);
+    else
+        ((LinearChunked)l.fn)(x, w, bias, out, m, n, k, threads, l.kind);
+}
+
+// A layer's row (decode_layers.py LAYER_FIELDS): its norms' weights, its pool's K and V
+// tensors, then its six linear layers.
+struct Layer {
+    int64_t input_norm, post_norm, k_pool, v_pool;
+    Linear q, k, v, o, gate_up, down;
+};
+static_assert(sizeof(Layer) == 28 * sizeof(int64_t), "decode_layers.py LAYER_FIELDS");
+
+// The step's shapes and the kernels shared by every layer (decode_layers.py STEP_FIELDS).
+struct Step {
+    int64_t rms_norm, add_rms_norm, rotary, silu_mul, attention;
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, elem_size, threads, kv_code,
+        table_stride;
+};
+static_assert(sizeof(Step) == 15 * sizeof(int64_t), "decode_layers.py STEP_FIELDS");
+
+char* at(void* base, int64_t elements, int64_t elem_size) {
+    return (char*)base + elements * elem_size;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x (rows, hidden): the embeddings in, the residual stream before the last layer's MLP out;
+// delta (rows, hidden): that MLP's output (the caller adds the two, as the Python model
+// does). cos, sin (rows, head_dim): the rows' rotary tables; slots (rows,): where each row's
+// K/V go in every layer's pool; table, req_rows, seq_lens: the decode-attention kernel's
+// view of the requests (no sliding window). scratch: rows * (hidden + 2 * heads * head_dim +
+// 2 * kv_heads * head_dim + 3 * intermediate) elements.
+void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int64_t num_layers,
+                   void* x, void* delta, const void* cos, const void* sin, const int64_t* slots,
+                   const int64_t* table, const int64_t* req_rows, const int64_t* seq_lens,
+                   void* scratch, float eps, float scale) {
+    const Step& s = *(const Step*)step_fields;
+    const Layer* layers = (const Layer*)layer_fields;
+    const int64_t m = s.rows, es = s.elem_size, hidden = s.hidden, inter = s.intermediate;
+    const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
+    const int threads = (int)s.threads;
+    char* h = (char*)scratch;  // the norm's output, each sub-layer's input
+    char* q = at(h, m * hidden, es);
+    char* k = at(q, m * q_width, es);
+    char* v = at(k, m * kv_width, es);
+    char* attn = at(v, m * kv_width, es);
+    char* gate_up = at(attn, m * q_width, es);
+    char* act = at(gate_up, m * 2 * inter, es);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const Layer& l = layers[i];
+        if (i == 0)
+            ((RmsNorm)s.rms_norm)(x, (const void*)l.input_norm, h, m, hidden, eps, threads);
+        else
+            ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.input_norm, x, h, m, hidden,
+                                         eps, threads);
+        linear(l.q, h, q, m, q_width, hidden, threads);
+        linear(l.k, h, k, m, kv_width, hidden, threads);
+        linear(l.v, h, v, m, kv_width, hidden, threads);
+        ((Rotary)s.rotary)(q, k, cos, sin, m, s.heads, s.kv_heads, s.head_dim, threads);
+        const int64_t row_bytes = kv_width * es;
+        for (int64_t t = 0; t < m; t++) {
+            memcpy((char*)l.k_pool + slots[t] * row_bytes, k + t * row_bytes, row_bytes);
+            memcpy((char*)l.v_pool + slots[t] * row_bytes, v + t * row_bytes, row_bytes);
+        }
+        ((Attention)s.attention)(q, (const void*)l.k_pool, (const void*)l.v_pool, table,
+                                 req_rows, seq_lens, attn, m, s.heads, s.kv_heads, s.head_dim,
+                                 s.table_stride, scale, threads, (int)s.kv_code, 0);
+        linear(l.o, attn, delta, m, hidden, q_width, threads);
+        ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, m, hidden, eps,
+                                     threads);
+        linear(l.gate_up, h, gate_up, m, 2 * inter, hidden, threads);
+        ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, m, inter, 2 * inter, threads);
+        linear(l.down, act, delta, m, hidden, inter, threads);
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,170 @@
+"""A decode step's decoder layers in one C++ call (`decode_layers.cpp`).
+
+On CPU a decode step of SmolLM2 calls ~300 kernels (30 layers of norms, six products,
+rotary, the K/V write, attention, SiLU * up), each from Python through ctypes with a torch
+allocation for its output: ~10 ms of a ~60 ms step at 16 running on an AMD EPYC Zen 4, ~8 of
+~26 at one. `DecodeLayers` resolves, once per row count, the very kernel each of those calls
+would reach (the same choice `Linear.forward`, `GatedMLP`, `RMSNorm` and the attention
+backend make) into a table of function pointers and weights, and hands the whole stack to
+one C++ loop that calls them in the same order on the same values: the hidden states are
+bit for bit the Python model's. Steps it does not take (prefill and mixed batches, a layer
+whose product goes to torch, tensor parallelism, sliding windows, K/V being loaded back,
+a pool of another dtype than the model) run the Python model as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model.cpu_kernels import BlockedLinear, FusedOps, LinearKernel, load_kernel, profiled
+
+logger = logging.getLogger(__name__)
+
+LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers of 4 fields
+STEP_FIELDS = 15  # decode_layers.cpp's Step
+ROWS_KIND, ONE_ROW_KIND = -1, -2  # how a linear kernel is called (decode_layers.cpp)
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+class DecodeLayers:
+    """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM) for
+    decode steps, through `library` (decode_layers.cpp) and the kernels the model was given.
+    `__call__` returns None for a step it does not take."""
+
+    def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
+        self._run = library.decode_layers
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, p, p, f32, f32]
+        self._run.restype = None
+        self.model, self.fused = model, fused
+        config = model.config
+        attention = model.layers[0].self_attn
+        self.hidden, self.eps = config.hidden_size, float(config.rms_norm_eps)
+        self.heads, self.kv_heads = attention.num_heads, attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.intermediate = model.layers[0].mlp.intermediate
+        self.dtype = model.embed_tokens.weight.dtype
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.scratch_per_row = self.hidden + 2 * q_width + 2 * kv_width + 3 * self.intermediate
+        # (rows, threads, pool address) → (step fields, layer fields), or None where some
+        # product of that many rows does not go to a C kernel
+        self._plans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    @staticmethod
+    def takes(model: torch.nn.Module, fused: FusedOps | None) -> bool:
+        """The model is one this driver runs: a Llama-family stack (no q/k norms), one rank,
+        SiLU MLPs, its element-wise ops fused (`fused`) for its dtype and widths."""
+        from radixserve.model.llama import LlamaForCausalLM
+
+        if fused is None or not isinstance(model, LlamaForCausalLM) or model.qk_norm is not None:
+            return False
+        if model.tp.size != 1 or not len(model.layers):
+            return False
+        dtype = model.embed_tokens.weight.dtype
+        probe = torch.empty(1, model.config.hidden_size, dtype=dtype, device="meta")
+        layer = model.layers[0]
+        return (
+            all(layer.mlp.act is F.silu and layer.mlp.fused is fused for layer in model.layers)
+            and fused.fits(probe)
+            and fused.fits(probe.new_empty(1, 2 * layer.mlp.intermediate), widths=2)
+            and fused.fits(probe.new_empty(1, layer.self_attn.head_dim), widths=2)
+        )
+
+    def __call__(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, meta
+    ) -> torch.Tensor | None:
+        """x (M, hidden): the embeddings of a decode step's M tokens → the residual stream
+        after the last layer (before the final norm), or None where this step is not one
+        the driver takes (the caller runs the Python layers then)."""
+        view = getattr(attn, "decode_view", None)
+        view = None if view is None else view(meta, self.dtype)
+        if view is None or x.dtype != self.dtype or not x.is_contiguous():
+            return None
+        rows, threads = x.shape[0], torch.get_num_threads()
+        key = (rows, threads, view.pool_k[0].data_ptr())
+        if key not in self._plans:
+            self._plans[key] = self._plan(rows, threads, view)
+        plan = self._plans[key]
+        if plan is None:
+            return None
+        step, layers = plan
+        delta = torch.empty_like(x)
+        scratch = torch.empty(rows * self.scratch_per_row, dtype=x.dtype)
+        with profiled("kernel:decode_layers"):
+            self._run(
+                step.data_ptr(), layers.data_ptr(), len(self.model.layers), x.data_ptr(),
+                delta.data_ptr(), cos.data_ptr(), sin.data_ptr(), view.slots.data_ptr(),
+                view.table.data_ptr(), view.req_rows.data_ptr(), view.seq_lens.data_ptr(),
+                scratch.data_ptr(), self.eps, attn.scale,
+            )  # fmt: skip
+        return x + delta
+
+    def _plan(self, rows: int, threads: int, view) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step and layer fields for steps of `rows` rows, or None where some product
+        goes elsewhere than a C kernel."""
+        pool_k, pool_v = view.pool_k, view.pool_v
+        layers = []
+        for index, layer in enumerate(self.model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            row = [
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                pool_k[index].data_ptr(),
+                pool_v[index].data_ptr(),
+            ]
+            for linear in (
+                attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                mlp.gate_up_proj, mlp.down_proj,
+            ):  # fmt: skip
+                fields = self._linear_fields(linear, rows)
+                if fields is None:
+                    return None
+                row.extend(fields)
+            layers.append(row)
+        ops = self.fused.pointers(self.dtype)
+        step = [
+            ops["rms_norm"], ops["add_rms_norm"], ops["rotary"], ops["silu_mul"], view.kernel,
+            rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+            torch.empty(0, dtype=self.dtype).element_size(), threads, view.kv_code,
+            view.table.stride(0),
+        ]  # fmt: skip
+        assert len(step) == STEP_FIELDS and all(len(r) == LAYER_FIELDS for r in layers)
+        return torch.tensor(step, dtype=torch.int64), torch.tensor(layers, dtype=torch.int64)
+
+    def _linear_fields(self, linear, rows: int) -> list[int] | None:
+        """(kernel, weight, bias, kind) of the C kernel `linear.forward` calls for `rows`
+        rows, or None where it calls something else (oneDNN, torch)."""
+        from radixserve.model.layers import Linear
+
+        if not isinstance(linear, Linear):
+            return None
+        x = torch.empty(rows, linear.in_features, dtype=self.dtype, device="meta")
+        if linear.uses_blocked(x):
+            blocked: BlockedLinear = linear.blocked
+            bias = 0 if linear.blocked_bias is None else linear.blocked_bias.data_ptr()
+            kind = ROWS_KIND if blocked.chunk is None else blocked.chunk
+            return [blocked.address, linear.blocked_weight.data_ptr(), bias, kind]
+        if linear.packed_rows is not None and linear.packed_rows.covers(x):
+            return None
+        kernel = linear.kernels.pick(x)
+        if not isinstance(kernel, LinearKernel) or self.dtype != torch.float32:
+            return None
+        bias = 0 if linear.bias is None else linear.bias.data_ptr()
+        kind = ROWS_KIND if kernel.takes_rows else ONE_ROW_KIND
+        return [kernel.address, linear.weight.data_ptr(), bias, kind]
+
+
+@functools.cache
+def decode_layers_library(folder: Path | None = None) -> ctypes.CDLL | None:
+    """decode_layers.cpp built (it calls the other kernels through pointers: the AVX2 flags
+    suffice for every build of theirs), or None where it cannot be."""
+    return load_kernel("decode_layers", folder)
