@@ -100,8 +100,11 @@ def test_kernel_plan_per_cpu():
     amd, intel = cpu(AMD_FLAGS), intel_cpu()
     # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool;
     # the fused element-wise ops (fp32 and bf16 models alike), their 8-lane build; the
-    # extend kernel's AVX2 build where the pool is fp32 as the model
-    avx2_fp32 = KernelPlan(True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2")
+    # extend kernel's AVX2 build where the pool is fp32 as the model; with decode attention
+    # and fused ops for the model's dtype, a decode step's layers driven from one C++ call
+    avx2_fp32 = KernelPlan(
+        True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2", decode_layers=True
+    )
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == dataclasses.replace(
         avx2_fp32, extend_attention=True
@@ -112,17 +115,21 @@ def test_kernel_plan_per_cpu():
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
     intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx", "avx512")  # built with AMX
-    intel_fp32 = dataclasses.replace(intel_fp32, extend_attention=True)
+    intel_fp32 = dataclasses.replace(intel_fp32, extend_attention=True, decode_layers=True)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
     no_bf16_fp32 = KernelPlan(
-        True, False, 0, 16, fp32_rows, fused_elementwise="avx2", extend_attention=True
+        *(True, False, 0, 16, fp32_rows),
+        fused_elementwise="avx2",
+        extend_attention=True,
+        decode_layers=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, no_bf16) == no_bf16_fp32
     # (and bf16 models: with AMX, decode-sized products through the AMX kernel; prompts'
     # attention through the extend kernel where the pool is bf16 too)
     amx_rows = AMX_ROWS if onednn else 0
     intel_bf16 = KernelPlan(True, False, 0, 16, bf16_rows, "amx", "avx512", amx_rows, "amx")
+    intel_bf16 = dataclasses.replace(intel_bf16, decode_layers=True)
     assert KernelPlan.choose("auto", CPU, bf16, f32, intel) == intel_bf16
     assert KernelPlan.choose("auto", CPU, bf16, bf16, intel) == dataclasses.replace(
         intel_bf16, extend_attention=True
@@ -142,14 +149,17 @@ def test_kernel_plan_per_cpu():
     assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
         *(True, False, 0, 16, bf16_rows, "avx512", "avx512", zen4_rows, "avx512"),
         extend_attention=True,
+        decode_layers=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, zen4) == KernelPlan(
         *(True, False, 0, 16, None, "avx512", "avx512", FP32_BLOCKED_ROWS, "avx512"),
         extend_attention=True,
+        decode_layers=True,
     )
     # (measured on AMD's Zen 4 only: Intel's AVX-512 CPUs keep oneDNN for fp32, above)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel).blocked_rows == 0
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
+    assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).decode_layers
     # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them
     avx512_only = cpu(AMD_FLAGS + " avx512f avx512dq avx512bw avx512vl", "AVX512")
     assert KernelPlan.choose("auto", CPU, bf16, bf16, avx512_only).packed_rows is None

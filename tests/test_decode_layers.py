@@ -1,0 +1,176 @@
+"""A decode step's decoder layers in one C++ call (`decode_layers.cpp`) against the Python
+model calling the same kernels layer by layer: the same logits bit for bit, under this
+CPU's kernel plan and under the AVX2-only CPUs' plan (one-row and few-row linear kernels,
+8-lane builds; it runs on any AVX2 CPU), in fp32 and bf16, with and without q/k/v biases;
+the steps and models it leaves to Python; and greedy generation with its logprobs alike
+with the driver and without over prompts that share a cached prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.config import Config
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.hardware import FEW_ROWS_MAX, KernelPlan
+from radixserve.model.decode_layers import decode_layers_library
+from radixserve.model.runner import ModelRunner
+from radixserve.scheduler.batch_builder import BatchBuilder
+from tests.conftest import FP32
+
+pytestmark = pytest.mark.skipif(
+    decode_layers_library() is None, reason="the C++ kernels cannot be built on this machine"
+)
+
+# an AVX2-only CPU's plan for an fp32 model (hardware.KernelPlan.choose): the one-row and
+# few-rows linear kernels, the AVX2 builds of decode attention and the fused ops
+AVX2_PLAN = KernelPlan(
+    True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2", decode_layers=True
+)
+ROWS = (1, 3, 24, FEW_ROWS_MAX + 8)  # one row, a few, more than the few-rows kernel takes
+
+
+def make_runner(path, dtype: str, plan: str, monkeypatch) -> ModelRunner:
+    if plan == "avx2":
+        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: AVX2_PLAN))
+    config = Config.from_flat(model_path=str(path), max_total_tokens=4096, dtype=dtype)
+    runner = ModelRunner(config, progress=False)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the tiny checkpoints' norms are all ones: tell them apart
+        for name, param in runner.model.named_parameters():
+            if "norm" in name:
+                param.mul_(torch.rand(param.shape, generator=gen) + 0.5)
+    return runner
+
+
+def driver_takes(plan: KernelPlan, rows: int) -> bool:
+    """Every product of a decode step of `rows` rows goes to a C kernel under `plan`."""
+    return (
+        rows <= plan.blocked_rows
+        or (rows == 1 and plan.gemv)
+        or (1 < rows <= plan.few_rows_max and plan.packed_rows is None)
+    )
+
+
+def decode_both_ways(runner: ModelRunner, batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(logits with the driver, logits layer by layer in Python, whether the driver took
+    the step) for one decode batch, run twice: the same K/V go to the same slots."""
+    model = runner.model
+    driver, taken = model.decode_layers, []
+
+    def spy(*args):
+        out = driver(*args)
+        taken.append(out is not None)
+        return out
+
+    model.decode_layers = spy
+    try:
+        with_driver = runner.forward(batch).logits
+        model.decode_layers = None
+        layer_by_layer = runner.forward(batch).logits
+    finally:
+        model.decode_layers = driver
+    return with_driver, layer_by_layer, taken == [True]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "plan"),
+    [
+        ("llama", FP32, "auto"),
+        ("qwen2", FP32, "auto"),  # q/k/v biases
+        ("llama", "bfloat16", "auto"),
+        ("llama", FP32, "avx2"),
+        ("qwen2", FP32, "avx2"),
+    ],
+)
+def test_decode_steps_are_the_python_layers_bit_for_bit(
+    tiny_model_dirs, arch, dtype, plan, monkeypatch
+):
+    runner = make_runner(tiny_model_dirs[arch], dtype, plan, monkeypatch)
+    assert runner.model.decode_layers is not None
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    gen = torch.Generator().manual_seed(len(arch) + len(dtype))
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    for rows in ROWS:
+        lens = torch.randint(5, 80, (rows,), generator=gen).tolist()
+        reqs = [
+            Req(f"r{i}", torch.randint(3, 500, (n,), generator=gen).tolist(), params)
+            for i, n in enumerate(lens)
+        ]
+        try:
+            logits = runner.forward(builder.extend(reqs, [r.input_ids for r in reqs])).logits
+            for step in range(3):
+                for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+                    req.output_ids.append(token)
+                logits, python, taken = decode_both_ways(runner, builder.decode(reqs))
+                assert taken == driver_takes(runner.kernels, rows), (rows, step)
+                assert torch.equal(logits, python), (rows, step)
+        finally:
+            for req in reqs:
+                builder.release(req)
+    assert runner.allocator.num_free == runner.allocator.size
+
+
+def test_the_driver_leaves_other_steps_and_models_to_python(tiny_model_dirs):
+    for arch in ("qwen3", "gemma3"):  # q/k norms; another decoder
+        config = Config.from_flat(
+            model_path=str(tiny_model_dirs[arch]), max_total_tokens=1024, dtype=FP32
+        )
+        assert ModelRunner(config, progress=False).model.decode_layers is None
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=1024, dtype=FP32
+    )
+    runner = ModelRunner(config, progress=False)
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    reqs = [Req("a", [5, 6, 7, 8], params), Req("b", [9, 10], params)]
+    prefill = builder.extend(reqs, [r.input_ids for r in reqs])
+    assert runner.attention.decode_view(runner.attention.prepare(prefill), torch.float32) is None
+    runner.forward(prefill)
+    for req in reqs:
+        req.output_ids.append(11)
+    decode = runner.attention.prepare(builder.decode(reqs))
+    assert runner.attention.decode_view(decode, torch.float32) is not None
+    assert runner.attention.decode_view(decode, torch.bfloat16) is None  # an fp32 pool
+    # a mixed step: one request decodes while the other's new tokens extend it
+    reqs[0].output_ids.append(12)
+    mixed = builder.extend(reqs, [[13], [14, 15, 16]])
+    assert runner.attention.decode_view(runner.attention.prepare(mixed), torch.float32) is None
+    for req in reqs:
+        builder.release(req)
+
+
+def test_greedy_generation_and_logprobs_alike_with_and_without_the_driver(tiny_model_dirs):
+    """Prompts sharing a cached prefix (the decode kernel reads its K/V once for all of
+    them) and one that does not, through the scheduler and the radix cache."""
+    prefix = list(range(20, 120))
+    prompts = [prefix + [7, 8, 9], prefix + [10, 11], prefix + [12], [5, 6, 7, 8]]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    results = []
+    with Engine(str(tiny_model_dirs["llama"]), max_total_tokens=2048, dtype=FP32) as engine:
+        driver = engine.runner.model.decode_layers
+        assert driver is not None
+        for use in (driver, None):
+            engine.runner.model.decode_layers = use
+            engine.flush_cache()
+            out = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
+            results.append(
+                [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in out]
+            )
+    assert results[0] == results[1]
+    assert all(len(ids) == 12 for ids, _ in results[0])
+
+
+def test_the_plan_turns_the_driver_off(tiny_model_dirs, monkeypatch):
+    plan = dataclasses.replace(AVX2_PLAN, decode_layers=False)
+    monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: plan))
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=1024, dtype=FP32
+    )
+    assert ModelRunner(config, progress=False).model.decode_layers is None
