@@ -1,6 +1,9 @@
 """Where a decode step's time goes, at several running-batch sizes: matmuls, attention,
-element-wise ops, and the rest (Python, dispatch, the batch building), from torch's
-profiler over the model runner's decode steps."""
+element-wise ops, the decoder layers driven from one C++ call where the kernel plan has it
+(`decode_layers.cpp`: its products, attention and element-wise ops together; with
+`--layer-by-layer` the Python model runs them one by one instead, which these categories
+then split), and the rest (Python, dispatch, the batch building), from torch's profiler
+over the model runner's decode steps."""
 
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from radixserve.model.sampler import first_argmax
 PARTS = (ModelConfig, CacheConfig)
 CHUNK_REQS = 16  # most requests prefilled in one extend batch
 KV_MARGIN = 64  # KV slots beyond what the workload needs, when the pool is sized here
-CATEGORIES = ("matmul", "attention", "elementwise")
+CATEGORIES = ("matmul", "attention", "elementwise", "layers")
+LAYERS_OPS = frozenset({"kernel:decode_layers"})  # decode_layers.py's one call
 
 MATMUL_OPS = frozenset(
     {
@@ -47,7 +51,10 @@ ATTENTION_OPS = frozenset(
 
 def classify(name: str) -> str | None:
     """The category of a profiler event by its name: "matmul", "attention", "elementwise"
-    (any other aten op), or None (not an op: its time stays in "other")."""
+    (any other aten op), "layers" (the decoder layers in one C++ call), or None (not an
+    op: its time stays in "other")."""
+    if name in LAYERS_OPS:
+        return "layers"
     if name in MATMUL_OPS or "mkldnn" in name or "mkl_linear" in name:
         return "matmul"
     if name in ATTENTION_OPS or "scaled_dot_product" in name:
@@ -102,7 +109,8 @@ class Row:
     matmul_ms: float
     attention_ms: float
     elementwise_ms: float
-    other_ms: float  # ms_per_step minus the three above
+    layers_ms: float  # the decoder layers in one C++ call (their products, attention...)
+    other_ms: float  # ms_per_step minus the four above
     unprofiled_ms_per_step: float  # median of as many steps without the profiler
     tok_per_s: float  # batch_size / unprofiled_ms_per_step: the speed without the profiler
     max_ms_per_step: float  # the slowest profiled step: far above the median = noise
@@ -121,6 +129,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=8, help="profiled decode steps (after 3 warm-up steps)"
     )
     parser.add_argument("--output-json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--layer-by-layer",
+        action="store_true",
+        help="run the decoder layers from Python one kernel at a time even where the kernel "
+        "plan drives them from one C++ call (decode_layers), to split their time by kind",
+    )
     add_config_args(parser, PARTS)
 
 
@@ -154,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler = SchedulerConfig(max_running_requests=max(args.batch_sizes))
         config = dataclasses.replace(config, scheduler=scheduler)
     runner = ModelRunner(config, progress=False)
+    if args.layer_by_layer:
+        runner.model.decode_layers = None
     if per_req > runner.context_len:
         print(
             f"radixserve: error: {per_req} tokens per request exceed the model's context "
@@ -224,6 +240,7 @@ def measure(runner, batch: int, context_len: int, steps: int, gen: torch.Generat
         matmul_ms=parts_ms["matmul"],
         attention_ms=parts_ms["attention"],
         elementwise_ms=parts_ms["elementwise"],
+        layers_ms=parts_ms["layers"],
         other_ms=wall_ms - sum(parts_ms.values()),
         unprofiled_ms_per_step=statistics.median(unprofiled) * 1000,
         tok_per_s=batch / statistics.median(unprofiled),
@@ -240,7 +257,8 @@ def print_table(rows: list[Row], runner, args: argparse.Namespace) -> None:
     print(
         f"\n{cpu_info().summary()}\nmodel {runner.model_folder.name}  dtype {dtype}  "
         f"kv dtype {kv}  kernels {runner.kernels}  threads {torch.get_num_threads()}  "
-        f"context {args.context_len}  median of {args.steps} profiled steps"
+        f"context {args.context_len}  median of {args.steps} profiled steps  decoder layers "
+        f"{'in one C++ call' if runner.model.decode_layers else 'one by one from Python'}"
     )
     parts = (*CATEGORIES, "other")
     heads = "".join(f"{p + ' ms':>15}{'%':>6}" for p in parts)
@@ -252,9 +270,11 @@ def print_table(rows: list[Row], runner, args: argparse.Namespace) -> None:
             f"{row.unprofiled_ms_per_step:>11.2f}"
         )
     print(
-        "ms/step: the median profiled step; matmul / attention / elementwise: profiler self "
-        "CPU time per step; other: the rest (Python, dispatch, batch building, profiler "
-        "overhead); tok/s and unprof ms: the same steps without the profiler"
+        "ms/step: the median profiled step; matmul / attention / elementwise / layers: "
+        "profiler self CPU time per step (layers: the decoder layers in one C++ call, their "
+        "products, attention and element-wise ops together); other: the rest (Python, "
+        "dispatch, batch building, profiler overhead); tok/s and unprof ms: the same steps "
+        "without the profiler"
     )
     for row in rows:
         top = ", ".join(f"{n.removeprefix('aten::')} {ms:.2f}" for n, ms in row.top_elementwise)
