@@ -22,7 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.cpu_kernels import BlockedLinear, FusedOps, LinearKernel, load_kernel, profiled
+from radixserve.model.cpu_kernels import (
+    BlockedLinear,
+    FusedOps,
+    LinearKernel,
+    load_kernel,
+    profiled,
+)
 
 logger = logging.getLogger(__name__)
 
