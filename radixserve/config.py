@@ -104,10 +104,11 @@ class CacheConfig:
     )
     kv_prefault: bool = _opt(
         True,
-        "Map every page of the KV pool at start-up (CPU), so the memory the server holds "
-        "is soon what it holds for good rather than growing as slots are first used: on "
-        "Linux 5.14+ a background thread maps them (MADV_POPULATE_WRITE; start-up does not "
-        "wait), elsewhere every page is written before serving (seconds per GiB). "
+        "Map every page of the KV pool (CPU), so the memory the server holds is soon what "
+        "it holds for good rather than growing as slots are first used: on Linux 5.14+ the "
+        "scheduler maps them a few MB at a time whenever it is idle (MADV_POPULATE_WRITE; "
+        "start-up does not wait), elsewhere every page is written before serving (seconds "
+        "per GiB). "
         "--no-kv-prefault maps pages as they are first written.",
     )
     swa_full_tokens_ratio: float = _opt(

@@ -4,17 +4,15 @@ lost, and the padding slot is never allocated."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator
+from radixserve.cache import KVPool, ReqToTokenPool, SlotAllocator, kv_pool
 from radixserve.cache.allocator import PADDING_SLOT
 
 POOL = 64
@@ -121,12 +119,13 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 layers, slots, prefault = 2, 40 * 2**20 // (64 * 4), sys.argv[1] == "1"
 before = psutil.Process().memory_info().rss
 pool = KVPool(slots, layers, 1, 64, torch.float32, "cpu", prefault=prefault)
-if pool.populating is not None:  # Linux 5.14+: mapped by a background thread
-    pool.populating.join(timeout=60)
+idle = pool.mapping  # Linux 5.14+: left to map in the scheduler loop's idle time
+while pool.map_idle_pages():
+    pass
 grown = psutil.Process().memory_info().rss - before
 padding = sum(float(buf[0].abs().sum()) for buf in (*pool.k, *pool.v))
-print(json.dumps({"grown": grown, "nbytes": pool.nbytes, "background": pool.populating
-                  is not None, "padding": padding, "slots": slots, "layers": layers}))
+print(json.dumps({"grown": grown, "nbytes": pool.nbytes, "idle": idle,
+                  "padding": padding, "slots": slots, "layers": layers}))
 """
 
 
@@ -146,45 +145,44 @@ def test_kv_pool_prefault_makes_the_pool_resident_at_once(prefault):
     if prefault:
         assert out["grown"] > 0.9 * out["nbytes"], out
     else:
-        assert out["grown"] < 0.5 * out["nbytes"] and not out["background"], out
+        assert out["grown"] < 0.5 * out["nbytes"] and not out["idle"], out
     assert out["padding"] == 0
     assert f"KV pool: {slots} tokens x {layers} layers, 0.16 GiB (float32)" in run.stderr
-    prefaulted = "pre-faulted in" in run.stderr or "mapped in the background" in run.stderr
+    prefaulted = "pre-faulted in" in run.stderr or "mapped while the server is idle" in run.stderr
     assert prefaulted == prefault
+    assert ("every page mapped" in run.stderr) == (prefault and out["idle"])
 
 
-def test_background_population_keeps_what_is_written_meanwhile():
-    """MADV_POPULATE_WRITE maps pages without writing them: K/V stored while the thread
-    runs stay as written."""
+def test_idle_mapping_keeps_what_is_written_meanwhile():
+    """MADV_POPULATE_WRITE maps pages without writing them: K/V stored before the pool's
+    pages are all mapped stay as written."""
     slots = 40 * 2**20 // (64 * 4)
     pool = KVPool(slots, 2, 1, 64, torch.float32, "cpu", prefault=True)
     where = torch.arange(1, slots + 1, 997)
     values = torch.randn(len(where), 1, 64)
     for layer in range(2):
         pool.write(layer, where, values, values * 2)
-    if pool.populating is not None:
-        pool.populating.join(timeout=60)
+    while pool.map_idle_pages():
+        pass
     for layer in range(2):
         assert torch.equal(pool.k[layer][where], values)
         assert torch.equal(pool.v[layer][where], values * 2)
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
-def test_background_population_runs_on_idle_cpu_time_only():
-    """The thread that maps the pool's pages runs at SCHED_IDLE: serving never waits for
-    it (the server is ready before it ends)."""
-    slots = 512 * 2**20 // (64 * 4 * 2)  # 512 MiB in all: a second or two to map
+def test_idle_mapping_takes_one_chunk_per_call_within_no_budget():
+    """The scheduler loop's idle time is spent a chunk at a time (a request arriving waits
+    for one madvise at most); a budget lets one call map more."""
+    slots = 40 * 2**20 // (64 * 4)  # 40 MiB a buffer: 20 chunks of 2 MiB, or 21 unaligned
     pool = KVPool(slots, 2, 1, 64, torch.float32, "cpu", prefault=True)
-    thread = pool.populating
-    if thread is None:
-        pytest.skip("this kernel cannot map pages in the background (Linux 5.14+)")
-    policies = set()
-    while thread.is_alive():
-        try:
-            policies.add(os.sched_getscheduler(thread.native_id))
-        except OSError:  # it ended between the check and the call
-            break
-        time.sleep(0.005)  # leave the CPU idle: the thread runs only then
-    thread.join(timeout=60)
-    assert os.SCHED_IDLE in policies
-    assert policies <= {os.SCHED_IDLE, os.SCHED_OTHER}  # OTHER: before it lowered itself
+    if not pool.mapping:
+        pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
+    left = [(a, e) for a, e in pool._unmapped]
+    assert all(e - a <= kv_pool.POPULATE_CHUNK for a, e in left)
+    covered = sum(e - a for a, e in left)
+    assert covered >= 3 * pool.nbytes // 4 - 3 * kv_pool.SMALL_PAGE  # all but the first buffer
+    for _ in range(5):
+        assert pool.map_idle_pages()
+    assert len(pool._unmapped) == len(left) - 5
+    assert not pool.map_idle_pages(budget_s=60.0)  # the rest in one call
+    assert not pool.mapping
+    assert not pool.map_idle_pages()  # nothing left: a no-op

@@ -130,3 +130,29 @@ def test_a_failed_accounting_check_is_an_error_not_a_hang(tiny_model_dirs):
     engine.scheduler.kv.allocator.free(leaked)
     assert torch.is_tensor(leaked)
     finish(engine)
+
+
+def test_an_idle_loop_maps_the_kv_pool_and_a_busy_one_runs_first(tiny_model_dirs):
+    """The KV pool's pages are mapped a chunk per idle loop iteration (cache/kv_pool.py,
+    IDLE_MAPPING), never while a request waits or runs: a request finishes as it would
+    without it, and then the idle iterations map the rest."""
+    cfg = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=65536, dtype=FP32
+    )
+    scheduler = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler)
+    pool = scheduler.runner.kv_pool
+    if not pool.mapping:
+        pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
+    transport = RecordingTransport()
+    loop = SchedulerLoop(scheduler, transport, max_queued=2)
+    loop.handle(GenerateReq("a", PROMPTS[2], SamplingParams.from_dict(greedy(4)), seed=0))
+    left = len(pool._unmapped)
+    while scheduler.has_work:
+        loop.run_once()
+    assert len(pool._unmapped) == left  # the request's steps ran with no mapping between
+    assert [o.rid for o in transport.outputs if o.finished] == ["a"]
+    iterations = 0
+    while pool.mapping:
+        loop.run_once()
+        iterations += 1
+    assert iterations == left  # one chunk per idle iteration

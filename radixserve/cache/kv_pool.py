@@ -6,10 +6,11 @@ hybrid sliding-window memory (swa_pool.py) the `window_layers` get (window_slots
 instead, indexed by window slot rather than by full slot.
 
 On CPU the pool is pre-faulted by default, so the process's RSS is soon its RSS for good
-instead of climbing as slots are first used: on Linux 5.14+ a background thread maps every
-page with MADV_POPULATE_WRITE, which writes nothing (so it is safe while the pool is already
-in use) and keeps start-up fast; elsewhere every page is written once before the pool is
-used (seconds per GiB on these VMs).
+instead of climbing as slots are first used: on Linux 5.14+ the scheduler loop maps its pages
+a few MB at a time whenever it has nothing else to do (`map_idle_pages`, MADV_POPULATE_WRITE,
+which writes nothing, so it is safe while the pool is already in use), and start-up does not
+wait; elsewhere every page is written once before the pool is used (seconds per GiB on these
+VMs).
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
@@ -29,7 +28,14 @@ HUGE_PAGE = 2 << 20
 SMALL_PAGE = 4096
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: map pages writable without touching their contents
-POPULATE_CHUNK = 256 << 20  # bytes per madvise call of the background thread
+# IDLE_MAPPING: the pool's pages were first mapped by a background thread at SCHED_IDLE, 256
+# MB per madvise. Its madvise holds the process's mmap lock; preempted by the forward's
+# threads, it kept every allocation that needed the lock (malloc's mmaps and brk) waiting:
+# AMD EPYC Zen 4, SmolLM2 fp32, 64 shared-prefix requests started as the pool was created:
+# 18.9-20.4 s, against 14.8 s with the pool mapped before and 15.1 s not mapped at all. The
+# scheduler loop maps them itself now, between steps, when idle: 2 MB per call takes ~5-6 ms
+# on these VMs (pages are zeroed at ~330 MB/s), the most a request arriving then waits.
+POPULATE_CHUNK = 2 << 20  # bytes per madvise call: one huge page
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +70,17 @@ class KVPool:
         for buf in bufs:
             advise_huge_pages(buf)
             buf[0].zero_()
-        self.populating: threading.Thread | None = None
+        # (address, end) of the pages left to map, last first: `map_idle_pages` pops them
+        self._unmapped: list[tuple[int, int]] = []
+        self._mapping_seconds = 0.0
         how = ""
         if prefault and cpu and populate_pages(bufs[0]):
-            self.populating = threading.Thread(
-                target=self._populate, args=(bufs[1:],), name="kv-pool-populate", daemon=True
-            )
-            self.populating.start()
-            how = ", pages being mapped in the background"
+            for buf in reversed(bufs[1:]):
+                start, end = page_span(buf)
+                self._unmapped += reversed(
+                    [(a, min(a + POPULATE_CHUNK, end)) for a in range(start, end, POPULATE_CHUNK)]
+                )
+            how = ", pages being mapped while the server is idle"
         elif prefault and cpu:
             for buf in bufs:
                 touch_pages(buf)
@@ -91,17 +100,30 @@ class KVPool:
                 self.window_slots,
             )
 
-    def _populate(self, bufs: tuple[torch.Tensor, ...]) -> None:
-        # Only on otherwise idle CPU time: the server is ready while this runs, and at normal
-        # priority its 5-10 s of page zeroing (2.6 GiB) competes with the first requests'
-        # forwards for the cores. A page the pool's users write first is mapped then. AMD
-        # EPYC Zen 4, a shared-prefix run started the moment the server was ready: 4.17 req/s
-        # (mapped in 5.1 s) -> 4.24 (mapped in 15.4 s, on the idle time left): within noise.
-        idle_priority()
+    @property
+    def mapping(self) -> bool:
+        """Pages of the pool are left for `map_idle_pages` to map."""
+        return bool(self._unmapped)
+
+    def map_idle_pages(self, budget_s: float = 0.0) -> bool:
+        """Map the next POPULATE_CHUNK of the pool's unmapped pages, and more until
+        `budget_s` has passed; True while some remain. For the scheduler loop's idle time
+        (IDLE_MAPPING): a page the pool's users write first is mapped by that write."""
+        if not self._unmapped:
+            return False
         start = time.perf_counter()
-        for buf in bufs:
-            populate_pages(buf)
-        logger.info("KV pool: every page mapped in %.1f s", time.perf_counter() - start)
+        while self._unmapped:
+            address, end = self._unmapped.pop()
+            if not _populate_range(address, end - address):  # out of memory, say
+                logger.warning("KV pool: its pages are left to be mapped as first written")
+                self._unmapped.clear()
+                return False
+            if time.perf_counter() - start >= budget_s:
+                break
+        self._mapping_seconds += time.perf_counter() - start
+        if not self._unmapped:
+            logger.info("KV pool: every page mapped (%.1f s of idle time)", self._mapping_seconds)
+        return bool(self._unmapped)
 
     @property
     def nbytes(self) -> int:
@@ -137,28 +159,28 @@ def advise_huge_pages(buf: torch.Tensor) -> None:
         _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE)
 
 
-def idle_priority() -> None:
-    """Run the calling thread only when a CPU would otherwise idle (Linux SCHED_IDLE; a
-    thread's policy is its own); elsewhere nothing changes."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
-
-
 def populate_pages(buf: torch.Tensor) -> bool:
     """Map every page of a CPU tensor now without writing to it (MADV_POPULATE_WRITE);
     False where the kernel cannot (before Linux 5.14, or not Linux)."""
     if not sys.platform.startswith("linux"):
         return False
+    start, end = page_span(buf)
+    return all(
+        _populate_range(chunk, min(POPULATE_CHUNK, end - chunk))
+        for chunk in range(start, end, POPULATE_CHUNK)
+    )
+
+
+def page_span(buf: torch.Tensor) -> tuple[int, int]:
+    """(first page's address, end address) of a contiguous CPU tensor."""
     start = buf.data_ptr() // SMALL_PAGE * SMALL_PAGE
-    end = buf.data_ptr() + buf.numel() * buf.element_size()
-    libc = _libc()
-    for chunk in range(start, end, POPULATE_CHUNK):
-        length = min(POPULATE_CHUNK, end - chunk)
-        if libc.madvise(ctypes.c_void_p(chunk), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
-            return False
-    return True
+    return start, buf.data_ptr() + buf.numel() * buf.element_size()
+
+
+def _populate_range(address: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over [address, address + length): True where it mapped them."""
+    advice = MADV_POPULATE_WRITE
+    return not _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice)
 
 
 def touch_pages(buf: torch.Tensor) -> None:

@@ -76,6 +76,7 @@ class SchedulerLoop:
         self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
         self._last_state: SchedulerStats | None = None
         self._last_state_time = 0.0
+        self._mapping = scheduler.runner.kv_pool.mapping  # KV pool pages left to map when idle
 
     def run(self) -> None:
         try:
@@ -86,10 +87,13 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         scheduler = self.scheduler
-        messages = self.transport.receive(0.0 if scheduler.has_work else IDLE_WAIT_S)
+        busy = scheduler.has_work or self._mapping
+        messages = self.transport.receive(0.0 if busy else IDLE_WAIT_S)
         start = time.perf_counter()
         for msg in messages:
             self.handle(msg)
+        if self._mapping and not messages and not scheduler.has_work:
+            self._mapping = scheduler.map_idle_pages()
         if scheduler.has_work:
             step_start = time.perf_counter()
             outputs = scheduler.step()

@@ -126,6 +126,11 @@ class Scheduler:
         self.last_step, run = self._next_batch()
         return outputs + run() if run is not None else outputs
 
+    def map_idle_pages(self) -> bool:
+        """Nothing to run: map a few MB of the KV pool's pages (cache/kv_pool.py,
+        IDLE_MAPPING); True while some remain."""
+        return self.runner.kv_pool.map_idle_pages()
+
     def keep_alive(self) -> None:
         """Once per loop iteration: the other tensor-parallel ranks hear from rank 0 at least
         every second, forward passes or not."""
