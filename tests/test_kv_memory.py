@@ -186,3 +186,16 @@ def test_idle_mapping_takes_one_chunk_per_call_within_no_budget():
     assert not pool.map_idle_pages(budget_s=60.0)  # the rest in one call
     assert not pool.mapping
     assert not pool.map_idle_pages()  # nothing left: a no-op
+
+
+def test_idle_mapping_maps_the_first_slots_of_every_layer_first():
+    """Slots are handed out from the lowest up: each buffer's first chunk is mapped before
+    any buffer's second."""
+    slots = 40 * 2**20 // (64 * 4)
+    pool = KVPool(slots, 2, 1, 64, torch.float32, "cpu", prefault=True)
+    if not pool.mapping:
+        pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
+    bufs = (*pool.k, *pool.v)[1:]  # the first is mapped at once
+    firsts = {kv_pool.page_span(buf)[0] for buf in bufs}
+    order = [address for address, _ in reversed(pool._unmapped)]
+    assert set(order[: len(bufs)]) == firsts

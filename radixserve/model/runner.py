@@ -160,7 +160,9 @@ class ModelRunner:
             head_dim,
             self.kv_dtype,
             self.device,
-            prefault=config.cache.kv_prefault,
+            # the scheduler loop maps the pool's pages while idle; the other tensor-parallel
+            # ranks have no loop of their own, so theirs are mapped as first written
+            prefault=config.cache.kv_prefault and self.tp.is_first,
             window_layers=window_layers,
             window_slots=self.swa_tokens,
         )
