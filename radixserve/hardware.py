@@ -319,9 +319,10 @@ class KernelPlan:
     # AVX-512 build where decode_attention_isa says so), bf16 ones on CPUs with AVX-512 and
     # AVX512-BF16 (extend_attention_avx512.cpp) (see EXTEND_ATTENTION)
     extend_attention: bool = False
-    # a decode step's decoder layers driven from one C++ call (decode_layers.cpp) where
-    # every kernel of the step is one of the above: the same kernels in the same order,
-    # without ~300 Python calls a step (see DECODE_LAYERS)
+    # a step's decoder layers driven from one C++ call (decode_layers.cpp) where every
+    # kernel of the step is one of the above (decode steps; mixed and extend steps of up to
+    # 1,024 rows where the extend kernel runs): the same kernels in the same order, without
+    # ~300 Python calls a step (see DECODE_LAYERS)
     decode_layers: bool = False
 
     @classmethod

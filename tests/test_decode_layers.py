@@ -1,5 +1,6 @@
-"""A decode step's decoder layers in one C++ call (`decode_layers.cpp`) against the Python
-model calling the same kernels layer by layer: the same logits bit for bit, under this
+"""A step's decoder layers in one C++ call (`decode_layers.cpp`) against the Python model
+calling the same kernels layer by layer: the same logits bit for bit for decode steps,
+prompts, and steps mixing one-token rows with new tokens after cached prefixes, under this
 CPU's kernel plan and under the AVX2-only CPUs' plan (one-row and few-row linear kernels,
 8-lane builds; it runs on any AVX2 CPU), in fp32 and bf16, with and without q/k/v biases;
 the steps and models it leaves to Python; and greedy generation with its logprobs alike
@@ -17,7 +18,7 @@ from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.hardware import FEW_ROWS_MAX, KernelPlan
-from radixserve.model.decode_layers import decode_layers_library
+from radixserve.model.decode_layers import MAX_ROWS, decode_layers_library
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.conftest import FP32
@@ -27,10 +28,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 # an AVX2-only CPU's plan for an fp32 model (hardware.KernelPlan.choose): the one-row and
-# few-rows linear kernels, the AVX2 builds of decode attention and the fused ops
+# few-rows linear kernels, the AVX2 builds of decode and extend attention and the fused ops
 AVX2_PLAN = KernelPlan(
-    True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2", decode_layers=True
+    True,
+    True,
+    FEW_ROWS_MAX,
+    48,
+    fused_elementwise="avx2",
+    decode_layers=True,
+    extend_attention=True,
 )
+CASES = [
+    ("llama", FP32, "auto"),
+    ("qwen2", FP32, "auto"),  # q/k/v biases
+    ("llama", "bfloat16", "auto"),
+    ("llama", FP32, "avx2"),
+    ("qwen2", FP32, "avx2"),
+]
 ROWS = (1, 3, 24, FEW_ROWS_MAX + 8)  # one row, a few, more than the few-rows kernel takes
 
 
@@ -56,9 +70,9 @@ def driver_takes(plan: KernelPlan, rows: int) -> bool:
     )
 
 
-def decode_both_ways(runner: ModelRunner, batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def both_ways(runner: ModelRunner, batch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(logits with the driver, logits layer by layer in Python, whether the driver took
-    the step) for one decode batch, run twice: the same K/V go to the same slots."""
+    the step) for one batch, run twice: the same K/V go to the same slots."""
     model = runner.model
     driver, taken = model.decode_layers, []
 
@@ -77,16 +91,7 @@ def decode_both_ways(runner: ModelRunner, batch) -> tuple[torch.Tensor, torch.Te
     return with_driver, layer_by_layer, taken == [True]
 
 
-@pytest.mark.parametrize(
-    ("arch", "dtype", "plan"),
-    [
-        ("llama", FP32, "auto"),
-        ("qwen2", FP32, "auto"),  # q/k/v biases
-        ("llama", "bfloat16", "auto"),
-        ("llama", FP32, "avx2"),
-        ("qwen2", FP32, "avx2"),
-    ],
-)
+@pytest.mark.parametrize(("arch", "dtype", "plan"), CASES)
 def test_decode_steps_are_the_python_layers_bit_for_bit(
     tiny_model_dirs, arch, dtype, plan, monkeypatch
 ):
@@ -106,12 +111,48 @@ def test_decode_steps_are_the_python_layers_bit_for_bit(
             for step in range(3):
                 for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
                     req.output_ids.append(token)
-                logits, python, taken = decode_both_ways(runner, builder.decode(reqs))
+                logits, python, taken = both_ways(runner, builder.decode(reqs))
                 assert taken == driver_takes(runner.kernels, rows), (rows, step)
                 assert torch.equal(logits, python), (rows, step)
         finally:
             for req in reqs:
                 builder.release(req)
+    assert runner.allocator.num_free == runner.allocator.size
+
+
+@pytest.mark.parametrize(("arch", "dtype", "plan"), CASES)
+def test_prompts_and_mixed_steps_are_the_python_layers_bit_for_bit(
+    tiny_model_dirs, arch, dtype, plan, monkeypatch
+):
+    """Prompts (the extend kernel over no prefix), then steps where some requests run one
+    token (the decode kernel) while others bring several after their cached ones (the
+    extend kernel): the two kinds each one stretch of rows, either first, or interleaved
+    (gathered by index: left to Python)."""
+    runner = make_runner(tiny_model_dirs[arch], dtype, plan, monkeypatch)
+    assert runner.attention.extend_kernel is not None
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    gen = torch.Generator().manual_seed(len(arch) + len(dtype) + 1)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    reqs = [
+        Req(f"r{i}", torch.randint(3, 500, (n,), generator=gen).tolist(), params)
+        for i, n in enumerate((3, 7, 2, 5))  # 17 prompt rows: every plan's kernels take them
+    ]
+    new = lambda n: torch.randint(3, 500, (n,), generator=gen).tolist()  # noqa: E731
+    try:
+        logits, python, taken = both_ways(runner, builder.extend(reqs, [r.input_ids for r in reqs]))
+        assert taken and torch.equal(logits, python)
+        layouts = {
+            "several first": [new(4), new(3), new(1), new(1)],
+            "one first": [new(1), new(1), new(2), new(6)],
+            "interleaved": [new(1), new(5), new(1), new(2)],
+        }
+        for layout, tokens in layouts.items():
+            logits, python, taken = both_ways(runner, builder.extend(reqs, tokens))
+            assert taken == (layout != "interleaved"), layout
+            assert torch.equal(logits, python), layout
+    finally:
+        for req in reqs:
+            builder.release(req)
     assert runner.allocator.num_free == runner.allocator.size
 
 
@@ -122,26 +163,31 @@ def test_the_driver_leaves_other_steps_and_models_to_python(tiny_model_dirs):
         )
         assert ModelRunner(config, progress=False).model.decode_layers is None
     config = Config.from_flat(
-        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=1024, dtype=FP32
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=4096, dtype=FP32
     )
     runner = ModelRunner(config, progress=False)
+    attention = runner.attention
     builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
     params = SamplingParams(temperature=0.0, ignore_eos=True)
     reqs = [Req("a", [5, 6, 7, 8], params), Req("b", [9, 10], params)]
-    prefill = builder.extend(reqs, [r.input_ids for r in reqs])
-    assert runner.attention.decode_view(runner.attention.prepare(prefill), torch.float32) is None
-    runner.forward(prefill)
+    prefill = attention.prepare(builder.extend(reqs, [r.input_ids for r in reqs]))
+    if attention.extend_kernel is not None:
+        assert attention.driver_view(prefill, torch.float32) is not None
+    assert attention.driver_view(prefill, torch.bfloat16) is None  # an fp32 pool
     for req in reqs:
         req.output_ids.append(11)
-    decode = runner.attention.prepare(builder.decode(reqs))
-    assert runner.attention.decode_view(decode, torch.float32) is not None
-    assert runner.attention.decode_view(decode, torch.bfloat16) is None  # an fp32 pool
-    # a mixed step: one request decodes while the other's new tokens extend it
-    reqs[0].output_ids.append(12)
-    mixed = builder.extend(reqs, [[13], [14, 15, 16]])
-    assert runner.attention.decode_view(runner.attention.prepare(mixed), torch.float32) is None
+    decode = attention.prepare(builder.decode(reqs))
+    assert attention.driver_view(decode, torch.float32) is not None
+    assert attention.driver_view(decode, torch.bfloat16) is None
     for req in reqs:
         builder.release(req)
+    # more rows than the Python MLP takes at once: the driver declines the step
+    long = Req("c", [3 + i % 400 for i in range(MAX_ROWS + 1)], params)
+    try:
+        logits, python, taken = both_ways(runner, builder.extend([long], [long.input_ids]))
+        assert not taken and torch.equal(logits, python)
+    finally:
+        builder.release(long)
 
 
 def test_greedy_generation_and_logprobs_alike_with_and_without_the_driver(tiny_model_dirs):
@@ -157,9 +203,7 @@ def test_greedy_generation_and_logprobs_alike_with_and_without_the_driver(tiny_m
         for use in (driver, None):
             engine.runner.model.decode_layers = use
             engine.flush_cache()
-            out = engine.generate(
-                input_ids=prompts, sampling_params=params, return_logprob=True
-            )
+            out = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             results.append(
                 [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in out]
             )

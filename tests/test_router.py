@@ -137,6 +137,7 @@ def test_a_dead_worker_loses_no_request(cluster, client, model):
     none hangs; requests after it all succeed, the router retrying on the live worker."""
     router, workers = cluster
     outcomes: dict[int, tuple[int, str | None]] = {}
+    received = [0] * 4  # chunks each of the 4 streams has had
 
     def stream(i: int) -> None:
         text, error = "", None
@@ -144,12 +145,15 @@ def test_a_dead_worker_loses_no_request(cluster, client, model):
             chunks = client.completions.create(
                 model=model,
                 prompt=PROMPTS[i],
-                max_tokens=300,
+                max_tokens=900,  # seconds of streaming, within each worker's 4000 tokens
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            for chunk in chunks:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    received[i] += 1
         except openai.APIError as e:
             error = type(e).__name__
         outcomes[i] = (len(text), error)
@@ -157,16 +161,16 @@ def test_a_dead_worker_loses_no_request(cluster, client, model):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    # the victim is a worker holding streams: wait until the router's choices show (on a
-    # busy machine the streams may still be queued or not yet sent after a fixed pause)
+    # the victim is a worker holding streams under way: wait until the router's choices
+    # show and tokens flow (no fixed pause: on a busy machine the streams may not have
+    # started after one, on an idle one they may have ended)
     deadline = time.monotonic() + TIMEOUT
     while True:
         live = [state(w) for w in workers]
         running = [s["num_running"] + s["num_waiting"] for s in live]
-        if any(running) or time.monotonic() > deadline:
+        if (any(running) and any(received)) or time.monotonic() > deadline:
             break
-        time.sleep(0.2)
-    time.sleep(1)  # a few tokens streamed
+        time.sleep(0.05)
     victim, survivor = (workers[0], workers[1]) if running[0] else (workers[1], workers[0])
     victim.proc.kill()  # no drain: the worker serving the streams is gone at once
     for t in threads:

@@ -70,17 +70,29 @@ class TorchNativeMetadata:
     window_out_slots: torch.Tensor | None = None  # (T,) hybrid window memory: window slots
 
 
-class DecodeView(NamedTuple):
-    """A plain decode step as the decode-attention kernel sees it (`decode_view`)."""
+SEGMENT_DECODE, SEGMENT_EXTEND = 0, 1  # decode_layers.cpp's Segment kinds
 
+
+class AttentionSegment(NamedTuple):
+    """A stretch of a step's rows attended by one kernel call, as `forward` calls it."""
+
+    kind: int  # SEGMENT_DECODE: one-token rows; SEGMENT_EXTEND: new tokens after a prefix
     kernel: int  # the kernel's address
+    start: int  # its first row in the step
+    req_rows: torch.Tensor  # (B,) each request's row in the request→token table
+    lens: torch.Tensor  # (B,) sequence lengths (decode) or cached prefixes' lengths (extend)
+    extend_lens: torch.Tensor | None  # (B,) new tokens (extend)
+    code: int  # the kernel's dtype code for queries, pool and output of the step's dtype
+
+
+class DriverView(NamedTuple):
+    """A step as `decode_layers.cpp` runs its attention (`driver_view`)."""
+
     pool_k: list[torch.Tensor]  # per layer (N, KH, D)
     pool_v: list[torch.Tensor]
-    slots: torch.Tensor  # (B,) where each row's K/V go
+    slots: torch.Tensor  # (T,) where each row's K/V go
     table: torch.Tensor  # the request→token table (R, C)
-    req_rows: torch.Tensor  # (B,) each row's request in the table
-    seq_lens: torch.Tensor  # (B,)
-    kv_code: int  # the kernel's dtype code for queries of the pool's dtype
+    segments: tuple[AttentionSegment, ...]  # in the rows' order, covering every row
 
 
 KERNEL_ISAS = ("amx", "avx512", "avx2")  # the decode kernel's builds, best first
@@ -334,33 +346,58 @@ class TorchNativeAttention:
             out.index_copy_(0, t, self._attend(layer, q[t], k[t], v[t], group))
         return out
 
-    def decode_view(self, meta: TorchNativeMetadata, dtype: torch.dtype) -> DecodeView | None:
-        """What `decode_layers.cpp` needs to write a decode step's K/V (of `dtype`, the
-        queries' too) and attend it in every layer as `forward` does, or None where
-        `forward` would do something else for this step (it is no plain decode step through
-        the decode kernel: a mixed or prefill batch, sliding windows, hybrid window memory,
-        K/V being loaded back, a pool of another dtype, queries the kernel converts)."""
-        kernel = self.decode_kernel
-        if kernel is None or meta.kv_loads or meta.window_groups or self.window_map is not None:
-            return None
-        if len(meta.groups) != 1 or any(self.windows):
-            return None
-        group = meta.groups[0]
-        if group.tokens is not None or group.kv_index is not None or group.window:
-            return None
-        if group.req_rows is None or group.seq_lens is None or group.decode_table is not None:
+    def driver_view(self, meta: TorchNativeMetadata, dtype: torch.dtype) -> DriverView | None:
+        """What `decode_layers.cpp` needs to write a step's K/V (of `dtype`, the queries'
+        too) and attend them in every layer as `forward` does, or None where `forward`
+        would do something else for this step: a group neither the decode kernel's nor the
+        extend kernel's (SDPA, causal prompts without the extend kernel), rows gathered by
+        index, sliding windows, hybrid window memory, K/V being loaded back, a pool of
+        another dtype, queries a kernel converts."""
+        if meta.kv_loads or meta.window_groups or self.window_map is not None:
             return None
         pool_k, pool_v = self.kv_pool.k, self.kv_pool.v
+        if any(self.windows) or pool_k[0].dtype != dtype:
+            return None
         if not all(t.is_contiguous() for t in (*pool_k, *pool_v)):
             return None
-        code = kernel.io_code(dtype)
-        if code is None or pool_k[0].dtype != dtype:
-            return None
+        segments = []
+        for group in meta.groups:
+            tokens = group.tokens
+            if isinstance(tokens, torch.Tensor) or group.window or group.kv_index is not None:
+                return None
+            if group.req_rows is None or group.decode_table is not None:
+                return None
+            start = 0 if tokens is None else tokens.start
+            segment = self._segment(group, start, dtype)
+            if segment is None:
+                return None
+            segments.append(segment)
         table = self.req_to_token.table
-        return DecodeView(
-            kernel.address, pool_k, pool_v, meta.out_slots.contiguous(), table,
-            group.req_rows.contiguous(), group.seq_lens.contiguous(), code,
-        )  # fmt: skip
+        return DriverView(pool_k, pool_v, meta.out_slots.contiguous(), table, tuple(segments))
+
+    def _segment(
+        self, group: AttentionGroup, start: int, dtype: torch.dtype
+    ) -> AttentionSegment | None:
+        req_rows = group.req_rows.contiguous()
+        if group.causal_lens is not None:
+            return None
+        if group.extend_lens is not None:
+            kernel = self.extend_kernel
+            if kernel is None or group.prefix_lens is None or dtype not in kernel.dtypes:
+                return None
+            return AttentionSegment(
+                SEGMENT_EXTEND, kernel.address, start, req_rows,
+                group.prefix_lens.contiguous(), group.extend_lens.contiguous(),
+                EXTEND_DTYPE_CODES[dtype],
+            )  # fmt: skip
+        kernel, code = self.decode_kernel, None
+        if kernel is not None and group.seq_lens is not None:
+            code = kernel.io_code(dtype)
+        if code is None:
+            return None
+        return AttentionSegment(
+            SEGMENT_DECODE, kernel.address, start, req_rows, group.seq_lens.contiguous(), None, code
+        )
 
     def _attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionGroup
@@ -471,6 +508,11 @@ class _AttentionLibrary:
     def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         return bool(self._supports(heads, kv_heads, head_dim))
 
+    @property
+    def address(self) -> int:
+        """The kernel's entry point (for decode_layers.cpp)."""
+        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
+
 
 class DecodeKernel(_AttentionLibrary):
     """The C++ decode attention: `kernel(q (B, H, D), k_pool, v_pool (N, KH, D),
@@ -494,10 +536,6 @@ class DecodeKernel(_AttentionLibrary):
         # the AVX-512 build reads a bf16 query and writes a bf16 output itself: two
         # conversions fewer per layer (torch ops of ~20 us each at 16 running)
         self.bf16_io = hasattr(library, "decode_attention_bf16_io")
-
-    @property
-    def address(self) -> int:
-        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
 
     def io_code(self, dtype: torch.dtype) -> int | None:
         """The kernel's dtype code for queries, pool and output all of `dtype`, taken and

@@ -64,7 +64,7 @@ class CausalLM(nn.Module):
         self.lm_packed_rows = EVERY_ROW
         self.lm_blocked: BlockedLinear | None = None  # see use_blocked_linears
         self.lm_blocked_rows: PackedRows | None = None
-        # decode steps' decoder layers in one C++ call (decode_layers.py), where the model
+        # a step's decoder layers in one C++ call (decode_layers.py), where the model
         # class runs it (Llama-family); None: layer by layer in Python
         self.decode_layers: Callable[..., torch.Tensor | None] | None = None
 

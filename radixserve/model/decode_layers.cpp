@@ -1,8 +1,9 @@
-// A decode step's decoder layers in one call: every layer of a Llama-family model over the
-// step's one-token rows, through the same kernels, in the same order, on the same buffers'
-// values as the Python model calls them one by one (cpu_kernels.py: the blocked or row
-// linear kernels, fused_ops.cpp, the decode-attention kernel), so the hidden states come out
-// bit for bit as they do there. What it saves is what lies between the kernels: ~10 Python
+// A step's decoder layers in one call: every layer of a Llama-family model over the step's
+// rows (a decode step's one-token rows; or a mixed step's, or an extend batch's, new tokens
+// after their cached prefixes), through the same kernels, in the same order, on the same
+// buffers' values as the Python model calls them one by one (cpu_kernels.py: the blocked or
+// row linear kernels, fused_ops.cpp, the decode- and extend-attention kernels), so the
+// hidden states come out bit for bit as they do there. What it saves is what lies between the kernels: ~10 Python
 // calls, ctypes conversions and torch allocations per layer (SmolLM2: 30 layers, ~300 calls
 // a step). Built and loaded by cpu_kernels.py; it calls the other kernels through the
 // function pointers decode_layers.py hands it, so it has no instructions of its own beyond
@@ -26,11 +27,16 @@ using Rotary = void (*)(void* q, void* k, const void* cos, const void* sin, int6
                         int64_t heads, int64_t kv_heads, int64_t dim, int threads);
 using SiluMul = void (*)(const void* gate, const void* up, void* out, int64_t rows, int64_t width,
                          int64_t stride, int threads);
-using Attention = void (*)(const void* q, const void* k_pool, const void* v_pool,
-                           const int64_t* table, const int64_t* rows, const int64_t* seq_lens,
-                           void* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                           int64_t table_stride, float scale, int threads, int kv_dtype,
-                           int64_t window);
+using DecodeAttention = void (*)(const void* q, const void* k_pool, const void* v_pool,
+                                 const int64_t* table, const int64_t* rows,
+                                 const int64_t* seq_lens, void* out, int64_t batch, int64_t heads,
+                                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
+                                 int threads, int kv_dtype, int64_t window);
+using ExtendAttention = void (*)(const void* q, const void* k_pool, const void* v_pool,
+                                 const int64_t* table, const int64_t* rows,
+                                 const int64_t* prefix_lens, const int64_t* extend_lens, void* out,
+                                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                 int64_t table_stride, float scale, int threads, int dtype);
 
 // A linear layer's entry in a layer's row (decode_layers.py LINEAR_FIELDS): the kernel, the
 // weight (its layout), the bias or 0, and how the kernel is called.
@@ -62,11 +68,21 @@ static_assert(sizeof(Layer) == 28 * sizeof(int64_t), "decode_layers.py LAYER_FIE
 
 // The step's shapes and the kernels shared by every layer (decode_layers.py STEP_FIELDS).
 struct Step {
-    int64_t rms_norm, add_rms_norm, rotary, silu_mul, attention;
-    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, elem_size, threads, kv_code,
+    int64_t rms_norm, add_rms_norm, rotary, silu_mul;
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, elem_size, threads,
         table_stride;
 };
-static_assert(sizeof(Step) == 15 * sizeof(int64_t), "decode_layers.py STEP_FIELDS");
+static_assert(sizeof(Step) == 13 * sizeof(int64_t), "decode_layers.py STEP_FIELDS");
+
+// A stretch of the step's rows attended by one kernel call, as the Python attention backend
+// makes it (attention.py driver_view; decode_layers.py SEGMENT_FIELDS): the decode kernel
+// over one-token rows (lens: their sequence lengths), or the extend kernel over requests'
+// new tokens (lens: their cached prefixes' lengths, extend_lens: their new tokens').
+struct Segment {
+    int64_t kind, fn, start, batch, req_rows, lens, extend_lens, code;
+};
+static_assert(sizeof(Segment) == 8 * sizeof(int64_t), "decode_layers.py SEGMENT_FIELDS");
+constexpr int64_t kDecode = 0, kExtend = 1;
 
 char* at(void* base, int64_t elements, int64_t elem_size) {
     return (char*)base + elements * elem_size;
@@ -79,15 +95,17 @@ extern "C" {
 // x (rows, hidden): the embeddings in, the residual stream before the last layer's MLP out;
 // delta (rows, hidden): that MLP's output (the caller adds the two, as the Python model
 // does). cos, sin (rows, head_dim): the rows' rotary tables; slots (rows,): where each row's
-// K/V go in every layer's pool; table, req_rows, seq_lens: the decode-attention kernel's
-// view of the requests (no sliding window). scratch: rows * (hidden + 2 * heads * head_dim +
-// 2 * kv_heads * head_dim + 3 * intermediate) elements.
+// K/V go in every layer's pool; table: the request→token table; segments: the attention
+// kernels' calls, in the rows' order, that cover every row (no sliding window). scratch:
+// rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 3 * intermediate)
+// elements.
 void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int64_t num_layers,
                    void* x, void* delta, const void* cos, const void* sin, const int64_t* slots,
-                   const int64_t* table, const int64_t* req_rows, const int64_t* seq_lens,
+                   const int64_t* table, const int64_t* segment_fields, int64_t num_segments,
                    void* scratch, float eps, float scale) {
     const Step& s = *(const Step*)step_fields;
     const Layer* layers = (const Layer*)layer_fields;
+    const Segment* segments = (const Segment*)segment_fields;
     const int64_t m = s.rows, es = s.elem_size, hidden = s.hidden, inter = s.intermediate;
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int threads = (int)s.threads;
@@ -114,9 +132,22 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
             memcpy((char*)l.k_pool + slots[t] * row_bytes, k + t * row_bytes, row_bytes);
             memcpy((char*)l.v_pool + slots[t] * row_bytes, v + t * row_bytes, row_bytes);
         }
-        ((Attention)s.attention)(q, (const void*)l.k_pool, (const void*)l.v_pool, table,
-                                 req_rows, seq_lens, attn, m, s.heads, s.kv_heads, s.head_dim,
-                                 s.table_stride, scale, threads, (int)s.kv_code, 0);
+        for (int64_t j = 0; j < num_segments; j++) {
+            const Segment& g = segments[j];
+            const void* q_g = at(q, g.start * q_width, es);
+            void* out_g = at(attn, g.start * q_width, es);
+            if (g.kind == kDecode)
+                ((DecodeAttention)g.fn)(q_g, (const void*)l.k_pool, (const void*)l.v_pool, table,
+                                        (const int64_t*)g.req_rows, (const int64_t*)g.lens, out_g,
+                                        g.batch, s.heads, s.kv_heads, s.head_dim, s.table_stride,
+                                        scale, threads, (int)g.code, 0);
+            else
+                ((ExtendAttention)g.fn)(q_g, (const void*)l.k_pool, (const void*)l.v_pool, table,
+                                        (const int64_t*)g.req_rows, (const int64_t*)g.lens,
+                                        (const int64_t*)g.extend_lens, out_g, g.batch, s.heads,
+                                        s.kv_heads, s.head_dim, s.table_stride, scale, threads,
+                                        (int)g.code);
+        }
         linear(l.o, attn, delta, m, hidden, q_width, threads);
         ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, m, hidden, eps,
                                      threads);

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C++ call (`decode_layers.cpp`).
+"""A step's decoder layers in one C++ call (`decode_layers.cpp`).
 
 On CPU a decode step of SmolLM2 calls ~300 kernels (30 layers of norms, six products,
 rotary, the K/V write, attention, SiLU * up), each from Python through ctypes with a torch
@@ -7,9 +7,14 @@ allocation for its output: ~10 ms of a ~60 ms step at 16 running on an AMD EPYC 
 would reach (the same choice `Linear.forward`, `GatedMLP`, `RMSNorm` and the attention
 backend make) into a table of function pointers and weights, and hands the whole stack to
 one C++ loop that calls them in the same order on the same values: the hidden states are
-bit for bit the Python model's. Steps it does not take (prefill and mixed batches, a layer
-whose product goes to torch, tensor parallelism, sliding windows, K/V being loaded back,
-a pool of another dtype than the model) run the Python model as before.
+bit for bit the Python model's. Decode steps, and steps of up to MAX_ROWS rows with new
+tokens after cached prefixes (a mixed step's arriving requests beside its decode rows, an
+extend batch) where the extend-attention kernel attends them: ~10 ms of Python a step
+matters there too (a step of 15 decode rows and one arriving request's 32 tokens takes
+~90 ms). Steps it does not take (larger prefills, which are compute-bound and whose MLP
+goes in chunks, rows gathered by index, a layer whose product goes to torch, tensor
+parallelism, sliding windows, K/V being loaded back, a pool of another dtype than the
+model) run the Python model as before.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from radixserve.model.cpu_kernels import (
     load_kernel,
     profiled,
 )
+from radixserve.model.layers import MLP_CHUNK_ROWS
 
 logger = logging.getLogger(__name__)
 
 LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers of 4 fields
-STEP_FIELDS = 15  # decode_layers.cpp's Step
+STEP_FIELDS = 13  # decode_layers.cpp's Step
+SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
 ROWS_KIND, ONE_ROW_KIND = -1, -2  # how a linear kernel is called (decode_layers.cpp)
+MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -43,13 +51,13 @@ def _address(function: ctypes._CFuncPtr) -> int:
 
 class DecodeLayers:
     """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM) for
-    decode steps, through `library` (decode_layers.cpp) and the kernels the model was given.
-    `__call__` returns None for a step it does not take."""
+    decode and small extend steps, through `library` (decode_layers.cpp) and the kernels the
+    model was given. `__call__` returns None for a step it does not take."""
 
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
         self._run = library.decode_layers
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, p, p, f32, f32]
+        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, i64, p, f32, f32]
         self._run.restype = None
         self.model, self.fused = model, fused
         config = model.config
@@ -88,14 +96,17 @@ class DecodeLayers:
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, meta
     ) -> torch.Tensor | None:
-        """x (M, hidden): the embeddings of a decode step's M tokens → the residual stream
-        after the last layer (before the final norm), or None where this step is not one
-        the driver takes (the caller runs the Python layers then)."""
-        view = getattr(attn, "decode_view", None)
-        view = None if view is None else view(meta, self.dtype)
-        if view is None or x.dtype != self.dtype or not x.is_contiguous():
+        """x (M, hidden): the embeddings of a step's M tokens → the residual stream after
+        the last layer (before the final norm), or None where this step is not one the
+        driver takes (the caller runs the Python layers then)."""
+        rows = x.shape[0]
+        if rows > MAX_ROWS or x.dtype != self.dtype or not x.is_contiguous():
             return None
-        rows, threads = x.shape[0], torch.get_num_threads()
+        view = getattr(attn, "driver_view", None)
+        view = None if view is None else view(meta, self.dtype)
+        if view is None:
+            return None
+        threads = torch.get_num_threads()
         key = (rows, threads, view.pool_k[0].data_ptr())
         if key not in self._plans:
             self._plans[key] = self._plan(rows, threads, view)
@@ -103,13 +114,14 @@ class DecodeLayers:
         if plan is None:
             return None
         step, layers = plan
+        segments = _segment_fields(view)
         delta = torch.empty_like(x)
         scratch = torch.empty(rows * self.scratch_per_row, dtype=x.dtype)
         with profiled("kernel:decode_layers"):
             self._run(
                 step.data_ptr(), layers.data_ptr(), len(self.model.layers), x.data_ptr(),
                 delta.data_ptr(), cos.data_ptr(), sin.data_ptr(), view.slots.data_ptr(),
-                view.table.data_ptr(), view.req_rows.data_ptr(), view.seq_lens.data_ptr(),
+                view.table.data_ptr(), segments.data_ptr(), len(view.segments),
                 scratch.data_ptr(), self.eps, attn.scale,
             )  # fmt: skip
         return x + delta
@@ -138,10 +150,9 @@ class DecodeLayers:
             layers.append(row)
         ops = self.fused.pointers(self.dtype)
         step = [
-            ops["rms_norm"], ops["add_rms_norm"], ops["rotary"], ops["silu_mul"], view.kernel,
+            ops["rms_norm"], ops["add_rms_norm"], ops["rotary"], ops["silu_mul"],
             rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            torch.empty(0, dtype=self.dtype).element_size(), threads, view.kv_code,
-            view.table.stride(0),
+            torch.empty(0, dtype=self.dtype).element_size(), threads, view.table.stride(0),
         ]  # fmt: skip
         assert len(step) == STEP_FIELDS and all(len(r) == LAYER_FIELDS for r in layers)
         return torch.tensor(step, dtype=torch.int64), torch.tensor(layers, dtype=torch.int64)
@@ -167,6 +178,17 @@ class DecodeLayers:
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
         kind = ROWS_KIND if kernel.takes_rows else ONE_ROW_KIND
         return [kernel.address, linear.weight.data_ptr(), bias, kind]
+
+
+def _segment_fields(view) -> torch.Tensor:
+    """decode_layers.cpp's Segments of an attention backend's `driver_view`, in order."""
+    fields = []
+    for seg in view.segments:
+        extend_lens = 0 if seg.extend_lens is None else seg.extend_lens.data_ptr()
+        row = [seg.kind, seg.kernel, seg.start, len(seg.req_rows), seg.req_rows.data_ptr()]
+        fields.append(row + [seg.lens.data_ptr(), extend_lens, seg.code])
+    assert all(len(f) == SEGMENT_FIELDS for f in fields)
+    return torch.tensor(fields, dtype=torch.int64)
 
 
 @functools.cache

@@ -126,7 +126,7 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:  # (T, hidden), before the final norm
         x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
-        if self.decode_layers is not None:  # a decode step's layers in one C++ call
+        if self.decode_layers is not None:  # the layers in one C++ call, where it takes them
             out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta)
             if out is not None:
                 return out
