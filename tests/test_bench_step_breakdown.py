@@ -66,9 +66,7 @@ def _run(tmp_path, capsys, model, batch_sizes, kernels, layer_by_layer=False):
 @pytest.mark.parametrize(
     ("kernels", "layer_by_layer"), [("auto", False), ("auto", True), ("torch", False)]
 )
-def test_parts_add_up_to_the_step_time(
-    tmp_path, capsys, tiny_model_dirs, kernels, layer_by_layer
-):
+def test_parts_add_up_to_the_step_time(tmp_path, capsys, tiny_model_dirs, kernels, layer_by_layer):
     model = tiny_model_dirs["llama"]
     stdout, rows = _run(tmp_path, capsys, model, [1, 4], kernels, layer_by_layer)
     assert "threads" in stdout and "kernels KernelPlan(" in stdout

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from radixserve.cache import KVPool, ReqToTokenPool
 from radixserve.cache.allocator import PADDING_SLOT
 from radixserve.core.batch import ForwardBatch, ForwardMode
-from radixserve.model.cpu_kernels import load_kernel, profiled
+from radixserve.model.cpu_kernels import function_address, load_kernel, profiled
 
 logger = logging.getLogger(__name__)
 
@@ -378,9 +378,9 @@ class TorchNativeAttention:
     def _segment(
         self, group: AttentionGroup, start: int, dtype: torch.dtype
     ) -> AttentionSegment | None:
-        req_rows = group.req_rows.contiguous()
         if group.causal_lens is not None:
             return None
+        req_rows = group.req_rows.contiguous()
         if group.extend_lens is not None:
             kernel = self.extend_kernel
             if kernel is None or group.prefix_lens is None or dtype not in kernel.dtypes:
@@ -511,7 +511,7 @@ class _AttentionLibrary:
     @property
     def address(self) -> int:
         """The kernel's entry point (for decode_layers.cpp)."""
-        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
+        return function_address(self._run)
 
 
 class DecodeKernel(_AttentionLibrary):

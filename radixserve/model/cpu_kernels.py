@@ -54,6 +54,11 @@ def cpu_runs(isa: str) -> bool:
     return avx2
 
 
+def function_address(function: ctypes._CFuncPtr) -> int:
+    """A loaded kernel's entry point, for C code that calls it (decode_layers.cpp)."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
 def profiled(name: str) -> contextlib.AbstractContextManager:
     """A label for torch's profiler around a ctypes kernel call, which it cannot see into
     (`radixserve bench step-breakdown` reads them: "kernel:linear", "kernel:attention");
@@ -122,7 +127,7 @@ class LinearKernel:
     @property
     def address(self) -> int:
         """The kernel's address, for C code that calls it (decode_layers.cpp)."""
-        return ctypes.cast(self._run, ctypes.c_void_p).value or 0
+        return function_address(self._run)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -187,7 +192,7 @@ class FusedOps:
     def pointers(self, dtype: torch.dtype) -> dict[str, int]:
         """Each op's kernel for `dtype` by name, as an address (decode_layers.cpp)."""
         return {
-            name: ctypes.cast(kernel, ctypes.c_void_p).value or 0
+            name: function_address(kernel)
             for (name, kernel_dtype), kernel in self._kernels.items()
             if kernel_dtype == dtype
         }
@@ -296,7 +301,7 @@ class BlockedLinear:
     @property
     def address(self) -> int:
         """The linear kernel's address, for C code that calls it (decode_layers.cpp)."""
-        return ctypes.cast(self._linear, ctypes.c_void_p).value or 0
+        return function_address(self._linear)
 
     def fits(self, weight: torch.Tensor) -> bool:
         """A 2-D weight of the kernel's dtype, a multiple of 16 rows (output features) by a

@@ -45,10 +45,6 @@ ROWS_KIND, ONE_ROW_KIND = -1, -2  # how a linear kernel is called (decode_layers
 MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 
 
-def _address(function: ctypes._CFuncPtr) -> int:
-    return ctypes.cast(function, ctypes.c_void_p).value or 0
-
-
 class DecodeLayers:
     """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM) for
     decode and small extend steps, through `library` (decode_layers.cpp) and the kernels the

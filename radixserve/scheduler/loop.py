@@ -76,7 +76,7 @@ class SchedulerLoop:
         self.decode_loop_seconds = 0.0  # loop iterations that decoded, receiving + sending too
         self._last_state: SchedulerStats | None = None
         self._last_state_time = 0.0
-        self._mapping = scheduler.runner.kv_pool.mapping  # KV pool pages left to map when idle
+        self._mapping = True  # KV pool pages may be left to map when idle (map_idle_pages)
 
     def run(self) -> None:
         try:
