@@ -162,10 +162,11 @@ class SchedulerConfig:
         None, "Most requests decoding at once. Default: min(256, KV pool tokens)."
     )
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch.")
-    chunked_prefill_size: int = _opt(
-        8192,
-        "Longest prefill chunk; longer prompts are split and interleaved with decode "
-        "steps. 0 or -1 disables chunking.",
+    chunked_prefill_size: int | None = _opt(
+        None,
+        "Most new tokens in one step (prompt chunks, and with mixed chunks the decode tokens "
+        "riding along); longer prompts are split. Default: 1024 on a CPU, 8192 on a GPU (see "
+        "radixserve/hardware.py). 0 or -1 disables chunking.",
     )
     enable_mixed_chunk: bool = _opt(
         True,
@@ -215,10 +216,11 @@ class SchedulerConfig:
         --max-running-requests, else min(DEFAULT_MAX_RUNNING_REQUESTS, kv_tokens)."""
         return self.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, kv_tokens)
 
-    @property
-    def chunk_size(self) -> int | None:
-        """The chunk length, or None when chunking is off."""
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+    def chunk_size(self, default: int) -> int | None:
+        """The chunk length (`default`, the device's, unless --chunked-prefill-size names
+        one), or None when chunking is off."""
+        size = default if self.chunked_prefill_size is None else self.chunked_prefill_size
+        return size if size > 0 else None
 
 
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")

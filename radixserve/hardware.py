@@ -408,6 +408,26 @@ def keep_freed_memory() -> bool:
     )
 
 
+# CHUNKED_PREFILL: the most new tokens one step takes when --chunked-prefill-size is not
+# given. A GPU step costs about the same for a few hundred tokens as for a few thousand, so
+# large chunks (SGLang's 8192) finish prompts in fewer steps. A CPU step's cost grows with
+# its rows from a few dozen on (the products are compute-bound), so a larger chunk buys no
+# throughput: every request behind it waits for the whole chunk before its first token, and
+# steps of up to 1,024 rows run the decoder in one C++ call (DECODE_LAYERS). AMD EPYC Zen 4,
+# 2 cores, SmolLM2 fp32, `bench serving` at 16 streams on the vs-vLLM workloads, req/s and
+# TTFT p50, 8192 -> 1024 (runs alternated, 2-3 each): no sharing 1.20-1.22 -> 1.22-1.29,
+# 11.4 s -> 2.5-3.4 s (TPOT p50 52 -> 300-313 ms: with prompts always waiting, each decode
+# token rides in a chunk's step instead of all prefill first); shared prefix 4.53-4.63 ->
+# 4.46-4.70, 743-788 -> 490-667 ms; multi-turn 4.39-4.78 -> 4.63-4.64, 1.45 -> 1.06-1.12 s.
+# 2048: no sharing 1.19-1.27, shared prefix 4.25-4.46; 4096: no sharing 1.11.
+CHUNKED_PREFILL = {"cpu": 1024, "cuda": 8192}
+
+
+def chunk_default(device: torch.device) -> int:
+    """The chunk length for `device` when --chunked-prefill-size is not given."""
+    return CHUNKED_PREFILL.get(device.type, CHUNKED_PREFILL["cuda"])
+
+
 def resolve_device_and_dtype(model: ModelConfig) -> tuple[torch.device, torch.dtype]:
     """The one place where "auto" device and dtype become concrete."""
     if model.device == "auto":

@@ -13,6 +13,7 @@ from radixserve.config import Config
 from radixserve.core.output import FinishReason
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.hardware import CHUNKED_PREFILL
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.policy import order_waiting
 from radixserve.scheduler.scheduler import Scheduler
@@ -114,6 +115,26 @@ def test_mixed_chunks_carry_the_decode_step(tiny_model_dirs):
     assert sched.stats.mixed_steps == 8
     run_to_end(sched)
     assert sched.flush_cache()
+
+
+@pytest.mark.parametrize(
+    "flag, chunk", [(None, CHUNKED_PREFILL["cpu"]), (0, 0), (-1, 0), (300, 300)]
+)
+def test_the_chunk_length_defaults_to_the_devices(tiny_model_dirs, flag, chunk):
+    """Without --chunked-prefill-size a CPU step takes at most CHUNKED_PREFILL["cpu"] new
+    tokens (the resolved length is what ModelInfo, hence /get_server_info, reports); 0 or
+    -1 turns chunking off."""
+    sched = make_scheduler(tiny_model_dirs, chunked_prefill_size=flag)
+    assert sched.info.chunked_prefill_size == chunk
+    prompt = [(7 * i) % 300 + 40 for i in range(1500)]
+    sched.add_request(req("long", prompt, max_new_tokens=2))
+    sched.step()
+    if chunk:
+        assert sched.chunked is not None and sched.chunked.kv_len == chunk
+    else:
+        assert sched.chunked is None and [r.kv_len for r in sched.running] == [1500]
+    run_to_end(sched)
+    sched.check_kv_accounting()
 
 
 def test_abort_of_a_chunked_request_leaks_nothing(tiny_model_dirs):

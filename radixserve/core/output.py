@@ -149,6 +149,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     dtype: str
     kv_cache_dtype: str
     kv_pool_bytes: int
+    chunked_prefill_size: int = 0  # most new tokens a step takes (0: prompts are never cut)
     hidden_size: int = 0  # the length of an embedding (0: not reported)
     kernel_plan: dict[str, Any] = msgspec.field(default_factory=dict)
     cpu: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -23,6 +23,7 @@ from radixserve.config import Config, parse_host_port
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import (
     KernelPlan,
+    chunk_default,
     cpu_info,
     keep_freed_memory,
     place_process,
@@ -197,6 +198,7 @@ class ModelRunner:
             model_path=str(self.model_folder),
             max_total_num_tokens=self.max_total_tokens,
             max_running_requests=self.config.scheduler.running_limit(self.max_total_tokens),
+            chunked_prefill_size=self.config.scheduler.chunk_size(chunk_default(self.device)) or 0,
             context_length=self.context_len,
             vocab_size=self.vocab_size,
             dtype=str(self.dtype).removeprefix("torch."),

@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass, field
 
 from radixserve.config import SchedulerConfig
+from radixserve.core.output import ModelInfo
 from radixserve.core.req import Req
 from radixserve.core.tokens import common_prefix_len
 from radixserve.scheduler.kv_manager import KVManager
@@ -86,15 +87,17 @@ class PrefillAdder:
     def for_step(
         cls,
         config: SchedulerConfig,
+        info: ModelInfo,
         kv: KVManager,
         reserve: OutputReserve,
         page_size: int,
-        max_running: int,
         running: list[Req],
         decode_tokens: int = 0,
     ) -> PrefillAdder:
-        """The adder of one step, its budgets taken from the config and the KV state."""
-        budget = min(config.max_prefill_tokens, config.chunk_size or config.max_prefill_tokens)
+        """The adder of one step, its budgets taken from the config, the limits resolved at
+        load (`info`) and the KV state."""
+        chunk_size = info.chunked_prefill_size or None
+        budget = min(config.max_prefill_tokens, chunk_size or config.max_prefill_tokens)
         window_budget = kv.window_room()
         if window_budget is not None:
             growth = (kv.window_hold(r, reserve.of(r)) - kv.window_hold(r) for r in running)
@@ -104,9 +107,9 @@ class PrefillAdder:
             reserve,
             token_budget=max(budget - decode_tokens, 1),
             kv_budget=kv.available - sum(map(reserve.of, running)),
-            chunk_size=config.chunk_size,
+            chunk_size=chunk_size,
             page_size=page_size,
-            rows_left=max_running - len(running),
+            rows_left=info.max_running_requests - len(running),
             decode_tokens=decode_tokens,
             has_running=bool(running),
             window_budget=window_budget,

@@ -189,8 +189,8 @@ class Scheduler:
         if not self.waiting and self.chunked is None:
             return None
         adder = PrefillAdder.for_step(
-            self.config, self.kv, self.reserve, self.page_size,
-            self.info.max_running_requests, self.running, decode_tokens,
+            self.config, self.info, self.kv, self.reserve, self.page_size, self.running,
+            decode_tokens,
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
