@@ -111,21 +111,18 @@ class KVPool:
         """Pages of the pool are left for `map_idle_pages` to map."""
         return bool(self._unmapped)
 
-    def map_idle_pages(self, budget_s: float = 0.0) -> bool:
-        """Map the next POPULATE_CHUNK of the pool's unmapped pages, and more until
-        `budget_s` has passed; True while some remain. For the scheduler loop's idle time
-        (IDLE_MAPPING): a page the pool's users write first is mapped by that write."""
+    def map_idle_pages(self) -> bool:
+        """Map the next POPULATE_CHUNK of the pool's unmapped pages; True while some remain.
+        For the scheduler loop's idle time (IDLE_MAPPING): a page the pool's users write
+        first is mapped by that write."""
         if not self._unmapped:
             return False
         start = time.perf_counter()
-        while self._unmapped:
-            address, end = self._unmapped.pop()
-            if not _populate_range(address, end - address):  # out of memory, say
-                logger.warning("KV pool: its pages are left to be mapped as first written")
-                self._unmapped.clear()
-                return False
-            if time.perf_counter() - start >= budget_s:
-                break
+        address, end = self._unmapped.pop()
+        if not _populate_range(address, end - address):  # out of memory, say
+            logger.warning("KV pool: its pages are left to be mapped as first written")
+            self._unmapped.clear()
+            return False
         self._mapping_seconds += time.perf_counter() - start
         if not self._unmapped:
             logger.info("KV pool: every page mapped (%.1f s of idle time)", self._mapping_seconds)

@@ -3,11 +3,11 @@
 // after their cached prefixes), through the same kernels, in the same order, on the same
 // buffers' values as the Python model calls them one by one (cpu_kernels.py: the blocked or
 // row linear kernels, fused_ops.cpp, the decode- and extend-attention kernels), so the
-// hidden states come out bit for bit as they do there. What it saves is what lies between the kernels: ~10 Python
-// calls, ctypes conversions and torch allocations per layer (SmolLM2: 30 layers, ~300 calls
-// a step). Built and loaded by cpu_kernels.py; it calls the other kernels through the
-// function pointers decode_layers.py hands it, so it has no instructions of its own beyond
-// a copy (the new tokens' K/V into the pool).
+// hidden states come out bit for bit as they do there. What it saves is what lies between
+// the kernels: ~10 Python calls, ctypes conversions and torch allocations per layer
+// (SmolLM2: 30 layers, ~300 calls a step). Built and loaded by cpu_kernels.py; it calls the
+// other kernels through the function pointers decode_layers.py hands it, so it has no
+// instructions of its own beyond a copy (the new tokens' K/V into the pool).
 #include <stdint.h>
 #include <string.h>
 
