@@ -69,8 +69,20 @@ class ModelConfig:
         "torch: torch ops only.",
         choices=KERNELS,
     )
+    disable_cuda_graph: bool = _opt(
+        False,
+        "On CUDA, run decode steps eagerly instead of replaying them from CUDA graphs "
+        "captured at start-up (model/cuda_graph.py).",
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        None,
+        "Largest decode batch replayed from a CUDA graph (larger ones run eagerly). "
+        "Default: the most requests running at once.",
+    )
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -58,6 +58,7 @@ import torch
 import transformers
 
 REPO = Path(__file__).resolve().parents[2]
+EAGER = "radixserve eager"  # the throughput part's runner with its decode graphs set aside
 TEACHER_FORCED_STEPS = 8  # decode steps fed the reference's own tokens, as in the CPU tests
 
 # SmolLM2-135M's shape; the weights are random (they do not change the speed).
@@ -183,7 +184,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "device": str(device),
-        "cuda_graphs": "not implemented (every decode step runs eagerly)",
+        "cuda_graphs": "decode steps replayed from CUDA graphs (model/cuda_graph.py) "
+        "on CUDA; each figure says whether they ran",
         "gpu": None,
     }
     if device.type == "cuda" and torch.cuda.is_available():
@@ -267,16 +269,16 @@ def fidelity_case(
     from transformers import AutoModelForCausalLM
 
     from radixserve.config import Config
-    from radixserve.model.runner import ModelRunner
     from tests.reference import reference_logits
     from tests.static_generator import StaticGenerator
     from tests.test_fidelity import ATOL, TEXTS, encode, greedy
 
+    graph_error = None
     if runner is None:
         config = Config.from_flat(
             model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=8192
         )
-        runner = ModelRunner(config, progress=False)
+        runner, graph_error = _runner_with_graphs(config)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=runner.dtype)
     reference = reference.to(runner.device).eval()
     prompts = [encode(runner, t) for t in TEXTS]
@@ -291,7 +293,15 @@ def fidelity_case(
     identical = sum(n == steps for n in agreeing)
     judged = dtype == "float32"
     passed = max(prefill_diff, decode_diff) <= ATOL and identical == len(prompts)
-    return {
+    graphs = {"decode_graphs": _graph_sizes(runner), "graph_error": graph_error}
+    if runner.decode_graphs is not None:  # the same steps once more, eagerly
+        with _eager(runner):
+            _, eager_diff = teacher_forced_diffs(runner, prompts, continuations, refs)
+            eager = StaticGenerator(runner).generate(prompts, [greedy(steps) for _ in prompts])
+        same = sum(a.output_ids == b.output_ids for a, b in zip(results, eager))
+        graphs |= {"eager_decode_max_abs": eager_diff, "graph_eager_greedy_identical": same}
+        passed = passed and same == len(prompts)
+    return graphs | {
         "prefill_max_abs": prefill_diff,
         "decode_max_abs": decode_diff,
         "reference_logits_max_abs": max(r.abs().max().item() for r in refs),
@@ -303,6 +313,67 @@ def fidelity_case(
         "atol": ATOL,
         "passed": passed if judged else None,  # bfloat16: reported, not judged
     }
+
+
+def _runner_with_graphs(config) -> tuple[Any, str | None]:
+    """A runner, with its decode graphs where the device has them (on CPU, the dry run,
+    their steps uncaptured); if capturing them fails, one without them and without the
+    Triton kernel they replay (and the error, so that the other figures are still
+    measured)."""
+    import dataclasses
+
+    from radixserve.model.runner import ModelRunner
+
+    try:
+        runner = ModelRunner(config, progress=False)
+        if runner.device.type == "cpu" and runner.attention.decode_kernel is not None:
+            # the dry run: the graphs' static-buffer steps, run uncaptured
+            from radixserve.model.cuda_graph import DecodeGraphs
+
+            runner.decode_graphs = DecodeGraphs(
+                runner.model, runner.attention, runner.kv_pool, 8, capture=False
+            )
+        return runner, None
+    except Exception:  # noqa: BLE001 - reported in the JSON; the eager runner still measures
+        error = traceback.format_exc()
+        _free(torch.device(config.model.device))
+    model = dataclasses.replace(config.model, disable_cuda_graph=True)
+    runner = ModelRunner(dataclasses.replace(config, model=model), progress=False)
+    runner.attention.decode_kernel = None  # the Triton kernel may be what failed: SDPA
+    return runner, error
+
+
+def _graph_sizes(runner) -> list[int] | None:
+    graphs = runner.decode_graphs
+    return None if graphs is None else list(graphs.sizes)
+
+
+class _eager:
+    """`with _eager(runner):` its decode steps run eagerly (its graphs set aside)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        self.graphs, self.runner.decode_graphs = self.runner.decode_graphs, None
+
+    def __exit__(self, *exc: object) -> None:
+        self.runner.decode_graphs = self.graphs
+
+
+class EagerWorkload:
+    """A RunnerWorkload timed with its runner's decode graphs set aside."""
+
+    def __init__(self, workload) -> None:
+        self.workload = workload
+
+    def prefill_seconds(self, prompt: list[int]) -> float:
+        with _eager(self.workload.runner):
+            return self.workload.prefill_seconds(prompt)
+
+    def decode_seconds(self, prompts: list[list[int]], steps: int) -> float:
+        with _eager(self.workload.runner):
+            return self.workload.decode_seconds(prompts, steps)
 
 
 def recompute_greedy(reference, ids: list[int], steps: int) -> list[int]:
@@ -365,7 +436,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) -> dict[str, Any]:
     from radixserve.bench.one_batch import Figure, RunnerWorkload, TransformersWorkload
     from radixserve.config import Config
-    from radixserve.model.runner import ModelRunner
 
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     folder = build_smollm2_shaped(work / "smollm2-shape", sizes.layers, getattr(torch, dtype))
@@ -373,13 +443,17 @@ def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) 
         model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=sizes.kv_tokens
     )
     before = _allocated(device)
-    runner = ModelRunner(config, progress=False)
+    start = time.perf_counter()
+    runner, graph_error = _runner_with_graphs(config)
+    runner_start_s = time.perf_counter() - start
     runner_resident = _allocated(device) - before
     before = _allocated(device)
-    workloads = {
-        "radixserve": RunnerWorkload(runner),
-        "transformers": TransformersWorkload(runner.model_folder, runner.dtype, runner.device),
-    }
+    workloads: dict[str, Any] = {"radixserve": RunnerWorkload(runner)}
+    if runner.decode_graphs is not None:
+        workloads[EAGER] = EagerWorkload(workloads["radixserve"])
+    workloads["transformers"] = TransformersWorkload(
+        runner.model_folder, runner.dtype, runner.device
+    )
     transformers_resident = _allocated(device) - before
     peaks = {name: 0 for name in workloads}
     gen = torch.Generator().manual_seed(0)
@@ -391,7 +465,8 @@ def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) 
         samples = _alternate(workloads, measure, sizes.repeats, device, peaks)
         ours, theirs = (statistics.median(samples[w]) for w in ("radixserve", "transformers"))
         fig = Figure(name, ours, theirs)
-        return asdict(fig) | {"ratio": fig.ratio, "samples": samples}
+        eager = statistics.median(samples[EAGER]) if EAGER in samples else None
+        return asdict(fig) | {"ratio": fig.ratio, "eager": eager, "samples": samples}
 
     def decode_rate(workload: Any, batch_prompts: list[list[int]]) -> float:
         steps = sizes.output_len
@@ -419,6 +494,12 @@ def throughput(device: torch.device, sizes: Sizes, work: Path, deadline: float) 
         "model": f"random weights, SmolLM2-135M shape ({sizes.layers} layers)",
         "dtype": dtype,
         "kv_pool_tokens": runner.max_total_tokens,
+        "decode_graphs": _graph_sizes(runner),
+        "graph_error": graph_error,
+        "graph_capture_s": None
+        if runner.decode_graphs is None
+        else runner.decode_graphs.capture_seconds,
+        "runner_start_s": runner_start_s,
         "decode_context_len": sizes.context_len,
         "decode_steps_timed": sizes.output_len,
         "repeats": sizes.repeats,
@@ -770,20 +851,31 @@ def _fidelity_table(part: dict[str, Any]) -> list[str]:
         f"{TEACHER_FORCED_STEPS} teacher-forced steps) next to the reference's largest |logit|; "
         "greedy: the 8 prompts in one batch, tokens agreeing before each first difference.",
         "",
+        "Decode steps replayed from CUDA graphs where 'graphs' says so; 'eager decode' is the "
+        "same runner's teacher-forced steps without them, 'graph = eager' its greedy outputs "
+        "both ways (judged with the rest in float32).",
+        "",
         "| model | prefill max-abs | decode max-abs | logit scale | greedy identical "
-        "| greedy tokens agreeing | verdict |",
-        "|---|---|---|---|---|---|---|",
+        "| greedy tokens agreeing | graphs | eager decode max-abs | graph = eager | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, case in part["cases"].items():
         if "prefill_max_abs" not in case:
-            lines.append(f"| {key} | {_not_measured(case)} ||||||")
+            lines.append(f"| {key} | {_not_measured(case)} |||||||||")
             continue
         verdict = {True: "pass", False: "FAIL", None: "reported"}[case["passed"]]
+        sizes = case.get("decode_graphs")
+        graphs = f"{len(sizes)} sizes" if sizes else ("FAILED" if case.get("graph_error") else "no")
+        eager = case.get("eager_decode_max_abs")
+        eager = "-" if eager is None else f"{eager:.2e}"
+        same = case.get("graph_eager_greedy_identical")
+        same = "-" if same is None else f"{same}/{case['greedy_prompts']}"
         lines.append(
             f"| {key} | {case['prefill_max_abs']:.2e} | {case['decode_max_abs']:.2e} "
             f"| {case['reference_logits_max_abs']:.2f} "
             f"| {case['greedy_identical']}/{case['greedy_prompts']} "
-            f"| {case['greedy_tokens_agreeing']}/{case['greedy_tokens']} "
+            f"| {case['greedy_tokens_agreeing']}/{case['greedy_tokens']} | {graphs} "
+            f"| {eager} | {same} "
             f"| {verdict} (bar {case['atol']:g}) |"
         )
     return lines
@@ -792,26 +884,43 @@ def _fidelity_table(part: dict[str, Any]) -> list[str]:
 def _throughput_table(part: dict[str, Any]) -> list[str]:
     if "figures" not in part:
         return [_not_measured(part)]
+    graphs = part.get("decode_graphs")
     lines = [
         f"{part['model']}, {part['dtype']}; decode after a {part['decode_context_len']}-token "
-        f"prompt, {part['decode_steps_timed']} steps timed; median of {part['repeats']}.",
+        f"prompt, {part['decode_steps_timed']} steps timed; median of {part['repeats']}. "
+        + (
+            f"radixserve replays decode steps from CUDA graphs ({len(graphs)} batch sizes "
+            f"captured in {part['graph_capture_s']:.1f} s; runner start "
+            f"{part['runner_start_s']:.1f} s); 'eager' is the same runner without them."
+            if graphs
+            else "No CUDA graphs: every step eager."
+            + (
+                " Capturing them failed (graph_error in the JSON)."
+                if part.get("graph_error")
+                else ""
+            )
+        ),
         "",
-        "| figure | radixserve | transformers | ratio |",
-        "|---|---|---|---|",
+        "| figure | radixserve | eager | transformers | vs transformers | graphs vs eager |",
+        "|---|---|---|---|---|---|",
     ]
     for fig in part["figures"]:
         if "radixserve" not in fig:
-            lines.append(f"| {fig.get('name', '?')} | {_not_measured(fig)} |||")
+            lines.append(f"| {fig.get('name', '?')} | {_not_measured(fig)} |||||")
             continue
+        eager = fig.get("eager")
+        eager_rate, speedup = (
+            (f"{eager:.1f}", f"{fig['radixserve'] / eager:.2f}x") if eager else ("-", "-")
+        )
         lines.append(
-            f"| {fig['name']} | {fig['radixserve']:.1f} | {fig['baseline']:.1f} "
-            f"| {fig['ratio']:.2f}x |"
+            f"| {fig['name']} | {fig['radixserve']:.1f} | {eager_rate} | {fig['baseline']:.1f} "
+            f"| {fig['ratio']:.2f}x | {speedup} |"
         )
     memory = part["memory_gib"]
     if memory:
         lines.append(
             f"| peak GPU memory allocated (GiB) | {memory['peak_during_radixserve']:.2f} "
-            f"| {memory['peak_during_transformers']:.2f} | |"
+            f"| - | {memory['peak_during_transformers']:.2f} | | |"
         )
         lines += [
             "",

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixserve.cache.allocator import PADDING_SLOT
+
 HUGE_PAGE = 2 << 20
 SMALL_PAGE = 4096
 MADV_HUGEPAGE = 14
@@ -138,6 +140,11 @@ class KVPool:
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def clear_padding_slot(self) -> None:
+        """Zero the padding slot of every layer again (a CUDA graph's padding rows write
+        their K/V there: model/cuda_graph.py)."""
+        torch._foreach_zero_([t[PADDING_SLOT] for t in (*self.k, *self.v)])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of new tokens: k, v (T, kv_heads, head_dim) into `slots` (T,),

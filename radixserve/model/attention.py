@@ -98,6 +98,25 @@ class DriverView(NamedTuple):
 KERNEL_ISAS = ("amx", "avx512", "avx2")  # the decode kernel's builds, best first
 
 
+class DeviceDecodeKernel(Protocol):
+    """A decode kernel for a device the C++ ones do not run on (triton_attention.py on
+    CUDA), called as they are: one-token rows attend `table[req_rows[b], :seq_lens[b]]`."""
+
+    def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool: ...
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        table: torch.Tensor,
+        req_rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int = 0,
+    ) -> torch.Tensor: ...
+
+
 class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> object: ...
 
@@ -119,7 +138,8 @@ class TorchNativeAttention:
     With `use_kernel` (on x86 CPUs, the kernel plan's choice), one-token rows (decode
     steps) go to the C++ decode kernel instead (`decode_attention.cpp`, or with `kernel_isa`
     "avx512" its AVX-512 variant, "amx" that one built with AMX), which reads K/V where they
-    lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask. With
+    lie in the pool, in fp32, bf16 or fp16: no gathered copy, no padding, no mask. A
+    `device_kernel` (the Triton one on CUDA) takes those rows ahead of them. With
     `use_extend_kernel` (a model over a pool of its own dtype: fp32 on AVX2,
     `extend_attention.cpp`; fp32 or bf16 on AVX-512 + AVX512-BF16,
     `extend_attention_avx512.cpp`) the other rows (prompts, with or without a cached
@@ -150,6 +170,7 @@ class TorchNativeAttention:
         window_map: torch.Tensor | None = None,
         kernel_isa: str = "avx2",
         use_extend_kernel: bool = False,
+        device_kernel: DeviceDecodeKernel | None = None,
     ) -> None:
         self.kv_pool = kv_pool
         self.window_map = window_map  # (pool size + 1,) full slot → window slot, or None
@@ -160,9 +181,12 @@ class TorchNativeAttention:
             raise ValueError(f"sliding windows must be >= 0, got {sorted(set(self.windows))}")
         _, kv_heads, head_dim = kv_pool.k[0].shape
         self.decode_kernel = None
+        if device_kernel is not None and device_kernel.supports(num_heads, kv_heads, head_dim):
+            self.decode_kernel = device_kernel
         # the plan's build, else the next one down, that loads and takes these heads (head
         # size a multiple of 32, at most 8 query heads per KV head; AMX: head size <= 256)
-        for isa in KERNEL_ISAS[KERNEL_ISAS.index(kernel_isa) :] if use_kernel else ():
+        builds = KERNEL_ISAS[KERNEL_ISAS.index(kernel_isa) :] if use_kernel else ()
+        for isa in builds if self.decode_kernel is None else ():
             kernel = decode_attention_kernel(kernel_dir, isa)
             if kernel is not None and kernel.supports(num_heads, kv_heads, head_dim):
                 self.decode_kernel = kernel

@@ -30,9 +30,10 @@ from radixserve.hardware import (
     resolve_device_and_dtype,
     resolve_kv_dtype,
 )
-from radixserve.model.attention import TorchNativeAttention
+from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
 from radixserve.model.base import CausalLM, head_dim_of
 from radixserve.model.cpu_kernels import blocked_linear, fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
 from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
@@ -136,6 +137,7 @@ class ModelRunner:
         self.max_total_tokens = self.tp.broadcast_int(self._kv_pool_size())  # pools match
         self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
+        self.decode_graphs = self._decode_graphs(config)
         logger.info(
             "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
             self.model_folder,
@@ -188,7 +190,27 @@ class ModelRunner:
             kernel_dir=config.model.cache_dir / "kernels",
             windows=windows,
             window_map=self.allocator.full_to_swa if self.swa_window else None,
+            device_kernel=device_decode_kernel(self.device),
         )
+
+    def _decode_graphs(self, config: Config) -> DecodeGraphs | None:
+        """On CUDA, decode steps captured in CUDA graphs (cuda_graph.py), unless turned off
+        or the step is one they do not take (then it runs eagerly, said in the log)."""
+        if self.device.type != "cuda" or config.model.disable_cuda_graph:
+            return None
+        why_not = None
+        if self.attention.decode_kernel is None:
+            why_not = "no decode kernel reads the lengths on the device (Triton missing?)"
+        elif self.attention.window_map is not None:
+            why_not = "hybrid sliding-window memory (--disable-hybrid-swa-memory lifts it)"
+        elif self.tp.size > 1:
+            why_not = "tensor parallelism"
+        if why_not is not None:
+            logger.info("decode steps run eagerly, without CUDA graphs: %s", why_not)
+            return None
+        running = config.scheduler.running_limit(self.max_total_tokens)
+        max_batch = min(config.model.cuda_graph_max_bs or running, running)
+        return DecodeGraphs(self.model, self.attention, self.kv_pool, max_batch)
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
@@ -261,6 +283,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(batch):
+            return ForwardOutput(graphs.run(batch))
         meta = self.attention.prepare(batch)
         model = self.model
         x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta)
@@ -340,6 +365,22 @@ class ModelRunner:
                 "set --max-total-tokens"
             )
         return int(tokens)
+
+
+def device_decode_kernel(device: torch.device) -> DeviceDecodeKernel | None:
+    """On CUDA, the Triton decode-attention kernel (triton_attention.py), where Triton is
+    installed (it comes with torch's CUDA builds); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    try:
+        from radixserve.model.triton_attention import TritonDecodeKernel
+    except ImportError:
+        logger.warning(
+            "Triton is not installed: decode attention on CUDA gathers K/V for SDPA, and "
+            "decode steps are not captured in CUDA graphs"
+        )
+        return None
+    return TritonDecodeKernel()
 
 
 def load_config_and_tokenizer(folder: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
