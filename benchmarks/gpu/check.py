@@ -430,6 +430,63 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+# -- decode attention's drift in bf16 ----------------------------------------------------
+
+
+def attention_drift(
+    device: torch.device, sizes: Sizes, work: Path, deadline: float
+) -> dict[str, Any]:
+    """bf16 decode logits (float32 on CPU) with each decode attention the runner can take,
+    teacher-forced, against transformers on the same weights in float32 and in the
+    runner's dtype: which one drifts from the exact result, and how far."""
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.config import Config
+    from radixserve.model.runner import ModelRunner
+    from tests.conftest import build_tiny_model
+    from tests.reference import reference_logits
+    from tests.test_fidelity import TEXTS, encode
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    folder = build_tiny_model(work / "llama-drift", "llama")
+    config = Config.from_flat(
+        model_path=str(folder), device=str(device), dtype=dtype, max_total_tokens=8192,
+        disable_cuda_graph=True,
+    )  # fmt: skip
+    runner = ModelRunner(config, progress=False)
+    prompts = [encode(runner, t) for t in TEXTS]
+    refs: dict[str, list[torch.Tensor]] = {}
+    continuations: list[list[int]] = []
+    with torch.device(runner.device):
+        for ref_dtype in ("float32", dtype):
+            reference = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=getattr(torch, ref_dtype)
+            )
+            reference = reference.to(runner.device).eval()
+            if not continuations:  # the exact model's greedy tokens feed every run
+                continuations = [
+                    recompute_greedy(reference, p, TEACHER_FORCED_STEPS) for p in prompts
+                ]
+            refs[ref_dtype] = [
+                reference_logits(reference, p + c) for p, c in zip(prompts, continuations)
+            ]
+            del reference
+    kernels = {"torch SDPA (gathered K/V)": None}
+    if runner.attention.decode_kernel is not None:
+        kernel = runner.attention.decode_kernel
+        kernels = {type(kernel).__name__: kernel} | kernels
+    rows = {}
+    for name, kernel in kernels.items():
+        runner.attention.decode_kernel = kernel
+        rows[name] = {
+            f"decode_max_abs_vs_{ref_dtype}": teacher_forced_diffs(
+                runner, prompts, continuations, ref
+            )[1]
+            for ref_dtype, ref in refs.items()
+        }
+    return {"dtype": dtype, "references": list(refs), "kernels": rows}
+
+
 # -- throughput --------------------------------------------------------------------------
 
 
@@ -802,6 +859,7 @@ PARTS: dict[str, Callable[..., dict[str, Any]]] = {
     "fidelity": fidelity,
     "tensor_parallel": tensor_parallel,
     "hicache": hicache,
+    "attention_drift": attention_drift,
     "throughput": throughput,
 }
 
@@ -836,6 +894,9 @@ def markdown(report: dict[str, Any]) -> str:
     if "hicache" in parts:
         lines += ["", "## Host tier of the KV cache (HostKVPool)", ""]
         lines += _hicache_table(parts["hicache"])
+    if "attention_drift" in parts:
+        lines += ["", "## Decode attention's drift", ""]
+        lines += _drift_table(parts["attention_drift"])
     if "throughput" in parts:
         lines += ["", "## Throughput against transformers", ""]
         lines += _throughput_table(parts["throughput"])
@@ -928,6 +989,24 @@ def _throughput_table(part: dict[str, Any]) -> list[str]:
             f"{part['kv_pool_tokens']} tokens), transformers {memory['transformers_resident']:.2f}"
             " GiB (weights); both models stay loaded, so each peak includes both.",
         ]
+    return lines
+
+
+def _drift_table(part: dict[str, Any]) -> list[str]:
+    if "kernels" not in part:
+        return [_not_measured(part)]
+    refs = part["references"]
+    lines = [
+        f"The tiny Llama in {part['dtype']}, {TEACHER_FORCED_STEPS} teacher-forced decode steps "
+        "of 8 prompts, each decode attention against transformers on the same weights: "
+        "max-abs logit difference.",
+        "",
+        "| decode attention | " + " | ".join(f"vs transformers {r}" for r in refs) + " |",
+        "|---|" + "---|" * len(refs),
+    ]
+    for name, row in part["kernels"].items():
+        cells = " | ".join(f"{row[f'decode_max_abs_vs_{r}']:.2e}" for r in refs)
+        lines.append(f"| {name} | {cells} |")
     return lines
 
 

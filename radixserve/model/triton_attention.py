@@ -96,8 +96,6 @@ def _decode_attention(
 class TritonDecodeKernel:
     """Called as the C++ decode kernels are (`TorchNativeAttention._attend`)."""
 
-    name = "triton"
-
     def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         return heads % kv_heads == 0 and head_dim <= 256
 
@@ -118,6 +116,7 @@ class TritonDecodeKernel:
         if batch == 0:
             return out.view(0, heads * head_dim)
         q = q if q.stride(-1) == 1 else q.contiguous()
+        assert pool_k.stride(-1) == pool_v.stride(-1) == table.stride(-1) == 1
         _decode_attention[(batch, heads)](
             q, pool_k, pool_v, out, table, req_rows, seq_lens, scale, window,
             q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1),
