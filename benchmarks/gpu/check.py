@@ -203,8 +203,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def _git_commit() -> str | None:
-    """HEAD of the checkout, with "+dirty" for local changes; None where there is no .git
-    (the device machine gets the working tree without it)."""
+    """HEAD of the checkout, with "+dirty" for local changes; None where there is no .git.
+    (The device machine's .git is the session's first commit, under a newer tree.)"""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
