@@ -57,6 +57,16 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
         assert case["passed"] is True, case
         assert 0 <= case["decode_max_abs"] <= case["atol"]
         assert case["greedy_identical"] == case["greedy_prompts"] == 8
+        # the decode graphs' static steps (uncaptured on CPU) against the eager steps
+        assert case["decode_graphs"] == [1, 2, 3, 4, 5, 6, 7, 8], case
+        assert case["graph_eager_greedy_identical"] == 8
+        assert 0 <= case["eager_decode_max_abs"] <= case["atol"]
+
+    drift = report["parts"]["attention_drift"]
+    assert drift["references"] == ["float32"]
+    assert sorted(drift["kernels"]) == ["DecodeKernel", "torch SDPA (gathered K/V)"]
+    for row in drift["kernels"].values():
+        assert 0 <= row["decode_max_abs_vs_float32"] <= 1e-4
 
     tp = report["parts"]["tensor_parallel"]  # --tp-size 2, rank 1 in its own process
     assert tp["passed"] is True and tp["comm"] == "shm", tp
@@ -93,9 +103,33 @@ def test_cpu_dry_run_reports_every_part(tmp_path):
         "decode batch 4 (tok/s)",
     ]
     for fig in part["figures"]:
-        assert fig["radixserve"] > 0 and fig["baseline"] > 0, fig
+        assert fig["radixserve"] > 0 and fig["baseline"] > 0 and fig["eager"] > 0, fig
         assert fig["ratio"] == fig["radixserve"] / fig["baseline"]
 
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| decode batch 4 (tok/s) |" in table and "| llama/float32 |" in table
     assert "| float32 pool / int8 host | scattered | no |" in table
+
+
+def test_engine_check_dry_run(tmp_path):
+    """benchmarks/gpu/engine_check.py on CPU: both Engines serve every workload alike."""
+    script = ROOT / "benchmarks" / "gpu" / "engine_check.py"
+    args = ["--device", "cpu", "--quick", "--rounds", "1", "--out", str(tmp_path)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "engine_check.json").read_text())
+    assert [row["requests"] for row in report["rows"]] == [4, 8, 32]
+    for row in report["rows"]:
+        assert row["identical_outputs"] == row["requests"], row
+        assert row["graphs_req_per_s"] > 0 and row["eager_req_per_s"] > 0
+    shared = report["rows"][0]["cached_tokens"]
+    assert shared["graphs"][0] == shared["eager"][0] > 0  # the group's prefix, from the cache
+    assert report["graphs_kv_accounting"] == report["eager_kv_accounting"] == "ok"
