@@ -269,7 +269,8 @@ class TorchNativeAttention:
         """Indices and mask for the batch's requests `rows` (all of them when tokens is
         None), with keys limited to the sliding `window` when it is not 0."""
         device = batch.input_ids.device
-        seq_list = [batch.seq_lens[i] for i in rows]
+        all_seq_lens = batch.seq_lens  # a property: built once here, not once per row
+        seq_list = [all_seq_lens[i] for i in rows]
         prefix_list = [batch.prefix_lens[i] for i in rows]
         extend_list = [batch.extend_lens[i] for i in rows]
         seq_lens = torch.tensor(seq_list, device=device)
