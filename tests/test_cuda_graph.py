@@ -99,3 +99,64 @@ def test_graphs_need_the_decode_kernel(runner):
             uncaptured(runner, 4)
     finally:
         runner.attention.decode_kernel = kernel
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_graphs_decode_as_eager_steps_on_cuda(tiny_model_dirs, dtype):
+    """On a GPU: the runner captures its graphs at start-up, and greedy outputs of a batch
+    that shrinks through padded sizes are the eager steps' (the same runner, graphs set
+    aside), with the padding slot zero after."""
+    config = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), device="cuda", dtype=dtype,
+        max_total_tokens=4096, max_running_requests=16,
+    )  # fmt: skip
+    runner = ModelRunner(config, progress=False)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.sizes[-1] == 16 and len(graphs.graphs) == len(graphs.sizes)
+    gen = StaticGenerator(runner)
+    prompts = [[5 + i] * (3 + 2 * i) for i in range(11)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=4 + i, ignore_eos=True) for i in range(11)
+    ]
+    replayed = gen.generate(prompts, params, return_logprob=True)
+    runner.decode_graphs = None
+    eager = gen.generate(prompts, params, return_logprob=True)
+    assert [r.output_ids for r in replayed] == [r.output_ids for r in eager]
+    for r, e in zip(replayed, eager, strict=True):
+        assert r.logprobs == pytest.approx(e.logprobs, abs=1e-4 if dtype == "float32" else 5e-2)
+    for pool in (*runner.kv_pool.k, *runner.kv_pool.v):
+        assert not pool[PADDING_SLOT].any()
+    assert runner.allocator.num_free == runner.allocator.size
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [0, 40])
+def test_the_triton_decode_kernel_attends_as_softmax_does(window):
+    """The Triton kernel against attention written out in fp32: rows of 1 to 130 keys
+    (more than one block), GQA, a bf16 pool, and a sliding window."""
+    from radixserve.model.triton_attention import TritonDecodeKernel
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, slots = 9, 3, 64, 300
+    pool_k = torch.randn(slots + 1, kv_heads, dim, generator=gen).cuda()
+    pool_v = torch.randn(slots + 1, kv_heads, dim, generator=gen).cuda()
+    table = torch.randint(1, slots + 1, (6, 200), generator=gen).cuda()
+    rows = torch.tensor([5, 0, 2, 3]).cuda()
+    lens = torch.tensor([1, 70, 130, 5]).cuda()
+    q = torch.randn(4, heads, dim, generator=gen).cuda()
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        out = TritonDecodeKernel()(
+            q.to(dtype), pool_k.to(dtype), pool_v.to(dtype), table, rows, lens, dim**-0.5, window
+        )
+        for b in range(4):
+            n = int(lens[b])
+            keys = table[rows[b], max(n - window, 0) if window else 0 : n]
+            k = pool_k.to(dtype)[keys].float().repeat_interleave(heads // kv_heads, 1)
+            v = pool_v.to(dtype)[keys].float().repeat_interleave(heads // kv_heads, 1)
+            scores = torch.einsum("hd,nhd->hn", q[b].to(dtype).float(), k) * dim**-0.5
+            want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).reshape(-1)
+            assert (out[b].float() - want).abs().max() <= atol, (dtype, b)
