@@ -341,8 +341,9 @@ EXTEND_BUILDS = [
         ([0, 0, 0, 0], [2, 5, 16, 17]),  # around a lane group's 16 tokens
         ([3, 31, 32, 33, 100], [33, 2, 31, 70, 1]),  # cached prefixes off the key blocks
         ([512] * 3, [32] * 3),  # the shared-prefix workload's extends
+        ([512], [32]),  # one of them: tasks of 16 tokens on 2 threads (extend_tasks.h)
     ],
-    ids=["prompt", "short", "ragged", "shared-prefix"],
+    ids=["prompt", "short", "ragged", "shared-prefix", "one-question"],
 )
 def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
     heads, kv_heads, dim, prefix_lens, extend_lens, isa, dtype
@@ -369,6 +370,25 @@ def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
     kernel_error = (kernel.double() - reference).abs().max().item()
     sdpa_error = (sdpa.double() - reference).abs().max().item()
     assert kernel_error <= 1.25 * sdpa_error + 1e-3, (kernel_error, sdpa_error)
+
+
+@pytest.mark.parametrize(("isa", "dtype"), EXTEND_BUILDS)
+def test_extend_tasks_split_for_idle_threads_give_the_same_bits(isa, dtype):
+    """One request's 32 new tokens after a 512-token prefix on 3 KV heads: 3 tasks, which
+    2 threads take as 6 of 16 tokens (extend_tasks.h) and 3 threads as they are. Each
+    query's arithmetic is the same both ways, so the outputs are bit for bit."""
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            kernel, _ = attend_both_ways(
+                9, 3, 64, [512], [32], kv_dtype=dtype, q_dtype=dtype, isa=isa, extend_kernel=True
+            )
+            outputs.append(kernel)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=needs_avx512_bf16)])

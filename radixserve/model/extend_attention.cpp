@@ -95,11 +95,11 @@ void attend_block(LaneGroup& lg, const float* keys, const float* values, int64_t
 }
 
 void run_task(const Task& task, const float* q, const float* k_pool, const float* v_pool,
-              const int64_t* slots, int64_t prefix, int64_t extend, int64_t q_start, float* out,
+              const int64_t* slots, int64_t prefix, int64_t q_start, float* out,
               int64_t heads, int64_t kv_heads, int64_t dim, float scale,
               std::vector<LaneGroup>& groups, float* keys, float* values) {
     const int64_t group = heads / kv_heads;
-    const int64_t n_tokens = std::min(kBlockQ, extend - task.t0);
+    const int64_t n_tokens = task.n;
     const int64_t parts = (n_tokens + kLanes - 1) / kLanes;  // lane groups per query head
     const int64_t n_groups = group * parts;
     const __m256 vscale = _mm256_set1_ps(scale);
@@ -164,7 +164,7 @@ void extend_attention(const void* q, const void* k_pool, const void* v_pool, con
                       int64_t table_stride, float scale, int num_threads, int dtype) {
     if (dtype != 0) return;  // the Python side sends this build fp32 alone
     std::vector<int64_t> q_starts;
-    const std::vector<Task> tasks = extend::tasks_of(batch, kv_heads, prefix_lens, extend_lens, q_starts);
+    const std::vector<Task> tasks = extend::tasks_of(batch, kv_heads, prefix_lens, extend_lens, num_threads, q_starts);
     const int64_t n_tasks = (int64_t)tasks.size();
 #pragma omp parallel num_threads(num_threads)
     {
@@ -176,8 +176,8 @@ void extend_attention(const void* q, const void* k_pool, const void* v_pool, con
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task& t = tasks[i];
             run_task(t, (const float*)q, (const float*)k_pool, (const float*)v_pool,
-                     table + rows[t.b] * table_stride, prefix_lens[t.b], extend_lens[t.b],
-                     q_starts[t.b], (float*)out, heads, kv_heads, dim, scale, groups, keys, values);
+                     table + rows[t.b] * table_stride, prefix_lens[t.b], q_starts[t.b],
+                     (float*)out, heads, kv_heads, dim, scale, groups, keys, values);
         }
     }
 }

@@ -219,12 +219,12 @@ void attend_block(LaneGroup& lg, const typename Kind::T* keys, const uint32_t* v
 
 template <typename Kind>
 void run_task(const Task& task, const typename Kind::T* q, const typename Kind::T* k_pool,
-              const typename Kind::T* v_pool, const int64_t* slots, int64_t prefix, int64_t extend,
-              int64_t q_start, typename Kind::T* out, int64_t heads, int64_t kv_heads, int64_t dim,
+              const typename Kind::T* v_pool, const int64_t* slots, int64_t prefix, int64_t q_start,
+              typename Kind::T* out, int64_t heads, int64_t kv_heads, int64_t dim,
               float scale, std::vector<LaneGroup>& groups, typename Kind::T* keys, uint32_t* values) {
     using T = typename Kind::T;
     const int64_t group = heads / kv_heads;
-    const int64_t n_tokens = std::min(kBlockQ, extend - task.t0);
+    const int64_t n_tokens = task.n;
     const int64_t halves = (n_tokens + 15) / 16;
     const int64_t n_groups = group * halves;
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -283,7 +283,7 @@ void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t
             int64_t table_stride, float scale, int num_threads) {
     using T = typename Kind::T;
     std::vector<int64_t> q_starts;
-    const std::vector<Task> tasks = extend::tasks_of(batch, kv_heads, prefix_lens, extend_lens, q_starts);
+    const std::vector<Task> tasks = extend::tasks_of(batch, kv_heads, prefix_lens, extend_lens, num_threads, q_starts);
     const int64_t n_tasks = (int64_t)tasks.size();
 #pragma omp parallel num_threads(num_threads)
     {
@@ -295,8 +295,8 @@ void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task& t = tasks[i];
             run_task<Kind>(t, (const T*)q, (const T*)k_pool, (const T*)v_pool,
-                           table + rows[t.b] * table_stride, prefix_lens[t.b], extend_lens[t.b],
-                           q_starts[t.b], (T*)out, heads, kv_heads, dim, scale, groups, keys, values);
+                           table + rows[t.b] * table_stride, prefix_lens[t.b], q_starts[t.b],
+                           (T*)out, heads, kv_heads, dim, scale, groups, keys, values);
         }
     }
 }
