@@ -34,19 +34,18 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
+def run_script(cmd: list[str], cwd: Path) -> None:
+    """A check script in a subprocess, one thread (light on a shared machine), from `cwd`
+    (the scripts find the repository themselves); it must succeed."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_cpu_dry_run_reports_every_part(tmp_path):
     code = RUN_WITHOUT.format(missing=MISSING_ON_GPU_IMAGE, script=str(SCRIPT))
     args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--budget-s", "90"]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}  # light on a shared machine
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=tmp_path,  # the script finds the repository itself
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script([sys.executable, "-c", code, *args], tmp_path)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["stand_ins"] == ["msgspec"]
     assert report["environment"]["device"] == "cpu"
@@ -115,16 +114,7 @@ def test_engine_check_dry_run(tmp_path):
     """benchmarks/gpu/engine_check.py on CPU: both Engines serve every workload alike."""
     script = ROOT / "benchmarks" / "gpu" / "engine_check.py"
     args = ["--device", "cpu", "--quick", "--rounds", "1", "--out", str(tmp_path)]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script([sys.executable, str(script), *args], tmp_path)
     report = json.loads((tmp_path / "engine_check.json").read_text())
     assert [row["requests"] for row in report["rows"]] == [4, 8, 32]
     for row in report["rows"]:
