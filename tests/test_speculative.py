@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from radixserve.config import SpeculativeConfig
-from radixserve.spec.controller import Acceptance, CostModel, plan
+from radixserve.core.output import SchedulerStats
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.scheduler.speculative import Speculator
+from radixserve.spec.controller import Acceptance, CostModel, plan, room_for_drafts
 from radixserve.spec.ngram import NgramDrafter, NgramIndex, SharedIndex
 from tests.conftest import FP32
 from tests.reference import reference_greedy, verification_free
@@ -128,6 +132,31 @@ def test_controller_follows_a_step_shaped_cost():
     assert cost.seconds(17) < steps(17)  # one step of a count is not enough to trust
     cost.observe(17, steps(17))
     assert cost.seconds(17) == pytest.approx(steps(17))
+
+
+def test_no_draft_is_looked_up_where_none_could_be_verified():
+    """At a large batch a step's cost grows with every token (here 0.1 ms a token over a
+    1 ms base): one drafted token would cost more than two one-token steps, so `plan` takes
+    none, and the speculator looks none up (its requests' own tokens stay unindexed until
+    a step has room)."""
+    steep = CostModel()
+    for tokens in (200, 256, 240, 256, 230, 250, 256, 220):
+        steep.observe(tokens, 0.001 + 0.0001 * tokens)
+    assert not room_for_drafts(steep.seconds, 256, alone=False)
+    assert (
+        plan([0.99] * 256, [8] * 256, 256, steep.coefficients(), 10_000, steep.seconds) == [0] * 256
+    )
+    assert room_for_drafts(steep.seconds, 4, alone=False)
+
+    speculator = Speculator(SpeculativeConfig(), SchedulerStats(), context_len=2048)
+    reqs = [Req(f"r{i}", [5, 6, 7, 8] * 8, SamplingParams(max_new_tokens=16)) for i in range(256)]
+    speculator.cost = steep
+    assert speculator.propose(reqs, [1] * 256, free_slots=10_000) == [[]] * 256
+    assert all(r.spec.own.tokens == [] and r.spec.draft is None for r in reqs)
+    few = reqs[:2]
+    drafts = speculator.propose(few, [1, 1], free_slots=10_000)
+    assert all(r.spec.own.tokens == r.input_ids for r in few)  # caught up when looked up
+    assert all(d and d == [5, 6, 7, 8, 5, 6, 7, 8][: len(d)] for d in drafts), drafts
 
 
 def test_cost_model_fits_the_measured_steps():

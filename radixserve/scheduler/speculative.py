@@ -21,7 +21,13 @@ import msgspec
 from radixserve.config import SpeculativeConfig
 from radixserve.core.output import SchedulerStats, SpecCounts
 from radixserve.core.req import Req
-from radixserve.spec.controller import Acceptance, CostModel, MatchStats, plan
+from radixserve.spec.controller import (
+    Acceptance,
+    CostModel,
+    MatchStats,
+    plan,
+    room_for_drafts,
+)
 from radixserve.spec.ngram import Draft, NgramDrafter, OwnTokens
 
 
@@ -60,6 +66,11 @@ class Speculator:
     ) -> list[list[int]]:
         """Drafted tokens to verify this step, per request (most often none); `queued`:
         requests wait behind the running ones (see `plan`'s `alone`)."""
+        alone = not queued and len(reqs) > 1
+        if not room_for_drafts(self.cost.seconds, sum(pending), alone):
+            for req in reqs:
+                self.state(req).draft = None
+            return [[] for _ in reqs]  # their own tokens are indexed when next looked up
         found: list[Draft | None] = []
         for req, n in zip(reqs, pending, strict=True):
             # the step's own token plus the drafts must stay within the request's limits
@@ -78,7 +89,6 @@ class Speculator:
         lengths = [0 if d is None else len(d.tokens) for d in found]
         line = self.cost.coefficients()  # refitted only when it is used
         self.stats.spec_cost_model = list(line)
-        alone = not queued and len(reqs) > 1
         take = plan(rates, lengths, sum(pending), line, free_slots, self.cost.seconds, alone)
         return [[] if d is None else d.tokens[:k] for d, k in zip(found, take)]
 
