@@ -119,7 +119,9 @@ def test_engine_check_dry_run(tmp_path):
     assert [row["requests"] for row in report["rows"]] == [4, 8, 32]
     for row in report["rows"]:
         assert row["identical_outputs"] == row["requests"], row
+        assert row["identical_without_speculation"] == row["requests"], row
         assert row["graphs_req_per_s"] > 0 and row["eager_req_per_s"] > 0
     shared = report["rows"][0]["cached_tokens"]
     assert shared["graphs"][0] == shared["eager"][0] > 0  # the group's prefix, from the cache
     assert report["graphs_kv_accounting"] == report["eager_kv_accounting"] == "ok"
+    assert report["graphs, no speculation_kv_accounting"] == "ok"

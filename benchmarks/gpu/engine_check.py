@@ -1,12 +1,13 @@
 """The offline Engine on a GPU, decode steps replayed from CUDA graphs or not, in one run.
 
 The whole scheduler (continuous batching, the radix cache, chunked prefill with mixed
-steps) over a SmolLM2-135M-shaped model with random weights, the same workloads through two
-Engines that differ only in `disable_cuda_graph`, rounds alternating, the cache flushed
-before each round. Prints and writes (OUT/engine_check.{json,md}) req/s and output tok/s per
-round, their medians and ratio, the cached tokens, and how many greedy outputs the two give
-alike (reported, not judged: a graph pads the batch, and another matmul shape may round
-differently).
+steps) over a SmolLM2-135M-shaped model with random weights, the same workloads through
+three Engines: with CUDA graphs, with `disable_cuda_graph`, and with graphs but
+`speculative_algorithm="none"` (n-gram drafting is on by default); rounds alternate, the
+cache flushed before each. Prints and writes (OUT/engine_check.{json,md}) req/s and output
+tok/s per round, their medians and ratio, the cached tokens, and how many greedy outputs
+the Engines give alike (reported, not judged: a graph pads the batch, and another matmul
+shape may round differently).
 
 On a lent GPU machine (the image has no msgspec: carry its wheel, see README.md):
     python3 benchmarks/gpu/engine_check.py --out $OUT
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+NO_SPEC = "graphs, no speculation"  # the third Engine: what n-gram drafting costs or buys
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         eager = Engine(str(folder), disable_cuda_graph=True, **common)
         report["eager_engine_start_s"] = time.perf_counter() - start
-        engines = {"graphs": graphs, "eager": eager}
+        plain = Engine(str(folder), speculative_algorithm="none", **common)
+        engines = {"graphs": graphs, "eager": eager, NO_SPEC: plain}
         captured = graphs.runner.decode_graphs
         report["graph_sizes"] = None if captured is None else captured.sizes
         try:
@@ -142,9 +145,10 @@ def summarise(workload: Workload, rounds: dict[str, list[dict[str, Any]]]) -> di
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rounds[name])
 
-    same = sum(
-        a == b for a, b in zip(rounds["graphs"][0]["output_ids"], rounds["eager"][0]["output_ids"])
-    )
+    def same(other: str) -> int:
+        pairs = zip(rounds["graphs"][0]["output_ids"], rounds[other][0]["output_ids"])
+        return sum(a == b for a, b in pairs)
+
     return {
         "workload": workload.name,
         "requests": len(workload.prompts),
@@ -153,9 +157,11 @@ def summarise(workload: Workload, rounds: dict[str, list[dict[str, Any]]]) -> di
         "graphs_output_tok_per_s": median("graphs", "output_tok_per_s"),
         "eager_output_tok_per_s": median("eager", "output_tok_per_s"),
         "ratio": median("graphs", "req_per_s") / median("eager", "req_per_s"),
+        "no_spec_req_per_s": median(NO_SPEC, "req_per_s"),
+        "identical_without_speculation": same(NO_SPEC),
         "cached_tokens": {n: [r["cached_tokens"] for r in rs] for n, rs in rounds.items()},
         "prompt_tokens": rounds["graphs"][0]["prompt_tokens"],
-        "identical_outputs": same,
+        "identical_outputs": same("eager"),
         "rounds": {
             n: [{k: v for k, v in r.items() if k != "output_ids"} for r in rs]
             for n, rs in rounds.items()
@@ -172,21 +178,22 @@ def write(report: dict[str, Any], out: Path) -> None:
         f"# Engine check — {env['date']}",
         "",
         f"- device: {where}; torch {env['torch']}; {report['dtype']}; SmolLM2-135M shape, "
-        "random weights; greedy, EOS ignored; rounds alternate between the two Engines, the "
+        "random weights; greedy, EOS ignored; rounds alternate between the three Engines, the "
         "cache flushed before each; medians",
         f"- CUDA graphs: {f'{len(sizes)} batch sizes' if sizes else 'none (eager both)'}; "
         f"Engine start {report['graph_engine_start_s']:.1f} s with graphs, "
         f"{report['eager_engine_start_s']:.1f} s without",
         "",
-        "| workload | req/s graphs | req/s eager | ratio | out tok/s graphs | out tok/s eager "
-        "| cached / prompt tokens | identical outputs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | req/s graphs | req/s eager | ratio | req/s graphs, no speculation "
+        "| out tok/s graphs | out tok/s eager | cached / prompt tokens | identical outputs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         cached = row["cached_tokens"]["graphs"][0]
         lines.append(
             f"| {row['workload']} | {row['graphs_req_per_s']:.1f} | {row['eager_req_per_s']:.1f} "
-            f"| {row['ratio']:.2f}x | {row['graphs_output_tok_per_s']:.0f} "
+            f"| {row['ratio']:.2f}x | {row['no_spec_req_per_s']:.1f} "
+            f"| {row['graphs_output_tok_per_s']:.0f} "
             f"| {row['eager_output_tok_per_s']:.0f} | {cached} / {row['prompt_tokens']} "
             f"| {row['identical_outputs']}/{row['requests']} |"
         )
