@@ -38,7 +38,7 @@ def runner(tiny_model_dirs):
 
 
 def uncaptured(runner: ModelRunner, max_batch: int) -> DecodeGraphs:
-    return DecodeGraphs(runner.model, runner.attention, runner.kv_pool, max_batch, capture=False)
+    return DecodeGraphs(runner.model, runner.attention, max_batch, capture=False)
 
 
 def test_graph_batch_sizes_end_at_the_largest_batch():

@@ -38,6 +38,7 @@ msgspec, so where it is missing a stand-in that fails on use takes its place
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -48,7 +49,7 @@ import tempfile
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -330,9 +331,7 @@ def _runner_with_graphs(config) -> tuple[Any, str | None]:
             # the dry run: the graphs' static-buffer steps, run uncaptured
             from radixserve.model.cuda_graph import DecodeGraphs
 
-            runner.decode_graphs = DecodeGraphs(
-                runner.model, runner.attention, runner.kv_pool, 8, capture=False
-            )
+            runner.decode_graphs = DecodeGraphs(runner.model, runner.attention, 8, capture=False)
         return runner, None
     except Exception:  # noqa: BLE001 - reported in the JSON; the eager runner still measures
         error = traceback.format_exc()
@@ -348,17 +347,14 @@ def _graph_sizes(runner) -> list[int] | None:
     return None if graphs is None else list(graphs.sizes)
 
 
-class _eager:
+@contextlib.contextmanager
+def _eager(runner) -> Iterator[None]:
     """`with _eager(runner):` its decode steps run eagerly (its graphs set aside)."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-
-    def __enter__(self) -> None:
-        self.graphs, self.runner.decode_graphs = self.runner.decode_graphs, None
-
-    def __exit__(self, *exc: object) -> None:
-        self.runner.decode_graphs = self.graphs
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        yield
+    finally:
+        runner.decode_graphs = graphs
 
 
 class EagerWorkload:

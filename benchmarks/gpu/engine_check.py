@@ -68,20 +68,21 @@ def workloads(vocab: int, quick: bool) -> list[Workload]:
 
 
 def run_round(engine, workload: Workload) -> dict[str, Any]:
+    from radixserve.bench.offline import Row  # the offline bench's sums of native results
+
     engine.flush_cache()
     params = {"temperature": 0, "max_new_tokens": workload.output_len, "ignore_eos": True}
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     results = engine.generate(input_ids=workload.prompts, sampling_params=params)
-    seconds = time.perf_counter() - start
-    metas = [r["meta_info"] for r in results]
+    row = Row.of_results(workload.name, time.perf_counter() - start, results)
     return {
-        "seconds": seconds,
-        "req_per_s": len(results) / seconds,
-        "output_tok_per_s": sum(m["completion_tokens"] for m in metas) / seconds,
-        "cached_tokens": sum(m["cached_tokens"] for m in metas),
-        "prompt_tokens": sum(m["prompt_tokens"] for m in metas),
+        "seconds": row.seconds,
+        "req_per_s": len(results) / row.seconds,
+        "output_tok_per_s": row.output_throughput,
+        "cached_tokens": row.cached_tokens,
+        "prompt_tokens": row.prompt_tokens,
         "output_ids": [r["output_ids"] for r in results],
     }
 

@@ -27,7 +27,6 @@ import time
 
 import torch
 
-from radixserve.cache import KVPool
 from radixserve.cache.allocator import PADDING_SLOT
 from radixserve.core.batch import ForwardBatch, ForwardMode
 from radixserve.model.attention import AttentionGroup, TorchNativeAttention, TorchNativeMetadata
@@ -58,7 +57,6 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         attention: TorchNativeAttention,
-        kv_pool: KVPool,
         max_batch: int,
         capture: bool = True,
     ) -> None:
@@ -69,9 +67,9 @@ class DecodeGraphs:
             )
         self.model = model
         self.attention = attention
-        self.kv_pool = kv_pool
+        self.kv_pool = attention.kv_pool  # the pool the graphs write and read
         self.sizes = graph_batch_sizes(max_batch)
-        device = kv_pool.k[0].device
+        device = self.kv_pool.k[0].device
         rows = self.sizes[-1]
         # (5, rows) int64: token ids, positions, slots, table rows, sequence lengths
         self.inputs = torch.zeros(5, rows, dtype=torch.int64, device=device)
@@ -112,18 +110,14 @@ class DecodeGraphs:
 
     def _load(self, batch: ForwardBatch, size: int) -> None:
         """The batch into the static buffers' first rows, padding rows after it up to
-        `size` (token 0 at position 0 into the padding slot, one key of table row 0)."""
+        `size`."""
         bs = batch.batch_size
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
         self.out_slots[:bs].copy_(batch.out_slots)
         self.req_rows[:bs].copy_(batch.req_rows)
-        lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-        self.seq_lens[:bs].copy_(lens)
-        if size > bs:
-            self.inputs[:, bs:size] = 0
-            self.out_slots[bs:size] = PADDING_SLOT
-            self.seq_lens[bs:size] = 1
+        self.seq_lens[:bs].copy_(torch.tensor(batch.seq_lens, dtype=torch.int64))
+        self._pad(bs, size)
 
     def _step(self, size: int) -> torch.Tensor:
         """The decode step over the buffers' first `size` rows: what `ModelRunner._forward`
@@ -146,9 +140,9 @@ class DecodeGraphs:
         a time, so they can share it)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
         for size in reversed(self.sizes):
-            self._load_padding(size)
-            side = torch.cuda.Stream()
+            self._pad(0, size)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compiles the kernels, lets cuBLAS pick its own
                 for _ in range(2):
@@ -167,8 +161,10 @@ class DecodeGraphs:
             self.capture_seconds,
         )
 
-    def _load_padding(self, size: int) -> None:
-        """Every row a padding row (what the warm-up and capture steps run on)."""
-        self.inputs[:, :size] = 0
-        self.out_slots[:size] = PADDING_SLOT
-        self.seq_lens[:size] = 1
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end-1 padding rows: token 0 at position 0 into the padding slot, one
+        key of table row 0 (the warm-up and capture steps run on padding rows alone)."""
+        if end > start:
+            self.inputs[:, start:end] = 0
+            self.out_slots[start:end] = PADDING_SLOT
+            self.seq_lens[start:end] = 1

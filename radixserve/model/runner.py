@@ -210,7 +210,7 @@ class ModelRunner:
             return None
         running = config.scheduler.running_limit(self.max_total_tokens)
         max_batch = min(config.model.cuda_graph_max_bs or running, running)
-        return DecodeGraphs(self.model, self.attention, self.kv_pool, max_batch)
+        return DecodeGraphs(self.model, self.attention, max_batch)
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
