@@ -189,6 +189,13 @@ class SchedulerConfig:
     disable_radix_cache: bool = _opt(
         False, "Do not keep finished requests' KV: every request computes its whole prompt."
     )
+    disable_in_batch_prefix_caching: bool = _opt(
+        False,
+        "Admit requests that share an uncached prefix in the same round (each computes it) "
+        "instead of holding them back a round to reuse what the first one computes: the "
+        "radix cache then only serves prefixes finished in earlier steps, as SGLang's fcfs "
+        "policy does. For measurement: what the clients' own prefix hints are worth.",
+    )
     init_new_token_ratio: float = _opt(
         0.7,
         "Share of a request's remaining max_new_tokens reserved in KV at admission; "

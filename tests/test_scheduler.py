@@ -53,6 +53,28 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(tiny_model_dirs):
     assert sched.stats.cached_tokens >= 3 * len(SHARED)
 
 
+def test_in_batch_prefix_caching_can_be_disabled(tiny_model_dirs):
+    """--disable-in-batch-prefix-caching: the four start together, each computing the shared
+    prefix (nothing cached), and their greedy outputs are the same as with sharing."""
+    outputs = {}
+    for disabled in (False, True):
+        sched = make_scheduler(
+            tiny_model_dirs, max_total_tokens=2048, disable_in_batch_prefix_caching=disabled
+        )
+        for i in range(4):
+            sched.add_request(req(f"r{i}", SHARED + [i + 1, i + 2]))
+        first = sched.step()
+        assert len(first) == (4 if disabled else 1)
+        trace = [first, *run_to_end(sched)]
+        assert (sched.stats.cached_tokens == 0) == disabled
+        tokens: dict[str, list[int]] = {}
+        for step in trace:
+            for o in step:
+                tokens.setdefault(o.rid, []).extend(o.new_ids)
+        outputs[disabled] = tokens
+    assert outputs[True] == outputs[False] and len(outputs[True]) == 4
+
+
 @pytest.mark.parametrize(
     "shared, own, waits",
     [

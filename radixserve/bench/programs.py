@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shlex
 import statistics
 import time
 import urllib.error
@@ -308,6 +309,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs", default="abc", help="which configurations to run (a, b, c; default all)"
     )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more `radixserve serve` flags for both servers, one string (e.g. "
+        "'--disable-in-batch-prefix-caching': the co-design's worth on a runtime that does "
+        "not share a prefix among the requests of one batch)",
+    )
     parser.add_argument("--plot", default=DEFAULT_PLOT, help="the bar chart (PNG)")
     parser.add_argument("--output-json", default=None, help="also write every run here")
     parser.add_argument(
@@ -326,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     folder = resolve_model_folder(args.model_path, Path(default_model_cache_dir()))
     flags = [f"--model-path={folder}", f"--dtype={args.dtype}",
              f"--max-total-tokens={args.max_total_tokens}"]  # fmt: skip
+    flags += shlex.split(args.server_args)
     started = time.perf_counter()
     with ExitStack() as stack:
         urls: dict[str, str] = {}
@@ -340,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
         runs = run_all(workloads, urls, configs, args.repeats, report=report)
     summary = summarize(runs)
     seconds = time.perf_counter() - started
+    if args.server_args:
+        print(f"servers' extra flags: {args.server_args}")
     print(f"\nCPU: {cpu_info().summary()}; {folder.name}, {args.dtype}; greedy; "
           f"{args.repeats} repetition(s), medians; {seconds:.0f} s in all")  # fmt: skip
     print("tok/s: prompt (cached included) + generated tokens of every request, from the "

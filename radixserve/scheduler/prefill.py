@@ -82,6 +82,7 @@ class PrefillAdder:
     # window slots admitted requests may still be charged (None: no hybrid window memory)
     window_budget: int | None = None
     chunked_before: Req | None = None  # the continued chunk (counted in window_room already)
+    in_batch_sharing: bool = True  # hold back a request whose prefix this batch computes
 
     @classmethod
     def for_step(
@@ -113,6 +114,7 @@ class PrefillAdder:
             decode_tokens=decode_tokens,
             has_running=bool(running),
             window_budget=window_budget,
+            in_batch_sharing=not config.disable_in_batch_prefix_caching,
         )
 
     @property
@@ -194,7 +196,7 @@ class PrefillAdder:
         """True if a request admitted this round will compute a prefix `req` could reuse
         (IN_BATCH_PREFIX_MIN tokens past what the tree holds, or IN_BATCH_SHARE_MIN that
         are at least half of `req`'s uncached tokens): it waits a round."""
-        if self.kv.tree is None or not self.reqs:
+        if self.kv.tree is None or not self.reqs or not self.in_batch_sharing:
             return False
         ids = req.all_ids
         cached = self.kv.peek_prefix_len(ids, req)
