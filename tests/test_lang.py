@@ -454,6 +454,85 @@ def test_the_prefix_hint_is_not_waited_for_and_may_fail(server, fail):
     backend.shutdown()
 
 
+class NoSharingEndpoint(RuntimeEndpoint):
+    """The real HTTP backend, told the runtime does not share a prefix among the requests
+    of one batch (as a server run with --disable-in-batch-prefix-caching, or SGLang's,
+    says); it notes the order of its calls."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def shares_batch_prefixes(self) -> bool:
+        return False
+
+    def _note(self, kind: str, text: str) -> None:
+        with self._lock:
+            self.calls.append((kind, text))
+
+    def cache_prefix(self, prefix: str) -> int:
+        tokens = super().cache_prefix(prefix)
+        self._note("cached", prefix)  # noted once the prefix is in the server's cache
+        return tokens
+
+    def generate(self, s, params):
+        self._note("generate", s.text_)
+        return super().generate(s, params)
+
+    def score_choices(self, prefix, choices, unconditional):
+        self._note("score", prefix)
+        return super().score_choices(prefix, choices, unconditional)
+
+
+def test_a_server_that_shares_batch_prefixes_says_so(server, http_backend, engine_backend):
+    assert http_backend.shares_batch_prefixes() and engine_backend.shares_batch_prefixes()
+    backend = RuntimeEndpoint(server.url)
+    for info, shares in [
+        ({"disable_in_batch_prefix_caching": False}, True),
+        ({"disable_in_batch_prefix_caching": True}, False),
+        ({"disable_in_batch_prefix_caching": False, "disable_radix_cache": True}, False),
+        ({"schedule_policy": "fcfs", "disable_radix_cache": False}, False),  # SGLang's
+    ]:
+        backend._shares_prefixes = None
+        backend.get_server_info = lambda info=info: info
+        assert backend.shares_batch_prefixes() is shares, info
+    backend.shutdown()
+
+
+def test_without_batch_sharing_the_branches_wait_for_the_prefix_hint(server, http_backend):
+    """The runtime would compute a prefix once per branch that arrives with the others: the
+    hint is cached before any branch generates, and the outputs are those of a server that
+    shares (the hint changes what is cached, never what is generated)."""
+    backend = NoSharingEndpoint(server.url)
+
+    @sgl.function
+    def branches(s):
+        s += "You are a careful writer who states facts plainly and briefly. Two facts:\n"
+        forks = s.fork(2)
+        forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=4, stop="\n")
+        forks.join()
+
+    state = _within(120, lambda: branches.run(backend=backend, **GREEDY))
+    kinds = [kind for kind, _ in backend.calls]
+    assert kinds == ["cached", "generate", "generate"], backend.calls
+    assert state["fact"] == branches.run(backend=http_backend, **GREEDY)["fact"]
+    backend.shutdown()
+
+
+def test_without_batch_sharing_a_select_caches_its_context_first(server, http_backend):
+    backend = NoSharingEndpoint(server.url)
+    for method in (sgl.token_length_normalized, sgl.unconditional_likelihood_normalized):
+        backend.calls.clear()
+        state = capital.run(method=method, backend=backend, **GREEDY)
+        text = "The capital of France is"
+        assert backend.calls == [("score", text), ("cached", text)]  # cached, then scored
+        shared = capital.run(method=method, backend=http_backend, **GREEDY)
+        assert state["city"] == shared["city"]
+        assert state.get_meta_info("city") == shared.get_meta_info("city")
+    backend.shutdown()
+
+
 def test_http_in_process_and_openai_backends_agree(http_backend, engine_backend, openai_backend):
     for program, kwargs in [
         (multi_turn, {"first": "Hello!", "second": "What is 2+2?"}),

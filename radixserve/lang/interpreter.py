@@ -285,7 +285,10 @@ class Executor:
             unseen = len(self.text_) - self.backend_seen
             worth_it = unseen >= global_config.fork_hint_min_chars
             if global_config.enable_fork_prefix_hint and worth_it:
-                self._hints.append(_HINT_POOL.submit(self._send_hint, self.text_))
+                if self.backend.shares_batch_prefixes():  # the branches share it anyway
+                    self._hints.append(_HINT_POOL.submit(self._send_hint, self.text_))
+                else:  # the branches start once it is cached (fork() waits for this)
+                    self._send_hint(self.text_)
                 self.backend_seen = len(self.text_)
         else:
             raise TypeError(f"cannot run {expr!r} in a program")

@@ -48,6 +48,8 @@ class BackendError(RuntimeError):
 
 class Backend(ABC):
     is_chat_model: bool = False
+    _shares_prefixes: bool | None = None  # shares_batch_prefixes' answer, once known
+
 
     @abstractmethod
     def get_chat_template(self) -> ChatTemplate: ...
@@ -90,6 +92,23 @@ class Backend(ABC):
         else:
             scores = [self.score_choices(s.text_, [c], unconditional)[0] for c in choices]
         return choices_method(choices, scores)
+
+    def shares_batch_prefixes(self) -> bool:
+        """Whether the runtime computes a prefix that requests arriving together share once
+        (radixserve's in-batch prefix caching), so that a fork's branches or a select's
+        continuations need not find their context cached beforehand: then the prefix hint
+        is not waited for and a select sends no prefix call first. Read once from
+        `get_server_info`; False for a server that does not say (SGLang's, under its
+        default fcfs policy, computes such a prefix once per request)."""
+        if self._shares_prefixes is None:
+            try:
+                info = self.get_server_info()
+            except Exception:  # asked again next time
+                return False
+            self._shares_prefixes = info.get("disable_in_batch_prefix_caching") is False and (
+                not info.get("disable_radix_cache", False)
+            )
+        return self._shares_prefixes
 
     def flush_cache(self) -> bool:
         return False

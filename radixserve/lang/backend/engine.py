@@ -56,6 +56,8 @@ class EngineBackend(Backend):
     def score_choices(
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
+        if len(choices) > 1 and not self.shares_batch_prefixes():
+            self.cache_prefix(prefix)  # or each continuation computes the context
         out = self.engine.score_continuations(prefix, choices, unconditional=unconditional)
         return [
             ChoiceScores(

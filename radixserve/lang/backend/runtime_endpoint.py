@@ -113,6 +113,8 @@ class RuntimeEndpoint(Backend):
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
         if self._scores_route:
+            if len(choices) > 1 and not self.shares_batch_prefixes():
+                self.cache_prefix(prefix)  # or each continuation computes the context
             body = {"text": prefix, "continuations": choices, "unconditional": unconditional}
             response = self._client.post(self.base_url + "/score_continuations", json=body)
             if response.status_code == 404:
