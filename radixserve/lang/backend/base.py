@@ -50,7 +50,6 @@ class Backend(ABC):
     is_chat_model: bool = False
     _shares_prefixes: bool | None = None  # shares_batch_prefixes' answer, once known
 
-
     @abstractmethod
     def get_chat_template(self) -> ChatTemplate: ...
 
