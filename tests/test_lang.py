@@ -14,6 +14,7 @@ import requests
 from transformers import AutoTokenizer
 
 import radixserve.lang as sgl
+from radixserve.lang.backend.base import PrefixReuse
 from radixserve.lang.backend.runtime_endpoint import RuntimeEndpoint
 from tests.server_utils import ServerProcess
 
@@ -457,15 +458,17 @@ def test_the_prefix_hint_is_not_waited_for_and_may_fail(server, fail):
 class NoSharingEndpoint(RuntimeEndpoint):
     """The real HTTP backend, told the runtime does not share a prefix among the requests
     of one batch (as a server run with --disable-in-batch-prefix-caching, or SGLang's,
-    says); it notes the order of its calls."""
+    says), or with `reuse` NONE that it keeps no prefix (--disable-radix-cache); it notes
+    the order of its calls."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, reuse: PrefixReuse = PrefixReuse.CACHE) -> None:
         super().__init__(url)
         self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self.reuse = reuse
 
-    def shares_batch_prefixes(self) -> bool:
-        return False
+    def prefix_reuse(self) -> PrefixReuse:
+        return self.reuse
 
     def _note(self, kind: str, text: str) -> None:
         with self._lock:
@@ -485,26 +488,25 @@ class NoSharingEndpoint(RuntimeEndpoint):
         return super().score_choices(prefix, choices, unconditional)
 
 
-def test_a_server_that_shares_batch_prefixes_says_so(server, http_backend, engine_backend):
-    assert http_backend.shares_batch_prefixes() and engine_backend.shares_batch_prefixes()
-    backend = RuntimeEndpoint(server.url)
-    for info, shares in [
-        ({"disable_in_batch_prefix_caching": False}, True),
-        ({"disable_in_batch_prefix_caching": True}, False),
-        ({"disable_in_batch_prefix_caching": False, "disable_radix_cache": True}, False),
-        ({"schedule_policy": "fcfs", "disable_radix_cache": False}, False),  # SGLang's
+def test_a_backend_knows_how_the_runtime_reuses_a_prefix(server, http_backend, engine_backend):
+    assert http_backend.prefix_reuse() is engine_backend.prefix_reuse() is PrefixReuse.BATCH
+    for info, reuse in [
+        ({"disable_in_batch_prefix_caching": False}, PrefixReuse.BATCH),
+        ({"disable_in_batch_prefix_caching": True}, PrefixReuse.CACHE),
+        ({"disable_in_batch_prefix_caching": False, "disable_radix_cache": True}, PrefixReuse.NONE),
+        ({"schedule_policy": "fcfs", "disable_radix_cache": False}, PrefixReuse.CACHE),  # SGLang
+        ({}, PrefixReuse.CACHE),  # a server that does not say
     ]:
-        backend._shares_prefixes = None
-        backend.get_server_info = lambda info=info: info
-        assert backend.shares_batch_prefixes() is shares, info
-    backend.shutdown()
+        assert PrefixReuse.of(info) is reuse, info
 
 
-def test_without_batch_sharing_the_branches_wait_for_the_prefix_hint(server, http_backend):
+@pytest.mark.parametrize("reuse", [PrefixReuse.CACHE, PrefixReuse.NONE])
+def test_without_batch_sharing_the_branches_wait_for_the_prefix_hint(server, http_backend, reuse):
     """The runtime would compute a prefix once per branch that arrives with the others: the
-    hint is cached before any branch generates, and the outputs are those of a server that
-    shares (the hint changes what is cached, never what is generated)."""
-    backend = NoSharingEndpoint(server.url)
+    hint is cached before any branch generates (a runtime that keeps no prefix gets no
+    hint), and the outputs are those of a server that shares (the hint changes what is
+    cached, never what is generated)."""
+    backend = NoSharingEndpoint(server.url, reuse)
 
     @sgl.function
     def branches(s):
@@ -515,7 +517,8 @@ def test_without_batch_sharing_the_branches_wait_for_the_prefix_hint(server, htt
 
     state = _within(120, lambda: branches.run(backend=backend, **GREEDY))
     kinds = [kind for kind, _ in backend.calls]
-    assert kinds == ["cached", "generate", "generate"], backend.calls
+    hint = ["cached"] if reuse is PrefixReuse.CACHE else []
+    assert kinds == [*hint, "generate", "generate"], backend.calls
     assert state["fact"] == branches.run(backend=http_backend, **GREEDY)["fact"]
     backend.shutdown()
 

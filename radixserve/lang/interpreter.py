@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from radixserve.lang.backend.base import PrefixReuse
 from radixserve.lang.chat_template import ChatTemplate
 from radixserve.lang.global_config import global_config
 from radixserve.lang.ir import (
@@ -282,16 +283,25 @@ class Executor:
         elif isinstance(expr, VarScopeEnd):
             self._set(expr.name, self.text_[self.variables[expr.name] :], None)
         elif isinstance(expr, PrefixHint):
-            unseen = len(self.text_) - self.backend_seen
-            worth_it = unseen >= global_config.fork_hint_min_chars
-            if global_config.enable_fork_prefix_hint and worth_it:
-                if self.backend.shares_batch_prefixes():  # the branches share it anyway
-                    self._hints.append(_HINT_POOL.submit(self._send_hint, self.text_))
-                else:  # the branches start once it is cached (fork() waits for this)
-                    self._send_hint(self.text_)
-                self.backend_seen = len(self.text_)
+            self._prefix_hint()
         else:
             raise TypeError(f"cannot run {expr!r} in a program")
+
+    def _prefix_hint(self) -> None:
+        """Before a fork's branches: cache the parent's text, where the part the backend has
+        not seen is worth a call and the runtime keeps prefixes; fork() waits for it unless
+        the runtime shares a prefix among the branches arriving together."""
+        unseen = len(self.text_) - self.backend_seen
+        if not global_config.enable_fork_prefix_hint or unseen < global_config.fork_hint_min_chars:
+            return
+        reuse = self.backend.prefix_reuse()
+        if reuse is PrefixReuse.NONE:
+            return
+        if reuse is PrefixReuse.BATCH:
+            self._hints.append(_HINT_POOL.submit(self._send_hint, self.text_))
+        else:
+            self._send_hint(self.text_)
+        self.backend_seen = len(self.text_)
 
     def _send_hint(self, prefix: str) -> None:
         try:

@@ -7,6 +7,7 @@ raise: the interpreter turns the error into the program's error.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -46,9 +47,34 @@ class BackendError(RuntimeError):
         self.status = status
 
 
+class PrefixReuse(enum.Enum):
+    """What a runtime does with a prefix that several requests share.
+
+    BATCH: it computes the prefix once for requests that arrive together (radixserve's
+    in-batch prefix caching) and keeps it (radix cache): a fork's prefix hint is sent
+    without waiting for it, a select's continuations go in one call as they are.
+    CACHE: it keeps prefixes once computed, but requests arriving together each compute
+    theirs (`--disable-in-batch-prefix-caching`; SGLang's server under its default fcfs
+    policy; any server that does not say): the branches of a fork start once the hint has
+    cached their prefix, and a select caches its context before scoring its choices.
+    NONE: it keeps nothing (`--disable-radix-cache`): no hint, no prefix call."""
+
+    BATCH = "batch"
+    CACHE = "cache"
+    NONE = "none"
+
+    @classmethod
+    def of(cls, server_info: dict[str, Any]) -> PrefixReuse:
+        if server_info.get("disable_radix_cache", False):
+            return cls.NONE
+        if server_info.get("disable_in_batch_prefix_caching") is False:
+            return cls.BATCH
+        return cls.CACHE
+
+
 class Backend(ABC):
     is_chat_model: bool = False
-    _shares_prefixes: bool | None = None  # shares_batch_prefixes' answer, once known
+    _prefix_reuse: PrefixReuse | None = None  # prefix_reuse's answer, once known
 
     @abstractmethod
     def get_chat_template(self) -> ChatTemplate: ...
@@ -92,22 +118,16 @@ class Backend(ABC):
             scores = [self.score_choices(s.text_, [c], unconditional)[0] for c in choices]
         return choices_method(choices, scores)
 
-    def shares_batch_prefixes(self) -> bool:
-        """Whether the runtime computes a prefix that requests arriving together share once
-        (radixserve's in-batch prefix caching), so that a fork's branches or a select's
-        continuations need not find their context cached beforehand: then the prefix hint
-        is not waited for and a select sends no prefix call first. Read once from
-        `get_server_info`; False for a server that does not say (SGLang's, under its
-        default fcfs policy, computes such a prefix once per request)."""
-        if self._shares_prefixes is None:
+    def prefix_reuse(self) -> PrefixReuse:
+        """How the runtime reuses a prefix, read once from `get_server_info`: what the
+        co-design does for a fork's prefix hint and a select's context depends on it."""
+        if self._prefix_reuse is None:
             try:
                 info = self.get_server_info()
             except Exception:  # asked again next time
-                return False
-            self._shares_prefixes = info.get("disable_in_batch_prefix_caching") is False and (
-                not info.get("disable_radix_cache", False)
-            )
-        return self._shares_prefixes
+                return PrefixReuse.CACHE
+            self._prefix_reuse = PrefixReuse.of(info)
+        return self._prefix_reuse
 
     def flush_cache(self) -> bool:
         return False

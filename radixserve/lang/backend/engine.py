@@ -7,7 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from radixserve.lang.backend.base import Backend, native_completion, native_deltas
+from radixserve.lang.backend.base import (
+    Backend,
+    PrefixReuse,
+    native_completion,
+    native_deltas,
+)
 from radixserve.lang.chat_template import ChatTemplate, get_chat_template_by_model_path
 from radixserve.lang.choices import ChoiceScores
 
@@ -56,7 +61,7 @@ class EngineBackend(Backend):
     def score_choices(
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
-        if len(choices) > 1 and not self.shares_batch_prefixes():
+        if len(choices) > 1 and self.prefix_reuse() is PrefixReuse.CACHE:
             self.cache_prefix(prefix)  # or each continuation computes the context
         out = self.engine.score_continuations(prefix, choices, unconditional=unconditional)
         return [

@@ -20,6 +20,7 @@ import httpx2
 from radixserve.lang.backend.base import (
     Backend,
     BackendError,
+    PrefixReuse,
     native_completion,
     native_deltas,
 )
@@ -113,7 +114,7 @@ class RuntimeEndpoint(Backend):
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
         if self._scores_route:
-            if len(choices) > 1 and not self.shares_batch_prefixes():
+            if len(choices) > 1 and self.prefix_reuse() is PrefixReuse.CACHE:
                 self.cache_prefix(prefix)  # or each continuation computes the context
             body = {"text": prefix, "continuations": choices, "unconditional": unconditional}
             response = self._client.post(self.base_url + "/score_continuations", json=body)
