@@ -249,3 +249,50 @@ def test_a_server_that_exits_while_starting_is_a_start_error(tmp_path):
     with pytest.raises(vs_vllm.StartError, match="exited with code 3"):
         server.start(timeout_s=30)
     assert "bad flag" in vs_vllm.log_tail(tmp_path / "b.log")
+
+
+def _info_server(states_after_each_call: list):
+    """A stand-in /get_server_info on a thread: each call answers the next `internal_states`
+    of the list (the last one for good)."""
+    import http.server
+    import json
+    import threading
+
+    answers = iter(states_after_each_call)
+    last: list = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            states = next(answers, None)
+            if states is not None:
+                last[:] = [states]
+            body = json.dumps({"internal_states": last[0]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_the_run_waits_until_radixserves_kv_pool_is_mapped(monkeypatch):
+    monkeypatch.setattr(vs_vllm, "POLL_S", 0.01)
+    mapping = [[{"kv_unmapped_bytes": 4 << 20}, {"kv_unmapped_bytes": 0}]] * 3  # two replicas
+    server, url = _info_server([*mapping, [{"kv_unmapped_bytes": 0}] * 2])
+    try:
+        assert vs_vllm.wait_until_pool_mapped(url, timeout_s=30) is not None
+        still = _info_server([[{"kv_unmapped_bytes": 2 << 20}]])
+        assert vs_vllm.wait_until_pool_mapped(still[1], timeout_s=0.2) is None  # not in time
+        still[0].shutdown()
+        silent = _info_server([[{"kv_free": 10}]])  # a server that does not say
+        assert vs_vllm.wait_until_pool_mapped(silent[1], timeout_s=30) is None
+        silent[0].shutdown()
+    finally:
+        server.shutdown()
+    startup = vs_vllm.Startup(RADIXSERVE, "float32", 1, 10.04, None, 7.96)
+    assert str(startup) == "radixserve float32 round 1: 10.0 s (KV pool mapped 8.0 s later)"

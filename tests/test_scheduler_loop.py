@@ -147,6 +147,7 @@ def test_an_idle_loop_maps_the_kv_pool_and_a_busy_one_runs_first(tiny_model_dirs
     loop = SchedulerLoop(scheduler, transport, max_queued=2)
     loop.handle(GenerateReq("a", PROMPTS[2], SamplingParams.from_dict(greedy(4)), seed=0))
     left = len(pool._unmapped)
+    assert scheduler.state().kv_unmapped_bytes == pool.unmapped_bytes > 0
     while scheduler.has_work:
         loop.run_once()
     assert len(pool._unmapped) == left  # the request's steps ran with no mapping between
@@ -156,3 +157,4 @@ def test_an_idle_loop_maps_the_kv_pool_and_a_busy_one_runs_first(tiny_model_dirs
         loop.run_once()
         iterations += 1
     assert iterations == left  # one chunk per idle iteration
+    assert scheduler.state().kv_unmapped_bytes == 0  # what the vs-vllm run waits for

@@ -113,6 +113,12 @@ class KVPool:
         """Pages of the pool are left for `map_idle_pages` to map."""
         return bool(self._unmapped)
 
+    @property
+    def unmapped_bytes(self) -> int:
+        """Bytes of the pool `map_idle_pages` has still to map (some of them may have been
+        mapped since by the pool's users writing them first)."""
+        return sum(end - address for address, end in self._unmapped)
+
     def map_idle_pages(self) -> bool:
         """Map the next POPULATE_CHUNK of the pool's unmapped pages; True while some remain.
         For the scheduler loop's idle time (IDLE_MAPPING): a page the pool's users write

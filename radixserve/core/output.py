@@ -193,6 +193,8 @@ class SchedulerStats(msgspec.Struct):
     kv_tree_evictable: int = 0
     kv_tree_protected: int = 0
     kv_held_by_requests: int = 0
+    # the KV pool's pages still to be mapped when idle (cache/kv_pool.py; 0 once all are)
+    kv_unmapped_bytes: int = 0
     # hybrid sliding-window memory (0 without it): the window layers' pool and its free slots
     swa_total: int = 0
     swa_free: int = 0

@@ -156,6 +156,7 @@ class Scheduler:
             setattr(stats, key, value)
         stats.num_running = len(self.running) + (self.chunked is not None)
         stats.num_waiting = len(self.waiting)
+        stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
         stats.grammar = self.grammars.stats.as_dict()
         stats.hicache = self.kv.tier_usage()
         return msgspec.structs.replace(  # a snapshot
