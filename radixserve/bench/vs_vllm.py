@@ -456,7 +456,7 @@ def wait_until_pool_mapped(url: str, timeout_s: float) -> float | None:
     """The seconds until every scheduler of a radixserve server has mapped its KV pool's
     pages (it maps them when idle, after its ready line: cache/kv_pool.py), polled through
     /get_server_info; None if the server does not say or is not done within `timeout_s`.
-    A page first written under load costs that step its mapping (~3 s per GB on these VMs:
+    A page first written under load costs that step its mapping (3-8 s per GB on these VMs:
     no-sharing fp32 1.04-1.13 req/s at once, 1.29-1.36 mapped), while vLLM writes its whole
     KV cache before it is ready: the run waits, so both serve as they will for good."""
     start = time.monotonic()
