@@ -169,24 +169,50 @@ def test_idle_mapping_keeps_what_is_written_meanwhile():
         assert torch.equal(pool.v[layer][where], values * 2)
 
 
-def test_idle_mapping_takes_one_chunk_per_call():
-    """The scheduler loop's idle time is spent a chunk at a time (a request arriving waits
-    for one madvise at most)."""
+def test_idle_mapping_takes_two_chunks_per_call():
+    """The scheduler loop's idle time is spent MAPPING_THREADS chunks at a time, mapped at
+    once (a request arriving waits for about one madvise at most)."""
     slots = 40 * 2**20 // (64 * 4)  # 40 MiB a buffer: 20 chunks of 2 MiB, or 21 unaligned
     pool = KVPool(slots, 2, 1, 64, torch.float32, "cpu", prefault=True)
     if not pool.mapping:
         pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
-    left = [(a, e) for a, e in pool._unmapped]
+    left = [(a, e) for _, a, e in pool._unmapped]
     assert all(e - a <= kv_pool.POPULATE_CHUNK for a, e in left)
     covered = sum(e - a for a, e in left)
     assert covered >= 3 * pool.nbytes // 4 - 3 * kv_pool.SMALL_PAGE  # all but the first buffer
+    assert pool.unmapped_bytes == covered
     for _ in range(5):
         assert pool.map_idle_pages()
-    assert len(pool._unmapped) == len(left) - 5
-    while pool.map_idle_pages():  # the rest, a chunk a call
+    assert len(pool._unmapped) == len(left) - 5 * kv_pool.MAPPING_THREADS
+    assert pool.unmapped_bytes == sum(e - a for _, a, e in pool._unmapped)
+    while pool.map_idle_pages():  # the rest
         pass
-    assert not pool.mapping
+    assert not pool.mapping and pool.unmapped_bytes == 0
+    assert pool._helper is None  # its thread let go once all is mapped
     assert not pool.map_idle_pages()  # nothing left: a no-op
+
+
+def test_a_step_maps_the_pages_of_the_slots_it_writes_first():
+    """`map_for_slots`: every buffer's chunks up to the step's highest slot are mapped
+    before it runs (the step's K/V copy would fault them in), the rest left to idle time;
+    what the step then writes and reads is what it wrote."""
+    row = 64 * 4  # one KV head of 64 fp32 per slot: 8,192 slots a chunk
+    pool = KVPool(40 * 2**20 // row, 2, 1, 64, torch.float32, "cpu", prefault=True)
+    if not pool.mapping:
+        pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
+    before = len(pool._unmapped)
+    slots = torch.tensor([5, 9_000, 20_000])  # in each buffer's chunks 0, 1 and 2
+    pool.map_for_slots(slots)
+    assert all(offset >= 3 * kv_pool.POPULATE_CHUNK for offset, _, _ in pool._unmapped)
+    assert before - len(pool._unmapped) >= 3 * 3  # three chunks of the three unmapped buffers
+    pool.map_for_slots(torch.tensor([7, 100]))  # already mapped: nothing to do
+    assert len(pool._unmapped) >= before - 3 * 4
+    k = torch.randn(3, 1, 64)
+    pool.write(1, slots, k, -k)
+    assert torch.equal(pool.k[1][slots], k) and torch.equal(pool.v[1][slots], -k)
+    while pool.map_idle_pages():
+        pass
+    pool.map_for_slots(slots)  # all mapped: a no-op
 
 
 def test_idle_mapping_maps_the_first_slots_of_every_layer_first():
@@ -198,5 +224,5 @@ def test_idle_mapping_maps_the_first_slots_of_every_layer_first():
         pytest.skip("this kernel cannot map pages without writing them (Linux 5.14+)")
     bufs = (*pool.k, *pool.v)[1:]  # the first is mapped at once
     firsts = {kv_pool.page_span(buf)[0] for buf in bufs}
-    order = [address for address, _ in reversed(pool._unmapped)]
+    order = [address for _, address, _ in reversed(pool._unmapped)]
     assert set(order[: len(bufs)]) == firsts

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from radixserve.cache import kv_pool
 from radixserve.config import Config
 from radixserve.core.errors import DuplicateRid, QueueFull, rejection
 from radixserve.core.messages import GenerateReq, Rejected
@@ -133,9 +134,10 @@ def test_a_failed_accounting_check_is_an_error_not_a_hang(tiny_model_dirs):
 
 
 def test_an_idle_loop_maps_the_kv_pool_and_a_busy_one_runs_first(tiny_model_dirs):
-    """The KV pool's pages are mapped a chunk per idle loop iteration (cache/kv_pool.py,
-    IDLE_MAPPING), never while a request waits or runs: a request finishes as it would
-    without it, and then the idle iterations map the rest."""
+    """The KV pool's pages are mapped MAPPING_THREADS chunks per idle loop iteration
+    (cache/kv_pool.py, IDLE_MAPPING), never while a request waits or runs, but for the pages
+    its steps write K/V to: a request finishes as it would without it, and then the idle
+    iterations map the rest."""
     cfg = Config.from_flat(
         model_path=str(tiny_model_dirs["llama"]), max_total_tokens=65536, dtype=FP32
     )
@@ -146,15 +148,21 @@ def test_an_idle_loop_maps_the_kv_pool_and_a_busy_one_runs_first(tiny_model_dirs
     transport = RecordingTransport()
     loop = SchedulerLoop(scheduler, transport, max_queued=2)
     loop.handle(GenerateReq("a", PROMPTS[2], SamplingParams.from_dict(greedy(4)), seed=0))
-    left = len(pool._unmapped)
+    first_chunks = 2 * len(pool.k) - 1  # every buffer's but the first's, mapped at once
+    before = len(pool._unmapped)
+    assert before > first_chunks  # the buffers are longer than one chunk
     assert scheduler.state().kv_unmapped_bytes == pool.unmapped_bytes > 0
     while scheduler.has_work:
         loop.run_once()
-    assert len(pool._unmapped) == left  # the request's steps ran with no mapping between
+    # the request's steps mapped only the pages of its slots (each buffer's first chunk,
+    # `map_for_slots`), no idle mapping between them
+    left = len(pool._unmapped)
+    assert left == before - first_chunks
+    assert all(offset > 0 for offset, _, _ in pool._unmapped)
     assert [o.rid for o in transport.outputs if o.finished] == ["a"]
     iterations = 0
     while pool.mapping:
         loop.run_once()
         iterations += 1
-    assert iterations == left  # one chunk per idle iteration
+    assert iterations == -(-left // kv_pool.MAPPING_THREADS)  # that many chunks an iteration
     assert scheduler.state().kv_unmapped_bytes == 0  # what the vs-vllm run waits for

@@ -286,6 +286,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
             return ForwardOutput(graphs.run(batch))
+        if self.kv_pool.mapping:  # the pages this step writes K/V to, mapped first
+            self.kv_pool.map_for_slots(batch.out_slots)
         meta = self.attention.prepare(batch)
         model = self.model
         x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta)
