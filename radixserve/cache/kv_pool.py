@@ -48,8 +48,12 @@ POPULATE_CHUNK = 2 << 20  # bytes per madvise call: one huge page
 # caller's and a helper thread's: when idle (one chunk's wait for an arriving request, as
 # before), and before a step that writes slots on pages not yet mapped (`map_for_slots`),
 # which would otherwise fault them in one by one in the step's K/V copy (one thread; the
-# other core waits). No-sharing at the ready line (a fresh 60,000-token fp32 pool, 1.7 GB of
-# K/V written): a 1,024-token step 1,096 ms mapped, 1,259 ms unmapped.
+# other core waits). A fresh 20,000-token pool of SmolLM2's shape (fp32, 880 MB) written in
+# 1,024-slot steps through a one-thread copy, each run in a new process 20 s after the last
+# (pages the VM just backed for an earlier run map ~20x faster): faulted in 4.55-4.66 s,
+# mapped first 2.47-2.69 s (benchmarks/kv_pool_mapping.py). Through the server, no-sharing
+# at the ready line (a fresh 60,000-token pool; 1.7 GB of K/V written): 1.17, 1.26 -> 1.26,
+# 1.28 req/s (alternated; memory freed by the previous run blurs it), 1.29 mapped first.
 MAPPING_THREADS = 2
 
 logger = logging.getLogger(__name__)
