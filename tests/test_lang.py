@@ -438,18 +438,19 @@ class SlowHintEndpoint(RuntimeEndpoint):
         return super().generate(s, params)
 
 
+@sgl.function
+def two_facts(s):
+    s += "You are a careful writer who states facts plainly and briefly. Two facts:\n"
+    forks = s.fork(2)
+    forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=4, stop="\n")
+    forks.join()
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_the_prefix_hint_is_not_waited_for_and_may_fail(server, fail):
     backend = SlowHintEndpoint(server.url, fail=fail)
 
-    @sgl.function
-    def branches(s):
-        s += "You are a careful writer who states facts plainly and briefly. Two facts:\n"
-        forks = s.fork(2)
-        forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=4, stop="\n")
-        forks.join()
-
-    state = _within(120, lambda: branches.run(backend=backend, **GREEDY))
+    state = _within(120, lambda: two_facts.run(backend=backend, **GREEDY))
     assert backend.hint_waited == [True]  # a branch generated while the hint was in flight
     assert len(state["fact"]) == 2 and state.error() is None
     backend.shutdown()
@@ -508,18 +509,11 @@ def test_without_batch_sharing_the_branches_wait_for_the_prefix_hint(server, htt
     cached, never what is generated)."""
     backend = NoSharingEndpoint(server.url, reuse)
 
-    @sgl.function
-    def branches(s):
-        s += "You are a careful writer who states facts plainly and briefly. Two facts:\n"
-        forks = s.fork(2)
-        forks += lambda i: f"{i + 1}." + sgl.gen("fact", max_tokens=4, stop="\n")
-        forks.join()
-
-    state = _within(120, lambda: branches.run(backend=backend, **GREEDY))
+    state = _within(120, lambda: two_facts.run(backend=backend, **GREEDY))
     kinds = [kind for kind, _ in backend.calls]
     hint = ["cached"] if reuse is PrefixReuse.CACHE else []
     assert kinds == [*hint, "generate", "generate"], backend.calls
-    assert state["fact"] == branches.run(backend=http_backend, **GREEDY)["fact"]
+    assert state["fact"] == two_facts.run(backend=http_backend, **GREEDY)["fact"]
     backend.shutdown()
 
 
