@@ -14,7 +14,7 @@ models their fidelity bar). Decode attention of a small model is a fraction of a
 split over the keys for long contexts at small batch is not done.
 
 This module imports Triton: import it only where CUDA and Triton are there
-(`decode_kernel()` says None elsewhere).
+(runner.py's `device_decode_kernel` says None elsewhere).
 """
 
 from __future__ import annotations

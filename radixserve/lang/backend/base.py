@@ -129,6 +129,12 @@ class Backend(ABC):
             self._prefix_reuse = PrefixReuse.of(info)
         return self._prefix_reuse
 
+    def cache_context_first(self, prefix: str, choices: list[str]) -> None:
+        """Before one scoring call over several choices: cache their shared context where
+        the runtime would otherwise compute it once per choice (PrefixReuse.CACHE)."""
+        if len(choices) > 1 and self.prefix_reuse() is PrefixReuse.CACHE:
+            self.cache_prefix(prefix)
+
     def flush_cache(self) -> bool:
         return False
 

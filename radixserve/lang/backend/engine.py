@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.lang.backend.base import (
     Backend,
-    PrefixReuse,
     native_completion,
     native_deltas,
 )
@@ -61,8 +60,7 @@ class EngineBackend(Backend):
     def score_choices(
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
-        if len(choices) > 1 and self.prefix_reuse() is PrefixReuse.CACHE:
-            self.cache_prefix(prefix)  # or each continuation computes the context
+        self.cache_context_first(prefix, choices)
         out = self.engine.score_continuations(prefix, choices, unconditional=unconditional)
         return [
             ChoiceScores(

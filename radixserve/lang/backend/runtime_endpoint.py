@@ -20,7 +20,6 @@ import httpx2
 from radixserve.lang.backend.base import (
     Backend,
     BackendError,
-    PrefixReuse,
     native_completion,
     native_deltas,
 )
@@ -114,8 +113,7 @@ class RuntimeEndpoint(Backend):
         self, prefix: str, choices: list[str], unconditional: bool
     ) -> list[ChoiceScores]:
         if self._scores_route:
-            if len(choices) > 1 and self.prefix_reuse() is PrefixReuse.CACHE:
-                self.cache_prefix(prefix)  # or each continuation computes the context
+            self.cache_context_first(prefix, choices)
             body = {"text": prefix, "continuations": choices, "unconditional": unconditional}
             response = self._client.post(self.base_url + "/score_continuations", json=body)
             if response.status_code == 404:
