@@ -56,3 +56,46 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    def logits_rows(self) -> ForwardBatch | None:
+        """The step narrowed to its logits rows, as the last decoder layer sees them: past
+        its K/V (written for every row), that layer's other rows feed nothing, so it runs
+        only these rows' queries, attention and MLP, each request's other new tokens taken
+        as cached (a longer prefix). A prefill chunk then runs one row of its last layer,
+        not the chunk's every row (~3% of a prefill's products for a 30-layer model). None
+        where that narrows nothing (decode steps), where some request's logits rows are not
+        the last of its new tokens, or where hidden states are returned (embeddings)."""
+        wanted = self.logits_indices
+        if self.hidden_indices is not None or not 0 < wanted.numel() < self.input_ids.numel():
+            return None
+        rows = wanted.tolist()
+        kept_reqs: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        j = end = 0
+        for i, (prefix, n) in enumerate(zip(self.prefix_lens, self.extend_lens, strict=True)):
+            end += n
+            first = j
+            while j < len(rows) and rows[j] < end:
+                j += 1
+            kept = j - first
+            if kept == 0:
+                continue
+            if rows[first:j] != list(range(end - kept, end)):  # not a suffix, or out of order
+                return None
+            kept_reqs.append(i)
+            prefix_lens.append(prefix + n - kept)
+            extend_lens.append(kept)
+        if j != len(rows):  # rows past the step's, or out of order
+            return None
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self.input_ids[wanted],
+            positions=self.positions[wanted],
+            out_slots=self.out_slots[wanted],
+            req_rows=self.req_rows[kept_reqs],
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            logits_indices=torch.arange(len(rows), device=wanted.device),
+            kv_loads=self.kv_loads,
+        )

@@ -124,6 +124,8 @@ class AttentionBackend(Protocol):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object
     ) -> torch.Tensor: ...
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: object) -> None: ...
+
 
 class TorchNativeAttention:
     """Gather K/V by slot index into a padded (B, heads, S, D) batch, then one SDPA call.
@@ -347,13 +349,8 @@ class TorchNativeAttention:
         v: torch.Tensor,  # (T, KH, D)
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:  # (T, H * D)
-        for load in meta.kv_loads:  # this layer's rows loaded back (overlapping the forward)
-            load.wait_layer(layer)
+        self.write(layer, k, v, meta)
         window = self.windows[layer] if layer < len(self.windows) else 0
-        slots = meta.out_slots
-        if window and meta.window_out_slots is not None:
-            slots = meta.window_out_slots
-        self.kv_pool.write(layer, slots, k, v)
         groups = meta.groups
         if window and meta.window_groups:
             groups = meta.window_groups.get(window, groups)
@@ -370,6 +367,19 @@ class TorchNativeAttention:
             t = group.tokens
             out.index_copy_(0, t, self._attend(layer, q[t], k[t], v[t], group))
         return out
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: TorchNativeMetadata
+    ) -> None:
+        """The step's K/V (T, KH, D) into the layer's pool, as `forward` writes them first
+        (a last layer that attends only the logits rows writes every row's this way)."""
+        for load in meta.kv_loads:  # this layer's rows loaded back (overlapping the forward)
+            load.wait_layer(layer)
+        window = self.windows[layer] if layer < len(self.windows) else 0
+        slots = meta.out_slots
+        if window and meta.window_out_slots is not None:
+            slots = meta.window_out_slots
+        self.kv_pool.write(layer, slots, k, v)
 
     def driver_view(self, meta: TorchNativeMetadata, dtype: torch.dtype) -> DriverView | None:
         """What `decode_layers.cpp` needs to write a step's K/V (of `dtype`, the queries'

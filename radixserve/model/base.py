@@ -8,6 +8,7 @@ requests; attention goes through the backend, which owns the KV pool.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,18 @@ from radixserve.model.layers import (
 )
 from radixserve.model.loader import CheckpointTensor
 from radixserve.model.parallel import SINGLE, TensorParallel
+
+
+@dataclass(frozen=True)
+class LastRows:
+    """The rows a step's last decoder layer computes past its K/V: the step's logits rows
+    (`rows`, increasing; ForwardBatch.logits_rows), at `positions`, attended with `meta`
+    (the attention backend's metadata of that narrowed batch)."""
+
+    rows: torch.Tensor  # (L,) int64, indices into the step's tokens
+    positions: torch.Tensor  # (L,) int64
+    meta: object
+
 
 GATE_UP = ".mlp.gate_up_proj."  # the fused parameter, and the checkpoint's halves in order
 GATE_UP_SHARDS = (".mlp.gate_proj.", ".mlp.up_proj.")
@@ -98,7 +111,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # (T,)
         attn: AttentionBackend,
         meta: object,
-    ) -> torch.Tensor:  # (T, hidden), before the final norm
+        last: LastRows | None = None,
+    ) -> torch.Tensor:  # (T, hidden), before the final norm; with `last` (L, hidden)
+        """The residual stream after the last layer: of every row, or with `last` of its
+        rows alone, in order (a model may then skip the last layer's other rows)."""
         raise NotImplementedError
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:

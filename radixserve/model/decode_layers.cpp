@@ -84,6 +84,17 @@ struct Segment {
 static_assert(sizeof(Segment) == 8 * sizeof(int64_t), "decode_layers.py SEGMENT_FIELDS");
 constexpr int64_t kDecode = 0, kExtend = 1;
 
+// The last layer narrowed to the step's logits rows (decode_layers.py CUT_FIELDS; the
+// Python layers' `last`): past its K/V, every row of which goes to the pool, it runs only
+// `rows` (increasing indices into the step's rows), as the narrowed batch's rows: their
+// queries rotated by cos/sin (their own rows of the tables), attended by `segments` (the
+// narrowed batch's kernel calls), their products through `layer` (the last layer's fields
+// for that many rows, as the Python layers choose them).
+struct Cut {
+    int64_t rows, count, cos, sin, layer, segments, num_segments;
+};
+static_assert(sizeof(Cut) == 7 * sizeof(int64_t), "decode_layers.py CUT_FIELDS");
+
 char* at(void* base, int64_t elements, int64_t elem_size) {
     return (char*)base + elements * elem_size;
 }
@@ -96,16 +107,17 @@ extern "C" {
 // delta (rows, hidden): that MLP's output (the caller adds the two, as the Python model
 // does). cos, sin (rows, head_dim): the rows' rotary tables; slots (rows,): where each row's
 // K/V go in every layer's pool; table: the request→token table; segments: the attention
-// kernels' calls, in the rows' order, that cover every row (no sliding window). scratch:
-// rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 3 * intermediate)
-// elements.
+// kernels' calls, in the rows' order, that cover every row (no sliding window). cut_fields:
+// a Cut, or null (the last layer runs every row); with one, x and delta come out for the
+// cut's rows alone, in their first rows. scratch: rows * (hidden + 2 * heads * head_dim + 2
+// * kv_heads * head_dim + 3 * intermediate) elements.
 void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int64_t num_layers,
                    void* x, void* delta, const void* cos, const void* sin, const int64_t* slots,
                    const int64_t* table, const int64_t* segment_fields, int64_t num_segments,
-                   void* scratch, float eps, float scale) {
+                   const int64_t* cut_fields, void* scratch, float eps, float scale) {
     const Step& s = *(const Step*)step_fields;
     const Layer* layers = (const Layer*)layer_fields;
-    const Segment* segments = (const Segment*)segment_fields;
+    const Cut* cut = (const Cut*)cut_fields;
     const int64_t m = s.rows, es = s.elem_size, hidden = s.hidden, inter = s.intermediate;
     const int64_t q_width = s.heads * s.head_dim, kv_width = s.kv_heads * s.head_dim;
     const int threads = (int)s.threads;
@@ -118,21 +130,41 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
     char* act = at(gate_up, m * 2 * inter, es);
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer& l = layers[i];
+        const bool narrow = cut != nullptr && i == num_layers - 1;
         if (i == 0)
             ((RmsNorm)s.rms_norm)(x, (const void*)l.input_norm, h, m, hidden, eps, threads);
         else
             ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.input_norm, x, h, m, hidden,
                                          eps, threads);
-        linear(l.q, h, q, m, q_width, hidden, threads);
+        if (!narrow) linear(l.q, h, q, m, q_width, hidden, threads);
         linear(l.k, h, k, m, kv_width, hidden, threads);
         linear(l.v, h, v, m, kv_width, hidden, threads);
-        ((Rotary)s.rotary)(q, k, cos, sin, m, s.heads, s.kv_heads, s.head_dim, threads);
+        ((Rotary)s.rotary)(q, k, cos, sin, m, narrow ? 0 : s.heads, s.kv_heads, s.head_dim,
+                           threads);
         const int64_t row_bytes = kv_width * es;
         for (int64_t t = 0; t < m; t++) {
             memcpy((char*)l.k_pool + slots[t] * row_bytes, k + t * row_bytes, row_bytes);
             memcpy((char*)l.v_pool + slots[t] * row_bytes, v + t * row_bytes, row_bytes);
         }
-        for (int64_t j = 0; j < num_segments; j++) {
+        // the rest of the layer: every row, or the cut's rows moved to the front
+        int64_t n = m;
+        const Layer* p = &l;
+        const Segment* segments = (const Segment*)segment_fields;
+        int64_t count = num_segments;
+        if (narrow) {
+            const int64_t* keep = (const int64_t*)cut->rows;
+            n = cut->count, p = (const Layer*)cut->layer;
+            segments = (const Segment*)cut->segments, count = cut->num_segments;
+            for (int64_t t = 0; t < n; t++) {
+                if (keep[t] == t) continue;  // increasing: row keep[t] > t is not yet moved
+                memcpy(at(h, t * hidden, es), at(h, keep[t] * hidden, es), hidden * es);
+                memcpy(at(x, t * hidden, es), at(x, keep[t] * hidden, es), hidden * es);
+            }
+            linear(p->q, h, q, n, q_width, hidden, threads);
+            ((Rotary)s.rotary)(q, k, (const void*)cut->cos, (const void*)cut->sin, n, s.heads, 0,
+                               s.head_dim, threads);
+        }
+        for (int64_t j = 0; j < count; j++) {
             const Segment& g = segments[j];
             const void* q_g = at(q, g.start * q_width, es);
             void* out_g = at(attn, g.start * q_width, es);
@@ -148,12 +180,12 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
                                         s.kv_heads, s.head_dim, s.table_stride, scale, threads,
                                         (int)g.code);
         }
-        linear(l.o, attn, delta, m, hidden, q_width, threads);
-        ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, m, hidden, eps,
+        linear(p->o, attn, delta, n, hidden, q_width, threads);
+        ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, n, hidden, eps,
                                      threads);
-        linear(l.gate_up, h, gate_up, m, 2 * inter, hidden, threads);
-        ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, m, inter, 2 * inter, threads);
-        linear(l.down, act, delta, m, hidden, inter, threads);
+        linear(p->gate_up, h, gate_up, n, 2 * inter, hidden, threads);
+        ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, n, inter, 2 * inter, threads);
+        linear(p->down, act, delta, n, hidden, inter, threads);
     }
 }
 

@@ -11,7 +11,8 @@ bit for bit the Python model's. Decode steps, and steps of up to MAX_ROWS rows w
 tokens after cached prefixes (a mixed step's arriving requests beside its decode rows, an
 extend batch) where the extend-attention kernel attends them: ~10 ms of Python a step
 matters there too (a step of 15 decode rows and one arriving request's 32 tokens takes
-~90 ms). Steps it does not take (larger prefills, which are compute-bound and whose MLP
+~90 ms). A step whose last layer runs for its logits rows alone (`LastRows`) runs it so
+here too, as the Python layers do. Steps it does not take (larger prefills, which are compute-bound and whose MLP
 goes in chunks, rows gathered by index, a layer whose product goes to torch, tensor
 parallelism, sliding windows, K/V being loaded back, a pool of another dtype than the
 model) run the Python model as before.
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers of 4 fields
 STEP_FIELDS = 13  # decode_layers.cpp's Step
 SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
+CUT_FIELDS = 7  # decode_layers.cpp's Cut
 ROWS_KIND, ONE_ROW_KIND = -1, -2  # how a linear kernel is called (decode_layers.cpp)
 MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 
@@ -53,7 +55,7 @@ class DecodeLayers:
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
         self._run = library.decode_layers
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, i64, p, f32, f32]
+        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, i64, p, p, f32, f32]
         self._run.restype = None
         self.model, self.fused = model, fused
         config = model.config
@@ -90,11 +92,13 @@ class DecodeLayers:
         )
 
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, meta
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, meta, last=None
     ) -> torch.Tensor | None:
         """x (M, hidden): the embeddings of a step's M tokens → the residual stream after
         the last layer (before the final norm), or None where this step is not one the
-        driver takes (the caller runs the Python layers then)."""
+        driver takes (the caller runs the Python layers then). With `last` ((LastRows,
+        their rotary tables)) the last layer runs past its K/V for those rows alone, as
+        the Python layers do, and the result holds those rows."""
         rows = x.shape[0]
         if rows > MAX_ROWS or x.dtype != self.dtype or not x.is_contiguous():
             return None
@@ -103,14 +107,17 @@ class DecodeLayers:
         if view is None:
             return None
         threads = torch.get_num_threads()
-        key = (rows, threads, view.pool_k[0].data_ptr())
-        if key not in self._plans:
-            self._plans[key] = self._plan(rows, threads, view)
-        plan = self._plans[key]
+        plan = self._plan_for(rows, threads, view)
         if plan is None:
             return None
         step, layers = plan
         segments = _segment_fields(view)
+        cut, kept = None, rows
+        if last is not None:
+            cut = self._cut(last, attn, threads)
+            if cut is None:
+                return None
+            kept = last[0].rows.numel()
         delta = torch.empty_like(x)
         scratch = torch.empty(rows * self.scratch_per_row, dtype=x.dtype)
         with profiled("kernel:decode_layers"):
@@ -118,9 +125,36 @@ class DecodeLayers:
                 step.data_ptr(), layers.data_ptr(), len(self.model.layers), x.data_ptr(),
                 delta.data_ptr(), cos.data_ptr(), sin.data_ptr(), view.slots.data_ptr(),
                 view.table.data_ptr(), segments.data_ptr(), len(view.segments),
-                scratch.data_ptr(), self.eps, attn.scale,
+                None if cut is None else cut[0].data_ptr(), scratch.data_ptr(), self.eps,
+                attn.scale,
             )  # fmt: skip
-        return x + delta
+        return x[:kept] + delta[:kept]
+
+    def _plan_for(self, rows: int, threads: int, view) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (rows, threads, view.pool_k[0].data_ptr())
+        if key not in self._plans:
+            self._plans[key] = self._plan(rows, threads, view)
+        return self._plans[key]
+
+    def _cut(self, last, attn, threads: int) -> tuple[torch.Tensor, ...] | None:
+        """decode_layers.cpp's Cut for `last` ((LastRows, rotary tables)) and the tensors
+        it points into, or None where the narrowed last layer is not the driver's (its
+        attention or some product of its rows goes elsewhere)."""
+        rows, tables = last
+        view = attn.driver_view(rows.meta, self.dtype)
+        plan = None if view is None else self._plan_for(rows.rows.numel(), threads, view)
+        if plan is None:
+            return None
+        layers = plan[1]
+        segments = _segment_fields(view)
+        indices = rows.rows.contiguous()
+        cos, sin = tables.cos.contiguous(), tables.sin.contiguous()
+        fields = [
+            indices.data_ptr(), indices.numel(), cos.data_ptr(), sin.data_ptr(),
+            layers[-1].data_ptr(), segments.data_ptr(), len(view.segments),
+        ]  # fmt: skip
+        assert len(fields) == CUT_FIELDS
+        return torch.tensor(fields, dtype=torch.int64), layers, segments, indices, cos, sin, view
 
     def _plan(self, rows: int, threads: int, view) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step and layer fields for steps of `rows` rows, or None where some product

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.base import CausalLM, head_dim_of
+from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding, RotaryTables
 from radixserve.model.llama import LlamaAttention
 from radixserve.model.parallel import SINGLE, TensorParallel
@@ -95,14 +95,15 @@ class Gemma3ForCausalLM(CausalLM):
         positions: torch.Tensor,  # (T,)
         attn: AttentionBackend,
         meta: object,
-    ) -> torch.Tensor:  # (T, hidden), before the final norm
+        last: LastRows | None = None,
+    ) -> torch.Tensor:  # (T, hidden), before the final norm; with `last` (L, hidden)
         x = self.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the embedding's dtype first, as transformers does
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
         tables = {kind: rotary.tables(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kind in zip(self.layers, self.layer_types, strict=True):
             x = layer(x, tables[kind], attn, meta)
-        return x
+        return x if last is None else x[last.rows]  # every row's last layer, then the rows
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:  # (L, hidden) normed
         logits = self.lm_logits(x)

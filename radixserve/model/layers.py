@@ -304,6 +304,10 @@ class RotaryTables:
             return self.fused.rotary_(q, k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def apply_one(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, heads, D), q or k alone, rotated as `apply` rotates it."""
+        return self.apply(x, x.new_empty(x.shape[0], 0, x.shape[2]))[0]
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.base import CausalLM, head_dim_of
+from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryTables
 from radixserve.model.parallel import SINGLE, TensorParallel
 
@@ -64,14 +64,24 @@ class LlamaAttention(nn.Module):
         rotary: RotaryTables,
         attn: AttentionBackend,
         meta: object,
-    ) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        last: tuple[LastRows, RotaryTables] | None = None,
+    ) -> torch.Tensor:  # (T, hidden); with `last`, of its rows alone
+        """With `last` (the last layer), every row's K/V and only `last`'s rows' queries:
+        all K/V go to the pool, then those rows attend as the narrowed batch's."""
+        queries = x if last is None else x[last[0].rows]
+        q = self.q_proj(queries).view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # (T, KH, D)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k)
-        return self.tp.all_reduce(self.o_proj(attn.forward(self.layer, q, k, v, meta)))
+        if last is None:
+            q, k = rotary.apply(q, k)
+            return self.tp.all_reduce(self.o_proj(attn.forward(self.layer, q, k, v, meta)))
+        rows, tables = last
+        k, q = rotary.apply_one(k), tables.apply_one(q)
+        attn.write(self.layer, k, v, meta)  # every row's; the rows' again below, alike
+        out = attn.forward(self.layer, q, k[rows.rows], v[rows.rows], rows.meta)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,15 +100,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act, tp)
 
-    def forward(self, x, delta, rotary, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, delta, rotary, attn, meta, last=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream arrives as x + delta (delta None in the first layer) and
         leaves the same way: each residual add is done with the norm after it (one pass
-        with the fused ops), the last one by the caller."""
+        with the fused ops), the last one by the caller. With `last` ((LastRows, their
+        rotary tables): the last layer) it leaves for those rows alone."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_forward(x, delta)
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rotary, attn, meta))
+        attended = self.self_attn(h, rotary, attn, meta, last)
+        if last is not None:
+            x = x[last[0].rows]
+        x, h = self.post_attention_layernorm.add_forward(x, attended)
         return x, self.mlp(h)
 
 
@@ -123,15 +137,18 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,  # (T,)
         attn: AttentionBackend,
         meta: object,
-    ) -> torch.Tensor:  # (T, hidden), before the final norm
+        last: LastRows | None = None,
+    ) -> torch.Tensor:  # (T, hidden), before the final norm; with `last` (L, hidden)
         x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
+        narrowed = None if last is None else (last, self.rotary.tables(last.positions, x.dtype))
         if self.decode_layers is not None:  # the layers in one C++ call, where it takes them
-            out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta)
+            out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta, narrowed)
             if out is not None:
                 return out
-        for layer in self.layers:
-            x, delta = layer(x, delta, rotary, attn, meta)
+        final = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, delta = layer(x, delta, rotary, attn, meta, narrowed if i == final else None)
         return x if delta is None else x + delta
 
 

@@ -31,7 +31,7 @@ from radixserve.hardware import (
     resolve_kv_dtype,
 )
 from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
-from radixserve.model.base import CausalLM, head_dim_of
+from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.cpu_kernels import blocked_linear, fused_ops, gemm_small_kernel, gemv_kernel
 from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
@@ -138,6 +138,9 @@ class ModelRunner:
         self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
         self.decode_graphs = self._decode_graphs(config)
+        # a step's last layer runs past its K/V for the logits rows alone
+        # (ForwardBatch.logits_rows); off: every row (benchmarks/last_layer_rows.py)
+        self.narrow_last_layer = True
         logger.info(
             "loaded %s (%s) on %s/%s in %.1fs; KV pool holds %d tokens in %s; kernels %s",
             self.model_folder,
@@ -290,9 +293,16 @@ class ModelRunner:
             self.kv_pool.map_for_slots(batch.out_slots)
         meta = self.attention.prepare(batch)
         model = self.model
-        x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta)
+        narrowed = batch.logits_rows() if self.narrow_last_layer else None
+        last = None
+        if narrowed is not None:  # the last layer past its K/V: these rows alone
+            last = LastRows(
+                batch.logits_indices, narrowed.positions, self.attention.prepare(narrowed)
+            )
+        x = model.hidden_states(batch.input_ids, batch.positions, self.attention, meta, last)
         if batch.logits_indices.numel():
-            logits = model.compute_logits(model.norm(x[batch.logits_indices]))
+            rows = x if last is not None else x[batch.logits_indices]
+            logits = model.compute_logits(model.norm(rows))
         else:  # only embedding rows: the LM head is not run at all
             logits = x.new_empty((0, self.vocab_size), dtype=torch.float32)
         hidden = None
