@@ -12,10 +12,10 @@ tokens after cached prefixes (a mixed step's arriving requests beside its decode
 extend batch) where the extend-attention kernel attends them: ~10 ms of Python a step
 matters there too (a step of 15 decode rows and one arriving request's 32 tokens takes
 ~90 ms). A step whose last layer runs for its logits rows alone (`LastRows`) runs it so
-here too, as the Python layers do. Steps it does not take (larger prefills, which are compute-bound and whose MLP
-goes in chunks, rows gathered by index, a layer whose product goes to torch, tensor
-parallelism, sliding windows, K/V being loaded back, a pool of another dtype than the
-model) run the Python model as before.
+here too, as the Python layers do. Steps it does not take (larger prefills, which are
+compute-bound and whose MLP goes in chunks, rows gathered by index, a layer whose product
+goes to torch, tensor parallelism, sliding windows, K/V being loaded back, a pool of
+another dtype than the model) run the Python model as before.
 """
 
 from __future__ import annotations
