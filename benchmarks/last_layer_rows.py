@@ -4,7 +4,7 @@ alternated in one process, medians; and how far the logits move (the narrowed ro
 attention goes through the decode kernel instead of the extend kernel: another order of
 sums).
 
-    .venv/bin/python benchmarks/last_layer_rows.py [--dtype float32] [--repeats 9]
+    .venv/bin/python benchmarks/last_layer_rows.py [--dtype float32] [--repeats 9] [--model-path P]
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def run_case(runner: ModelRunner, prefix: int, new: int, reqs: int, repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    config = Config.from_flat(dtype=args.dtype, max_total_tokens=8192)
+    config = Config.from_flat(model_path=args.model_path, dtype=args.dtype, max_total_tokens=8192)
     runner = ModelRunner(config, progress=False)
     print(cpu_info().summary(), f"dtype {args.dtype}")
     header = f"{'batch':40s} {'every row ms':>12s} {'logits rows ms':>15s} {'ratio':>6s}"

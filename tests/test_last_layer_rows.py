@@ -3,7 +3,7 @@
 the pool, bit for bit as when the layer runs every row; the logits within fp32 rounding of
 the full layer's (the narrowed rows' attention takes the decode kernel, another order of
 sums) and the same greedy tokens; the one C++ call taking the narrowed step bit for bit as
-the Python layers; a model without the narrowing (Gemma 3) returning the rows alike."""
+the Python layers; Llama, Qwen2 and Gemma 3 (sliding-window layers) alike."""
 
 from __future__ import annotations
 

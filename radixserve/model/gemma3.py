@@ -40,8 +40,11 @@ class Gemma3DecoderLayer(nn.Module):
         rotary: RotaryTables,
         attn: AttentionBackend,
         meta: object,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rotary, attn, meta)
+        last: tuple[LastRows, RotaryTables] | None = None,
+    ) -> torch.Tensor:  # (T, hidden); with `last` (the last layer), of its rows alone
+        h = self.self_attn(self.input_layernorm(x), rotary, attn, meta, last)
+        if last is not None:
+            x = x[last[0].rows]
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
@@ -101,9 +104,13 @@ class Gemma3ForCausalLM(CausalLM):
         # sqrt(hidden) rounded to the embedding's dtype first, as transformers does
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
         tables = {kind: rotary.tables(positions, x.dtype) for kind, rotary in self.rotary.items()}
-        for layer, kind in zip(self.layers, self.layer_types, strict=True):
-            x = layer(x, tables[kind], attn, meta)
-        return x if last is None else x[last.rows]  # every row's last layer, then the rows
+        final = len(self.layers) - 1
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types, strict=True)):
+            narrowed = None
+            if i == final and last is not None:  # the last layer past its K/V: these rows
+                narrowed = (last, self.rotary[kind].tables(last.positions, x.dtype))
+            x = layer(x, tables[kind], attn, meta, narrowed)
+        return x
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:  # (L, hidden) normed
         logits = self.lm_logits(x)
