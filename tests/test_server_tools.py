@@ -128,6 +128,13 @@ def test_required_gives_valid_calls_every_time(client, question):
         )
         for choice in r.choices:
             assert choice.finish_reason == "tool_calls" or parallel, choice
+            if parallel and choice.finish_reason == "length" and not choice.message.tool_calls:
+                # sampled, the small model can run its first call's number on to max_tokens
+                # (a fresh clone's run once gave "amount": 250.0000637921136200250...): cut
+                # inside that call, there is no complete call to return, only its text
+                content = choice.message.content
+                assert content.startswith("[") and '"name"' in content, choice
+                continue
             assert choice.message.content is None and choice.message.tool_calls, choice
             assert len(choice.message.tool_calls) == 1 or parallel
             for call in choice.message.tool_calls:
