@@ -66,8 +66,14 @@ constexpr int64_t kMinShared = 64;
 // runs): fp32 25.8-27.6 -> 20.7-22.3, bf16 12.0-14.9 -> 11.4-13.8; fp32 at 64 requests
 // 115.6 -> 85.9, 4 requests of 2048 24.4 -> 18.3, shuffled slots 26.4 -> 20.9 (bf16 alike
 // or slightly faster): an L1 prefetch takes a load slot per line, and the rows come from L2
-// in time without it.
-constexpr int64_t kFar = 64;
+// in time without it. Then fp32 rows, 64 positions ahead -> 32 (8 KB of a 64-dim head's
+// rows, as 64 bf16 positions are), with each pass fetching its first rows before it starts
+// (the loops' prefetches cover only the rows past them): the decode kernel alone over 30
+// layers' pools, SmolLM2's shape, medians of 26 alternated, bit-identical, four runs: 8
+// prefixes of 2 requests 1.04-1.07x, nothing shared 1.02-1.09x; Gemma 3 270M's shape (1 KV
+// head of 256) 0.99-1.02x.
+template <typename T>
+constexpr int64_t kFar = sizeof(T) == 4 ? 32 : 64;
 
 // r[i] = sum of a[i]'s 16 lanes, for i < 16 (unused a[i] may be anything: their lanes are
 // ignored by the caller).
@@ -199,8 +205,13 @@ void scores_of(const Queries& qs, const typename Kv::T* k_pool, int64_t kv_heads
     const int64_t split = longest <= qs.shared ? longest : qs.shared / 16 * 16;
     const int64_t* common = qs.common();
     const T* k[16];
+    for (int64_t s = 0; s < kFar<T>; s++) {  // the first rows, past the loop's prefetches
+        const T* row = s < split ? k_pool + (common[s] * kv_heads + kh) * dim
+                                 : stream_row(qs, k_pool, kv_heads, kh, 0, s, split);
+        if (row) prefetch_row_l2(row, dim);
+    }
     for (int64_t s0 = 0; s0 < split; s0 += 16) {
-        for (int64_t s = s0 + kFar; s < s0 + kFar + 16; s++) {
+        for (int64_t s = s0 + kFar<T>; s < s0 + kFar<T> + 16; s++) {
             const T* row = s < split ? k_pool + (common[s] * kv_heads + kh) * dim
                                      : stream_row(qs, k_pool, kv_heads, kh, 0, s, split);
             if (row) prefetch_row_l2(row, dim);
@@ -214,7 +225,7 @@ void scores_of(const Queries& qs, const typename Kv::T* k_pool, int64_t kv_heads
         const int64_t* slots = qs.slots[r];
         for (int64_t s0 = split; s0 < len; s0 += 16) {
             for (int64_t s = s0; s < s0 + 16; s++)
-                if (const T* row = stream_row(qs, k_pool, kv_heads, kh, r, s + kFar, split)) prefetch_row_l2(row, dim);
+                if (const T* row = stream_row(qs, k_pool, kv_heads, kh, r, s + kFar<T>, split)) prefetch_row_l2(row, dim);
             const int64_t n = len - s0 < 16 ? len - s0 : 16;
             for (int64_t t = 0; t < 16; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
             scores16<Kv, Dot>(qs, k, s0, r * qs.group, (r + 1) * qs.group, vscale, scores);
@@ -272,7 +283,7 @@ void scores_amx(const uint16_t* b, const uint16_t* k_pool, const int64_t* slots,
         const int64_t n = len - s0 < 16 ? len - s0 : 16;
         for (int64_t s = s0 + kAhead; s < len && s < s0 + kAhead + 16; s++)
             prefetch_row(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
-        for (int64_t s = s0 + kFar; s < len && s < s0 + kFar + 16; s++)
+        for (int64_t s = s0 + kFar<uint16_t>; s < len && s < s0 + kFar<uint16_t> + 16; s++)
             prefetch_row_l2(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
         // 16 consecutive slots: the tile reads the pool rows in place; else a copy
         bool consecutive = n == 16;
@@ -335,15 +346,21 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
     const int64_t shortest = qs.len(first), len = qs.len(first + count - 1);
     const int64_t common = len < qs.shared ? len : qs.shared, first_row = first / qs.group;
     const int64_t* slots = qs.common();
+    constexpr int64_t far = kFar<typename Kv::T>;
+    for (int64_t s = 0; s < far; s++) {
+        const auto* row = s < common ? v_pool + (slots[s] * kv_heads + kh) * dim
+                                     : stream_row(qs, v_pool, kv_heads, kh, first_row, s, common);
+        if (row) prefetch_row_l2(row, dim);
+    }
     for (int64_t d = 0; d < dim; d += 32) {
         __m512 acc[kMaxGroup][2];
         for (int64_t g = 0; g < count; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
         const float* pg = p + first * stride;
         for (int64_t s = 0; s < common; s++) {
-            if (d == 0 && s + kFar < common) {
-                prefetch_row_l2(v_pool + (slots[s + kFar] * kv_heads + kh) * dim, dim);
+            if (d == 0 && s + far < common) {
+                prefetch_row_l2(v_pool + (slots[s + far] * kv_heads + kh) * dim, dim);
             } else if (d == 0) {  // then the rows' own ones
-                if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, first_row, s + kFar, common)) prefetch_row_l2(row, dim);
+                if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, first_row, s + far, common)) prefetch_row_l2(row, dim);
             }
             const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
             __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
@@ -361,7 +378,7 @@ void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t c
             const int64_t* own = qs.slots[r];
             for (int64_t s = common; s < row_len; s++) {
                 if (d == 0)
-                    if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, r, s + kFar, common)) prefetch_row_l2(row, dim);
+                    if (const auto* row = stream_row(qs, v_pool, kv_heads, kh, r, s + far, common)) prefetch_row_l2(row, dim);
                 const typename Kv::T* v = v_pool + (own[s] * kv_heads + kh) * dim + d;
                 __m512 v0 = Kv::load(v), v1 = Kv::load(v + 16);
                 for (int64_t g = g0; g < g1; g++) {
