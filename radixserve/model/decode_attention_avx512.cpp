@@ -69,8 +69,8 @@ constexpr int64_t kMinShared = 64;
 // in time without it. Then fp32 rows, 64 positions ahead -> 32 (8 KB of a 64-dim head's
 // rows, as 64 bf16 positions are), with each pass fetching its first rows before it starts
 // (the loops' prefetches cover only the rows past them): the decode kernel alone over 30
-// layers' pools, SmolLM2's shape, medians of 26 alternated, bit-identical, four runs: 8
-// prefixes of 2 requests 1.04-1.07x, nothing shared 1.02-1.09x; Gemma 3 270M's shape (1 KV
+// layers' pools, SmolLM2's shape, medians of 26 alternated, bit-identical, five runs: 8
+// prefixes of 2 requests 1.04-1.08x, nothing shared 1.06-1.11x; Gemma 3 270M's shape (1 KV
 // head of 256) 0.99-1.02x.
 template <typename T>
 constexpr int64_t kFar = sizeof(T) == 4 ? 32 : 64;
