@@ -153,10 +153,26 @@ def test_table_takes_medians_over_rounds_and_prints_the_ratios():
     assert ratio_lines[0].index("0.56x") + len("0.56x") == tpot_end
 
 
+def test_each_round_gets_its_own_ratio_under_the_table():
+    results = {
+        ("shared-prefix", "float32", RADIXSERVE): [fig(2.0, 40.0), fig(3.0, 50.0), fig(2.5, 60.0)],
+        ("shared-prefix", "float32", VLLM): [fig(1.0, 100.0), fig(1.25, 80.0), fig(5.0, 90.0)],
+        ("no-sharing", "float32", RADIXSERVE): [fig(1.0, 30.0)],
+        ("no-sharing", "float32", VLLM): [fig(4.0, 10.0)],
+    }
+    shared, no_sharing = vs_vllm.summarize(results)
+    assert shared.round_ratios == pytest.approx((2.0, 2.4, 0.5))  # round i over round i
+    assert no_sharing.round_ratios == pytest.approx((0.25,))
+    lines = vs_vllm.format_table([shared, no_sharing]).splitlines()
+    at = lines.index("req/s ratio, round by round:")
+    # one round says nothing the median does not: only workloads of several rounds listed
+    assert lines[at + 1 :] == ["  shared-prefix  float32   2.00x 2.40x 0.50x"]
+
+
 def test_a_side_with_no_runs_gives_no_ratio():
     [s] = vs_vllm.summarize({("multi-turn", "bfloat16", RADIXSERVE): [fig(1.0, 10.0)]})
     assert s.rounds == {RADIXSERVE: 1, VLLM: 0}
-    assert s.req_s_ratio is None and s.tpot_ratio is None
+    assert s.req_s_ratio is None and s.tpot_ratio is None and s.round_ratios == ()
     assert "n/a" in vs_vllm.format_table([s]).splitlines()[-1]
 
 

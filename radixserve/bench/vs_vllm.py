@@ -365,6 +365,9 @@ class Summary:
     rounds: dict[str, int]  # side -> rounds measured
     req_s_ratio: float | None  # radixserve / vLLM; > 1: radixserve serves more
     tpot_ratio: float | None  # radixserve / vLLM; < 1: radixserve decodes faster
+    # radixserve / vLLM req/s round by round (both sides run once a round): the spread of
+    # a noisy machine, which the medians hide
+    round_ratios: tuple[float | None, ...] = ()
 
 
 def summarize(results: dict[Key, list[RunFigures]]) -> list[Summary]:
@@ -378,6 +381,9 @@ def summarize(results: dict[Key, list[RunFigures]]) -> list[Summary]:
             rounds[side] = len(runs)
             medians[side] = {f: _median([getattr(r, f) for r in runs]) for f in MEDIAN_FIELDS}
         rs, vl = medians[RADIXSERVE], medians[VLLM]
+        per_round = zip(
+            results.get((workload, dtype, RADIXSERVE), []), results.get((workload, dtype, VLLM), [])
+        )
         summaries.append(
             Summary(
                 workload,
@@ -386,6 +392,7 @@ def summarize(results: dict[Key, list[RunFigures]]) -> list[Summary]:
                 rounds,
                 _ratio(rs["req_s"], vl["req_s"]),
                 _ratio(rs["tpot_p50_ms"], vl["tpot_p50_ms"]),
+                tuple(_ratio(a.req_s, b.req_s) for a, b in per_round),
             )
         )
     return summaries
@@ -420,6 +427,12 @@ def format_table(summaries: list[Summary]) -> str:
             + _cell(s.tpot_ratio, ".2f", 12)
             + ("x" if s.tpot_ratio is not None else " ")
         )
+    rounds = [s for s in summaries if len(s.round_ratios) > 1]
+    if rounds:
+        lines.append("req/s ratio, round by round:")
+        for s in rounds:
+            each = " ".join("n/a" if r is None else f"{r:.2f}x" for r in s.round_ratios)
+            lines.append(f"  {s.workload:<15}{s.dtype:<10}{each}")
     return "\n".join(lines)
 
 
