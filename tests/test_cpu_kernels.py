@@ -373,18 +373,32 @@ def test_extend_kernel_matches_exact_attention_as_closely_as_sdpa(
 
 
 @pytest.mark.parametrize(("isa", "dtype"), EXTEND_BUILDS)
-def test_extend_tasks_split_for_idle_threads_give_the_same_bits(isa, dtype):
-    """One request's 32 new tokens after a 512-token prefix on 3 KV heads: 3 tasks, which
-    2 threads take as 6 of 16 tokens (extend_tasks.h) and 3 threads as they are. Each
-    query's arithmetic is the same both ways, so the outputs are bit for bit."""
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens", "thread_counts"),
+    [
+        # 3 tasks, which 2 threads take as 6 of 16 tokens and 3 threads as they are
+        ([512], [32], (2, 3)),
+        # a prompt of 544: the AVX-512 build's tasks of 64 tokens on 2 threads (27 tasks),
+        # of 32 on 8 (too few of 64 to keep 8 threads busy)
+        ([0], [544], (2, 8)),
+    ],
+    ids=["split-for-idle-threads", "longer-tasks"],
+)
+def test_extend_tasks_of_any_size_give_the_same_bits(
+    isa, dtype, prefix_lens, extend_lens, thread_counts
+):
+    """The tasks' size follows the batch and the thread count (extend_tasks.h); each query's
+    arithmetic is the same at any size (its lane group attends the same key blocks), so the
+    outputs are bit for bit."""
     outputs = []
     threads = torch.get_num_threads()
     try:
-        for n in (2, 3):
+        for n in thread_counts:
             torch.set_num_threads(n)
             kernel, _ = attend_both_ways(
-                9, 3, 64, [512], [32], kv_dtype=dtype, q_dtype=dtype, isa=isa, extend_kernel=True
-            )
+                9, 3, 64, prefix_lens, extend_lens, kv_dtype=dtype, q_dtype=dtype, isa=isa,
+                extend_kernel=True,
+            )  # fmt: skip
             outputs.append(kernel)
     finally:
         torch.set_num_threads(threads)

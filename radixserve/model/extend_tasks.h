@@ -25,10 +25,19 @@ struct Task {
 // 281-297 us (AMD EPYC Zen 4, AVX-512 fp32 build, SmolLM2's heads; 2 and 3 such requests,
 // 6 and 9 tasks, unchanged). Each query's arithmetic is the same either way (its lane
 // group attends the same key blocks), so the output is too.
+// A build may take longer blocks, up to `max_block` (halving from it), where the batch still
+// makes four tasks per thread at that size: each key block is then copied once for more
+// queries (extend_attention_avx512.cpp, whose figures are there).
 inline int64_t block_of(int64_t batch, int64_t kv_heads, const int64_t* extend_lens,
-                        int64_t threads) {
-    int64_t tasks = 0;
-    for (int64_t b = 0; b < batch; b++) tasks += (extend_lens[b] + kBlockQ - 1) / kBlockQ * kv_heads;
+                        int64_t threads, int64_t max_block) {
+    auto tasks_of_size = [&](int64_t block) {
+        int64_t tasks = 0;
+        for (int64_t b = 0; b < batch; b++) tasks += (extend_lens[b] + block - 1) / block * kv_heads;
+        return tasks;
+    };
+    for (int64_t block = max_block; block > kBlockQ; block /= 2)
+        if (tasks_of_size(block) >= 4 * threads) return block;
+    const int64_t tasks = tasks_of_size(kBlockQ);
     const bool uneven = threads > 1 && tasks < 2 * threads && tasks % threads != 0;
     return uneven ? kBlockQ / 2 : kBlockQ;
 }
@@ -37,8 +46,8 @@ inline int64_t block_of(int64_t batch, int64_t kv_heads, const int64_t* extend_l
 // together); q_starts[b], the row of q where request b's new tokens begin.
 inline std::vector<Task> tasks_of(int64_t batch, int64_t kv_heads, const int64_t* prefix_lens,
                                   const int64_t* extend_lens, int64_t threads,
-                                  std::vector<int64_t>& q_starts) {
-    const int64_t block = block_of(batch, kv_heads, extend_lens, threads);
+                                  std::vector<int64_t>& q_starts, int64_t max_block = kBlockQ) {
+    const int64_t block = block_of(batch, kv_heads, extend_lens, threads, max_block);
     std::vector<Task> tasks;
     q_starts.assign(batch, 0);
     int64_t start = 0;
