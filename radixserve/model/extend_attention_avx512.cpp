@@ -7,8 +7,9 @@
 //   out[t, h] = softmax_{s <= pos(t)}(q[t, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
 //
 // Layout of the work (flash attention, queries in lanes):
-// - a task is (request, KV head, block of 32 new tokens); tasks run costliest first (those
-//   with the most keys) on dynamically scheduled threads.
+// - a task is (request, KV head, block of 32 new tokens, or 64 where the batch has enough
+//   tasks, kMaxBlockQ); tasks run costliest first (those with the most keys) on dynamically
+//   scheduled threads.
 // - a lane group is 16 consecutive tokens of one query head: the lanes of every vector below
 //   are those 16 queries. Scores of 16 keys come from 16 accumulators, vdpbf16ps of the
 //   queries' dim pairs (packed once per task) with a key's dim pair broadcast: no horizontal
@@ -38,15 +39,16 @@ namespace {
 using simd512::exp16;
 
 using extend::kBlockQ;  // new tokens per task (two lane groups per query head)
-// Tasks of up to 64 new tokens where the batch has enough of them (extend_tasks.h), and the
-// per-thread scratch (lane groups, key and value blocks: ~1 MB) kept across calls rather than
-// allocated and zeroed in each. The kernel alone, two builds alternated in one process
-// (medians of 16, AMD EPYC Zen 4, SmolLM2's heads), bit for bit the same, fp32: 32 tokens
-// after a prefix of 512 1.14x, one prompt of 37 1.22x, of 256 1.07x, 256 after 256 1.05x,
-// two of 544 1.03x, one of 4,096 1.05x, 1,024 after 7,168 1.10x; bf16 1.02-1.07x on the
-// same; Gemma 3 270M's heads (4 of 256, one KV head) 1.02x, and 32 after 512 1.75x. The
-// scratch alone gave the short ones (1.09x, 1.28x, 1.03x); the longer tasks the long ones.
-// (The AVX2 build, extend_attention.cpp, measured 1.00x with both: it keeps its own.)
+// Or up to kMaxBlockQ (four lane groups a head) where the batch has enough such tasks
+// (extend_tasks.h); the per-thread scratch (lane groups, key and value blocks: ~1 MB) is
+// kept across calls rather than allocated and zeroed in each. The kernel alone, two builds
+// alternated in one process (medians of 16, AMD EPYC Zen 4, SmolLM2's heads), bit for bit
+// the same, fp32: 32 tokens after a prefix of 512 1.14x, one prompt of 37 1.22x, of 256
+// 1.07x, 256 after 256 1.05x, two of 544 1.03x, one of 4,096 1.05x, 1,024 after 7,168
+// 1.10x; bf16 1.02-1.07x on the same; Gemma 3 270M's heads (4 of 256, one KV head) 1.02x,
+// and 32 after 512 1.75x. The scratch alone gave the short ones (1.09x, 1.28x, 1.03x); the
+// longer tasks the long ones. (The AVX2 build, extend_attention.cpp, measured 1.00x with
+// both: it keeps its own.)
 constexpr int64_t kMaxBlockQ = 64;
 constexpr int64_t kBlockK = 32;   // keys per softmax block
 constexpr int64_t kMaxDim = 256;  // head size held in the per-lane-group scratch
