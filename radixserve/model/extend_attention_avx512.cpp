@@ -110,7 +110,7 @@ struct Bf16 {
     using T = uint16_t;
     static constexpr int64_t kValueWords = kBlockK / 2;  // value block rows: key pairs
 
-    static constexpr int64_t kQueryWords = 2;  // dims per word of LaneGroup::q (pairs)
+    static constexpr int64_t kDimsPerWord = 2;  // in LaneGroup::q: bf16 dim pairs
 
     // st[j] = the lane group's scores of keys[j] (j < 16), times scale
     static void scores16(const LaneGroup& lg, const T* keys, int64_t dim, __m512 scale, __m512* st) {
@@ -180,7 +180,7 @@ struct Fp32 {
     using T = float;
     static constexpr int64_t kValueWords = kBlockK;  // value block rows: keys
 
-    static constexpr int64_t kQueryWords = 1;
+    static constexpr int64_t kDimsPerWord = 1;  // in LaneGroup::q: one fp32 dim a word
 
     static void scores16(const LaneGroup& lg, const T* keys, int64_t dim, __m512 scale, __m512* st) {
         __m512 acc[16];
@@ -283,7 +283,7 @@ void run_task(const Task& task, const typename Kind::T* q, const typename Kind::
             memset(lg.out, 0, dim * 16 * 4);
             // the queries into lanes (padding lanes zero), 16 words of each at a time
             const T* q0 = q + (q_start + lg.first) * row + lg.head * dim;
-            for (int64_t w0 = 0; w0 < dim / Kind::kQueryWords; w0 += 16) {
+            for (int64_t w0 = 0; w0 < dim / Kind::kDimsPerWord; w0 += 16) {
                 __m512 r[16];
                 for (int64_t l = 0; l < 16; l++)
                     r[l] = l < lg.valid ? _mm512_loadu_ps((const float*)(q0 + l * row) + w0) : _mm512_setzero_ps();
