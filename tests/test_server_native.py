@@ -834,6 +834,37 @@ def test_client_disconnect_frees_kv(url):
     assert state["kv_held_by_requests"] == 0, state
 
 
+def test_rid_reused_after_a_disconnect_gets_its_own_result(url):
+    """A client that disconnects and at once sends a new request under the same rid gets
+    either a 400 naming the rid (the old one is still being aborted) or the new request's
+    own result: never the old request's ending, and nothing is left running."""
+    body = {
+        "text": "What is the capital of France?",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+    }
+    expected = generate(url, body)
+    for attempt in range(4):
+        rid = f"reused-{attempt}-{uuid.uuid4().hex[:8]}"
+        sse = stream(url, long_body(rid, True))
+        next(iter(sse))
+        sse.response.close()
+        deadline = time.monotonic() + 30
+        while True:
+            r = post(url, "/generate", {**body, "rid": rid})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert_error(r, 400, "rid")
+            time.sleep(0.01)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["id"] == rid
+        assert meta["finish_reason"] == expected["meta_info"]["finish_reason"], meta
+        assert meta["prompt_tokens"] == expected["meta_info"]["prompt_tokens"], meta
+        assert r.json()["text"] == expected["text"]
+    state = wait_idle(url)
+    assert state["num_running"] == 0 and state["kv_held_by_requests"] == 0, state
+
+
 # -- 10. errors -----------------------------------------------------------------------------
 BAD_REQUESTS = {
     "unknown_param": ({"text": "Hi", "sampling_params": {"foo": 1}}, ["foo"]),

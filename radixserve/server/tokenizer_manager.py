@@ -3,7 +3,9 @@ and routes the detokenizer's results back to the HTTP handler waiting for each r
 
 Every request is registered in `pending` until its final result; if the HTTP side goes
 away first (client disconnect, error), `Call.close` aborts what is still running so its KV
-is freed. When the scheduler or detokenizer dies, `fail_all` ends every waiter with 503.
+is freed, and its entry stays, abandoned, until the scheduler's last word on it arrives: so
+a new request cannot take its rid while outputs of the old one are still on their way.
+When the scheduler or detokenizer dies, `fail_all` ends every waiter with 503.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class _Track:
     start: float = field(default_factory=time.perf_counter)
     last: float | None = None  # when its latest tokens arrived
     tokens: int = 0
+    abandoned: bool = False  # its call closed; its outputs go nowhere until the last one
 
 
 class Call:
@@ -88,9 +91,10 @@ class Call:
     def close(self) -> None:
         """Abort whatever has not finished (the client left or an error ended the call)."""
         for rid in self.unfinished:
-            if self.manager.pending.pop(rid, None) is not None:
+            track = self.manager.pending.get(rid)
+            if track is not None and not track.abandoned:
+                track.abandoned = True
                 self.manager.send_abort(rid, "the client disconnected")
-                self.manager.to_scheduler.done(rid)
         self.unfinished.clear()
 
 
@@ -159,8 +163,10 @@ class TokenizerManager:
         self.check_available()
         for req in reqs:
             self.check_context(req)
-            if req.rid in self.pending:
-                raise bad_request(f"a request with rid {req.rid!r} is already running", "rid")
+            track = self.pending.get(req.rid)
+            if track is not None:
+                state = "still being aborted" if track.abandoned else "already running"
+                raise bad_request(f"a request with rid {req.rid!r} is {state}", "rid")
         call = Call(self, reqs)
         for index, req in enumerate(reqs):
             results = ResultAccumulator(req.rid, req.return_logprob, req.top_logprobs_num)
@@ -224,7 +230,12 @@ class TokenizerManager:
 
     def _on_output(self, out: StrOut) -> None:
         track = self.pending.get(out.rid)
-        if track is None:  # aborted by its client; the scheduler's last word on it
+        if track is None:
+            return
+        if track.abandoned:  # its client left: nothing to deliver, the last output frees the rid
+            if out.finish_reason is not None:
+                del self.pending[out.rid]
+                self.to_scheduler.done(out.rid)
             return
         now = time.perf_counter()
         self._observe_tokens(track, out.completion_tokens, now)
