@@ -167,6 +167,33 @@ def test_stop_conditions_and_finish_reasons(tiny_model_dirs, expected):
     finish(engine)
 
 
+def test_a_backtracking_stop_regex_ends_its_request_alone(tiny_model_dirs, expected):
+    """`(?:.|\\s|\\S)+(?!)` tries 3^n ways over n characters (Python's `re` would take years
+    at 30): its search hits the time limit, which ends that request with an abort naming
+    the pattern; the request batched beside it is unaffected."""
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
+    pattern = r"(?:.|\s|\S)+(?!)"
+    results: dict[str, dict] = {}
+
+    def run(name: str, prompt: list[int], params: dict) -> None:
+        results[name] = engine.generate(input_ids=prompt, sampling_params=params)
+
+    threads = [
+        threading.Thread(target=run, args=("slow", PROMPTS[2], greedy(stop_regex=pattern))),
+        threading.Thread(target=run, args=("other", PROMPTS[1], greedy())),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reason = results["slow"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and repr(pattern) in reason["message"], reason
+    assert "backtracks" in reason["message"]
+    assert results["slow"]["output_ids"] == expected[2][: len(results["slow"]["output_ids"])]
+    assert results["other"]["output_ids"] == expected[1]
+    finish(engine)
+
+
 def test_streaming_is_cumulative(tiny_model_dirs, expected):
     engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
     chunks = list(engine.generate(input_ids=PROMPTS[2], sampling_params=greedy(8), stream=True))

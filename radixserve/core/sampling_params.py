@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import regex
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
 CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
@@ -163,8 +164,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for pattern in self.stop_regex:
             try:
-                re.compile(pattern)
-            except (re.error, TypeError) as e:
+                regex.compile(pattern)  # the engine the stop check searches with
+            except (regex.error, TypeError) as e:
                 raise SamplingParamsError(
                     f"stop_regex {pattern!r} is not a valid regex: {e}", "stop_regex"
                 ) from None

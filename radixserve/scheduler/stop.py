@@ -4,16 +4,40 @@ Order: a grammar whose document is complete ends the request; else, once past
 min_new_tokens, a stop token (eos unless ignored, stop_token_ids), a stop string or a stop
 regex (for a constrained request only where the text before it is a complete document);
 else the length limit (max_new_tokens, or the context).
+
+Stop regexes run in the scheduler loop, over the whole output, every step: a pattern that
+backtracks exponentially (`(a|a)+b` against "aaaa…") would stall every request. So they go
+through the `regex` package (the `re` syntax, plus a time limit): a search that takes
+longer than STOP_REGEX_TIMEOUT_S ends its request alone, with an abort naming the pattern.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+import regex
 
 from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ModelInfo
 from radixserve.core.req import Req
+
+# One search of one request's output. A plain pattern searches 20k characters in ~0.1 ms.
+STOP_REGEX_TIMEOUT_S = 0.01
+
+
+class StopRegexTooSlow(Exception):
+    def __init__(self, pattern: str) -> None:
+        super().__init__(
+            f"stop_regex {pattern!r} took over {STOP_REGEX_TIMEOUT_S * 1000:g} ms to search the "
+            "output (the pattern backtracks too much), so the request was ended"
+        )
+
+
+def search_stop_regex(pattern: str, text: str) -> regex.Match | None:
+    try:
+        return regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
+    except TimeoutError:
+        raise StopRegexTooSlow(pattern) from None
 
 
 class StopChecker:
@@ -33,10 +57,13 @@ class StopChecker:
             return FinishReason.stop(token if token in req.stop_ids(self.eos_ids) else None)
         reason = None
         if n >= p.min_new_tokens:
-            if grammar is None:
-                reason = self._stop_hit(req, num_new)
-            elif grammar.is_accepting:
-                reason = self._grammar_stop_hit(req)
+            try:
+                if grammar is None:
+                    reason = self._stop_hit(req, num_new)
+                elif grammar.is_accepting:
+                    reason = self._grammar_stop_hit(req)
+            except StopRegexTooSlow as e:
+                return FinishReason.abort(str(e))
         if reason is None and (n >= p.max_new_tokens or len(req.all_ids) >= self.context_len):
             reason = FinishReason.of_length(n)
         return reason
@@ -60,7 +87,7 @@ class StopChecker:
         if p.stop_regex:  # a match may span any length: search the whole output
             text = self._decode(req, req.output_ids)
             for pattern in p.stop_regex:
-                match = re.search(pattern, text)
+                match = search_stop_regex(pattern, text)
                 if match and match.group(0):
                     return FinishReason.stop(match.group(0))
         return None
@@ -77,7 +104,7 @@ class StopChecker:
             text = self._decode(req, req.output_ids)
             hits: list[tuple[int, str]] = [(text.find(s), s) for s in p.stop if s in text]
             for pattern in p.stop_regex:
-                match = re.search(pattern, text)
+                match = search_stop_regex(pattern, text)
                 if match and match.group(0):
                     hits.append((match.start(), match.group(0)))
             if not hits:
