@@ -216,7 +216,12 @@ def test_filters_never_draw_an_excluded_token(params, allowed):
         assert len(drawn) > 1, "draws look greedy"
 
 
-@pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}], ids=str)
+@pytest.mark.parametrize(
+    "limit",
+    # 1e-50 is valid (> 0) but 0 in fp32: the top token must stay all the same
+    [{"top_k": 1}, {"top_p": 1e-6}, {"top_p": 1e-50}, {"min_p": 1.0}],
+    ids=str,
+)
 def test_extreme_filters_keep_only_the_top_token(limit):
     drawn = draw_many(FILTER_LOGITS, SamplingParams(temperature=2.0, **limit), N_DRAWS)
     assert set(drawn.tolist()) == {int(FILTER_LOGITS.argmax())}
@@ -302,6 +307,21 @@ def test_each_penalty_alone(params, expected):
     torch.testing.assert_close(
         process_logits(PENALTY_LOGITS[None], batch)[0], torch.tensor(expected)
     )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_a_tiny_repetition_penalty_favours_seen_tokens_without_overflow(temperature):
+    """Dividing a positive logit by 1e-40 overflows fp32: the seen tokens' logits are
+    bounded instead, so they win (greedy or sampled) and nothing turns into NaN."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=temperature, repetition_penalty=1e-40)
+    batch = make_batch([params], 5, prompt_ids=[[2, 3]])
+    processed = process_logits(logits, batch)
+    assert torch.isfinite(processed).all(), processed
+    probs = filtered_probs(processed, batch)
+    assert torch.isfinite(probs).all(), probs
+    drawn = sample(logits.expand(200, -1).contiguous(), [params] * 200, prompt_ids=[[2, 3]] * 200)
+    assert set(drawn.next_ids.tolist()) == {2}
 
 
 def test_penalties_only_touch_their_own_row():

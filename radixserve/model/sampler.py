@@ -25,6 +25,9 @@ from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+# |logit| after a repetition penalty at most: finite once divided by the smallest sampled
+# temperature (GREEDY_TEMPERATURE, 1e-6), so the softmax stays a number
+PENALIZED_LOGIT_BOUND = 1e30
 
 
 @dataclass
@@ -146,6 +149,8 @@ class _Penalties:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         rep = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        # a tiny penalty (1e-40 is valid) would overflow to inf, and inf to NaN further on
+        rep = rep.clamp(-PENALIZED_LOGIT_BOUND, PENALIZED_LOGIT_BOUND)
         logits = torch.where(self.seen, rep, logits)
         logits = logits - self.frequency * self.output_counts
         return logits - self.presence * (self.output_counts > 0).float()
@@ -180,6 +185,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # the smallest set reaching top_p; rows with top_p == 1 are left whole
         before = sorted_p.cumsum(-1) - sorted_p
         drop |= (before >= batch.top_ps[:, None]) & (batch.top_ps < 1.0)[:, None]
+        drop[:, 0] = False  # the top token stays (a top_p below fp32's range is 0 here)
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     if batch.need_min_p:
         threshold = batch.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
