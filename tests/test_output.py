@@ -22,7 +22,7 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.output import Detokenizer, RequestState, ResultAccumulator
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import APIError
-from radixserve.server.messages import Ready, StrOutBatch, decode, encode
+from radixserve.server.messages import AbortReq, Ready, StrOutBatch, decode, encode
 from radixserve.server.metrics import Metrics
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.text_stream import REPLACEMENT, partial_stop_len
@@ -273,14 +273,19 @@ class RecordingSender:
         self.sent.append(msg)
 
 
+def ready_manager(sender: RecordingSender) -> TokenizerManager:
+    manager = TokenizerManager(Dispatcher([sender]), Metrics())
+    manager.tokenizer, manager.starting = TOKENIZER, set()
+    manager.on_ready(
+        Ready("scheduler0", ModelInfo("m", 4096, 8, 2048, 49152, "float32", "float32", 0))
+    )
+    return manager
+
+
 def test_the_main_process_turns_an_error_result_into_a_500():
     async def scenario() -> None:
         sender = RecordingSender()
-        manager = TokenizerManager(Dispatcher([sender]), Metrics())
-        manager.tokenizer, manager.starting = TOKENIZER, set()
-        manager.on_ready(
-            Ready("scheduler0", ModelInfo("m", 4096, 8, 2048, 49152, "float32", "float32", 0))
-        )
+        manager = ready_manager(sender)
         reqs = [Req("a", [1, 2], SamplingParams()), Req("b", [1, 2], SamplingParams())]
         call = manager.submit(reqs, stream=True)
         manager._on_output(StrOut("b", "hi", [5], None, 2, 0, 1))
@@ -295,6 +300,44 @@ def test_the_main_process_turns_an_error_result_into_a_500():
         assert "a" not in manager.pending
         assert any(getattr(m, "rid", None) == "a" for m in sender.sent[2:])  # its abort
         call.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_closed_call_keeps_its_rid_until_the_schedulers_last_output():
+    """The old request's outputs, still on their way after its client left, never reach a
+    new request that takes the same rid: that rid is refused until the last one arrives."""
+
+    async def scenario() -> None:
+        sender = RecordingSender()
+        manager = ready_manager(sender)
+        old = manager.submit([Req("x", [1, 2], SamplingParams())], stream=True)
+        old.close()  # the client left
+        assert isinstance(sender.sent[-1], AbortReq) and sender.sent[-1].rid == "x"
+        with pytest.raises(APIError) as raised:
+            manager.submit([Req("x", [3], SamplingParams())])
+        assert raised.value.status == 400 and raised.value.param == "rid"
+        assert "still being aborted" in raised.value.message
+        manager._on_output(StrOut("x", "a", [5], None, 2, 0, 1))  # still running: dropped
+        aborted = FinishReason.abort("the client disconnected")
+        manager._on_output(StrOut("x", "", [], aborted, 2, 0, 1))  # its last word
+        assert "x" not in manager.pending
+        new = manager.submit([Req("x", [3], SamplingParams())])
+        manager._on_output(StrOut("x", "b", [6], FinishReason.of_length(1), 1, 0, 1))
+        (result,) = await new.results()
+        assert result["text"] == "b" and result["meta_info"]["prompt_tokens"] == 1
+        new.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_control_request_the_scheduler_does_not_answer_is_a_503():
+    async def scenario() -> None:
+        manager = ready_manager(RecordingSender())
+        with pytest.raises(APIError) as raised:
+            await manager.control("get_state", timeout=0.05)
+        assert raised.value.status == 503 and "get_state" in raised.value.message
+        assert manager.controls == {}
 
     asyncio.run(scenario())
 

@@ -96,6 +96,31 @@ def test_llama3_reads_one_or_several_calls_and_the_python_tag():
     ]
 
 
+# JSON a model may write that Python's json cannot turn into a call: a name that is a list
+# or an object (unhashable), an integer of 4,400 digits, arrays nested 1,100 deep
+ODD_CALLS = [
+    '{"name": ["add"], "arguments": {}}',
+    '{"name": {"a": 1}, "arguments": {}}',
+    '{"name": "add", "arguments": {"a": ' + "1" * 4400 + "}}",
+    '{"name": "add", "arguments": {"a": ' + "[" * 1100 + "]" * 1100 + "}}",
+    '{"name": "add", "arguments": "{\\"a\\": ' + "1" * 4400 + '}"}',
+]
+
+
+@pytest.mark.parametrize("call", ODD_CALLS, ids=range(len(ODD_CALLS)))
+def test_json_python_cannot_read_is_content_in_every_parser(call):
+    hermes = f"<tool_call>\n{call}\n</tool_call>"
+    for parser, text in [
+        (HermesParser(NAMES, parallel=True), hermes),
+        (Llama3JsonParser(NAMES, parallel=True), call),
+        (RequiredParser(NAMES, parallel=True), f"[{call}]"),
+    ]:
+        for final in (False, True):
+            parsed = parser.parse(text, final=final)
+            assert parsed.calls == []
+        assert parsed.content == text
+
+
 def test_llama3_text_that_is_not_a_call_is_content():
     parser = Llama3JsonParser(NAMES, parallel=True)
     for text in ("Hello there", '{"a": 1}', '{"name": "add", "parameters": {}} and more'):

@@ -3,7 +3,8 @@
 
 Every error leaves as `{"error": {...}}` (OpenAI's shape): 400 for any invalid request
 (never FastAPI's 422), 401 for a bad key, 404 for unknown routes and models, 503 when the
-engine is down, draining or full. A client that disconnects aborts its request.
+engine is down, draining or full, 500 naming the exception for a bug. A client that
+disconnects aborts its request.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(Gate, manager=manager, api_key=config.server.resolved_api_key)
     app.include_router(routes_native.router)
     app.include_router(routes_openai.router)
@@ -57,6 +59,12 @@ async def _validation_error(_: Request, e: Exception) -> JSONResponse:
     assert isinstance(e, RequestValidationError)
     error = validation_error(e)
     return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    """A bug met by one request: a 500 in the same shape (Starlette logs the traceback)."""
+    message = f"internal error in {request.method} {request.url.path}: {e!r}"
+    return JSONResponse(APIError(500, message).body(), status_code=500)
 
 
 class Gate:

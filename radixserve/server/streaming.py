@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -13,6 +14,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixserve.server.errors import APIError
 from radixserve.server.tokenizer_manager import Call
+
+logger = logging.getLogger(__name__)
 
 
 async def until_disconnect(request: Request, call: Call | None, work: Awaitable[Any]) -> Any:
@@ -57,6 +60,9 @@ async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Cal
                 yield _event(chunk)
         except APIError as e:
             yield _event(e.body())
+        except Exception as e:  # a bug met by this stream: it ends with an error event
+            logger.exception("a stream failed")
+            yield _event(APIError(500, f"internal error in the stream: {e!r}").body())
         finally:
             call.close()  # a disconnect cancels this generator: abort what still runs
         yield b"data: [DONE]\n\n"

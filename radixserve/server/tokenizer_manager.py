@@ -195,6 +195,11 @@ class TokenizerManager:
         self.to_scheduler.send(ControlReq(call_id, op))
         try:
             return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"the scheduler did not answer {op} within {timeout:g} s (a long step is "
+                "running); retry later"
+            ) from None
         finally:
             self.controls.pop(call_id, None)
 

@@ -209,6 +209,20 @@ def template_messages(
     return out, None
 
 
+# What json.loads may raise on model output: a syntax error (JSONDecodeError, a ValueError),
+# an integer of more than 4,300 digits (ValueError), nesting deeper than the interpreter's
+# recursion limit (RecursionError).
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def _loads(text: str) -> Any:
+    """The JSON value of `text`, or None where it is not one Python can read."""
+    try:
+        return json.loads(text)
+    except JSON_ERRORS:
+        return None
+
+
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if not calls:
@@ -218,8 +232,8 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
         function = dict(call["function"])
         try:
             function["arguments"] = json.loads(function["arguments"])
-        except json.JSONDecodeError:
-            pass  # not JSON: the template gets the text as the client sent it
+        except JSON_ERRORS:
+            pass  # not JSON Python reads: the template gets the text as the client sent it
         parsed.append({**call, "function": function})
     return {**message, "tool_calls": parsed}
 
@@ -270,17 +284,20 @@ class NamedParser:
 def _call_of(obj: Any, names: frozenset[str]) -> ParsedCall | None:
     """A call from a decoded JSON object {"name", "arguments" (or Llama's "parameters")},
     None unless it names a known function with an object of arguments."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        args = _loads(args)
     if not isinstance(args, dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+    except (ValueError, RecursionError):
+        return None
 
 
 def _json_values(text: str, pos: int, separators: str) -> tuple[list[Any], int]:
@@ -295,7 +312,7 @@ def _json_values(text: str, pos: int, separators: str) -> tuple[list[Any], int]:
             return values, pos
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return values, pos
         values.append(value)
 
@@ -371,10 +388,7 @@ class HermesParser:
         return Parsed(_content(pieces, calls, final), calls)
 
     def _call(self, body: str) -> ParsedCall | None:
-        try:
-            return _call_of(json.loads(body), self.names)
-        except json.JSONDecodeError:
-            return None
+        return _call_of(_loads(body), self.names)
 
 
 class Llama3JsonParser:
