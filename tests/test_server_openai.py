@@ -397,6 +397,31 @@ def test_chat_max_completion_tokens(client, model_id):
     assert out.choices[0].finish_reason == "length"
 
 
+def test_null_fields_mean_their_defaults(client, model_id):
+    """The official client sends `null` for a field passed as None: OpenAI reads it as the
+    field's default."""
+    plain = client.chat.completions.create(
+        model=model_id, messages=DRAGON, max_tokens=4, temperature=0
+    )
+    nulls = client.chat.completions.create(
+        model=model_id,
+        messages=DRAGON,
+        max_tokens=4,
+        temperature=0,
+        n=None,
+        stream=None,
+        logprobs=None,
+        extra_body={"continue_final_message": None, "separate_reasoning": None},
+    )
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
+    assert nulls.choices[0].message.content == plain.choices[0].message.content
+    completion = client.completions.create(
+        model=model_id, prompt="The capital of France is", max_tokens=3, n=None, echo=None
+    )
+    assert len(completion.choices) == 1
+    assert not completion.choices[0].text.startswith("The capital")
+
+
 # -- 5. stop strings --------------------------------------------------------------------------
 def test_stop_string_across_a_token_boundary(client, model_id):
     free = greedy(client, model_id, STORY, logprobs=1)

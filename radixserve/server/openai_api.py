@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 import uuid
 from collections.abc import Callable
 from itertools import accumulate
@@ -71,10 +72,31 @@ class ResponseFormat(BaseModel):
         return None
 
 
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share: OpenAI's, then the extras SGLang accepts."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """`null` for a field that has a default but no None (n, stream, echo, logprobs...)
+        means that default, as OpenAI's API and the official clients read it."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or cls._nullable(k)}
+
+    @classmethod
+    def _nullable(cls, key: str) -> bool:
+        field = cls.model_fields.get(key) or next(
+            (f for f in cls.model_fields.values() if f.alias == key), None
+        )
+        return field is None or field.is_required() or _accepts_none(field.annotation)
+
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
