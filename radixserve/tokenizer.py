@@ -17,3 +17,11 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise TokenizerLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters any one token stands for, from the vocabulary's keys: a byte-level
+    key has a character per byte, a SentencePiece key one per character (a byte fallback
+    `<0x0A>`, six for one), so a key is never shorter than the text its token decodes to."""
+    keys = [*tokenizer.get_vocab(), *tokenizer.all_special_tokens]
+    return max(map(len, keys), default=1)

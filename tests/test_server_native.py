@@ -914,6 +914,33 @@ def test_context_length_exceeded(url):
     assert error["code"] == "context_length_exceeded", error
 
 
+def test_a_text_longer_than_any_context_is_refused_before_tokenizing(url):
+    """SmolLM2's longest token stands for 81 characters: 8,192 of them hold at most ~663k
+    characters, so 2M characters are refused outright, naming the count."""
+    body = {"text": "hello world " * 170_000, "sampling_params": {"max_new_tokens": 1}}
+    error = assert_error(post(url, "/generate", body), 400, str(CONTEXT_LEN), "2040000")
+    assert error["code"] == "context_length_exceeded", error
+
+
+def test_a_long_text_is_tokenized_off_the_event_loop(url):
+    """A long prompt takes a while to tokenize (~1 s for these 1.18M characters of distinct
+    words); meanwhile the server answers others: a /health sent after it is answered first."""
+    text = " ".join(f"w{i * 7919 % 100003}x" for i in range(150_000))
+    body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+
+    def long_request() -> tuple[requests.Response, float]:
+        r = post(url, "/generate", body)
+        return r, time.monotonic()
+
+    thread, box = run_in_thread(long_request)
+    time.sleep(0.2)  # its body is in and being tokenized
+    assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+    health_answered = time.monotonic()
+    r, long_answered = joined(thread, box)
+    assert_error(r, 400, str(CONTEXT_LEN))
+    assert health_answered < long_answered
+
+
 def test_unknown_route(url):
     assert_error(requests.get(url + "/no_such_route", timeout=TIMEOUT), 404)
     assert_error(post(url, "/v1/no_such_route", {}), 404)

@@ -35,7 +35,7 @@ from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
 from radixserve.server.metrics import Metrics
 from radixserve.server.tokenizer_manager import TokenizerManager
-from radixserve.tokenizer import TokenizerLoadError, load_tokenizer
+from radixserve.tokenizer import TokenizerLoadError, load_tokenizer, longest_token_chars
 
 logger = logging.getLogger("radixserve.server")
 
@@ -196,6 +196,7 @@ class Launcher:
             self.fail(f"cannot start: {e}")
             return
         self.manager.chat_roles = derive_chat_roles(tokenizer)
+        self.manager.longest_token = longest_token_chars(tokenizer)
         self.manager.tokenizer = tokenizer
 
     def start_child(self, name: str, role: str, first_arg: object, *rest: object) -> None:

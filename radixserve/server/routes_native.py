@@ -19,7 +19,7 @@ from radixserve import __version__
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
-from radixserve.server.body import JSONBodyRoute
+from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
     call_error,
@@ -208,17 +208,20 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
         raise bad_request("token_ids_logprob is not supported yet", "token_ids_logprob")
     fields = native_fields("input_ids" if body.input_ids is not None else "text")
     try:
-        expanded = expand_request(
-            state.manager.encode,
-            body.text,
-            body.sampling_params,
-            body.input_ids,
-            body.return_logprob,
-            body.logprob_start_len,
-            body.top_logprobs_num,
-            body.rid,
-            body.priority,
-            max_sequences=MAX_SEQUENCES_PER_REQUEST,
+        expanded = await off_the_loop_if_large(
+            request,
+            lambda: expand_request(
+                state.manager.encode,
+                body.text,
+                body.sampling_params,
+                body.input_ids,
+                body.return_logprob,
+                body.logprob_start_len,
+                body.top_logprobs_num,
+                body.rid,
+                body.priority,
+                max_sequences=MAX_SEQUENCES_PER_REQUEST,
+            ),
         )
     except ValueError as e:
         raise call_error(e, fields) from None
@@ -234,7 +237,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
 async def encode(body: EncodeRequest, request: Request, state: State) -> Response:
     """Embeddings (server/embeddings.py): `{"embedding", "meta_info"}` per prompt, a list
     for a batch."""
-    expanded = encode_reqs(body, state)
+    expanded = await off_the_loop_if_large(request, lambda: encode_reqs(body, state))
     call = state.manager.submit(expanded.reqs)
     results = await until_disconnect(request, call, call.results())
     return JSONResponse(results[0] if expanded.single else results)

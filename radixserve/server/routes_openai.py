@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.core.req import Req
 from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
-from radixserve.server.body import JSONBodyRoute
+from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
 from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
 from radixserve.server.embeddings import EmbeddingRequest, embedding_reqs, embedding_response
 from radixserve.server.errors import ERROR_RESPONSES, APIError
@@ -56,7 +56,9 @@ async def get_model(model_id: str, state: State) -> dict[str, Any]:
 # -- generation -----------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(body: oai.CompletionRequest, request: Request, state: State) -> Response:
-    reqs = oai.completion_reqs(body, state.manager.encode)
+    reqs = await off_the_loop_if_large(
+        request, lambda: oai.completion_reqs(body, state.manager.encode)
+    )
     check_sequences(reqs, state, COMPLETION_FIELDS)
     return await _serve(request, state, body, reqs, _Completion(body, _decoder(state)))
 
@@ -67,14 +69,16 @@ async def chat_completions(
 ) -> Response:
     tokenizer = state.manager.tokenizer
     plan = body.tool_plan(state.config.server.tool_call_parser, oai.template_source(tokenizer))
-    reqs = oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
+    reqs = await off_the_loop_if_large(
+        request, lambda: oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
+    )
     check_sequences(reqs, state, CHAT_FIELDS)
     return await _serve(request, state, body, reqs, _Chat(body, _decoder(state), plan))
 
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> Response:
-    reqs = embedding_reqs(body, state)
+    reqs = await off_the_loop_if_large(request, lambda: embedding_reqs(body, state))
     call = state.manager.submit(reqs)
     results = await until_disconnect(request, call, call.results())
     model = body.model or state.model_name

@@ -114,6 +114,8 @@ class TokenizerManager:
     def __init__(self, to_scheduler: Dispatcher, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
         self.chat_roles: ChatRoles | None = None  # read off its chat template, with it
+        # the most characters one token stands for (set with the tokenizer; None: not known)
+        self.longest_token: int | None = None
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
@@ -144,6 +146,17 @@ class TokenizerManager:
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
+        """`text`'s tokens; a text with more characters than the context's tokens could stand
+        for is refused before it is tokenized (which takes ~0.5-1 us a character)."""
+        # twice the bound: a normalizer may merge characters (NFC composes accents)
+        longest = self.longest_token
+        if longest is not None and len(text) > self.context_len * longest * 2:
+            raise bad_request(
+                f"This model's maximum context length is {self.context_len} tokens. However, "
+                f"a text of {len(text)} characters is more than that many tokens of at most "
+                f"{longest} characters can hold. Please reduce the prompt.",
+                code="context_length_exceeded",
+            )
         return self.tokenizer.encode(text)
 
     def check_context(self, req: Req) -> None:
