@@ -156,7 +156,7 @@ class InProcessTransport:
                 if waiter is not None:
                     self._remove(msg.rid, waiter)
             if waiter is not None:
-                waiter.sink(rejection(msg.kind, msg.message))
+                waiter.sink(rejection(msg.kind, msg.message, msg.param))
         elif isinstance(msg, ControlReply):
             with self._lock:
                 future = self.controls.pop(msg.call_id, None)

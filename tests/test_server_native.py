@@ -914,6 +914,15 @@ def test_context_length_exceeded(url):
     assert error["code"] == "context_length_exceeded", error
 
 
+@pytest.mark.parametrize(
+    "kind, spec", [("regex", "[0-9"), ("json_schema", "{not json"), ("ebnf", "x")]
+)
+def test_an_invalid_constraint_is_a_400_naming_its_field(url, kind, spec):
+    body = {"text": "A:", "sampling_params": {"max_new_tokens": 4, kind: spec}}
+    error = assert_error(post(url, "/generate", body), 400, f"invalid {kind}")
+    assert error["param"] == kind, error
+
+
 def test_a_text_longer_than_any_context_is_refused_before_tokenizing(url):
     """SmolLM2's longest token stands for 81 characters: 8,192 of them hold at most ~663k
     characters, so 2M characters are refused outright, naming the count."""

@@ -20,7 +20,12 @@ from radixserve.core.sampling_params import CONSTRAINTS, SamplingParams
 
 
 class GrammarError(ValueError):
-    """A constraint the backend cannot honour (invalid or unsupported); a 400 at the edge."""
+    """A constraint the backend cannot honour (invalid or unsupported); a 400 at the edge,
+    naming the constraint's field (regex, json_schema or ebnf)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)

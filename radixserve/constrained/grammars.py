@@ -84,7 +84,8 @@ class Grammars:
             return
         if self.backend_name == "none":
             raise GrammarError(
-                "constrained decoding is disabled on this server (--grammar-backend none)"
+                "constrained decoding is disabled on this server (--grammar-backend none)",
+                constraint.kind,
             )
         req.grammar = self.backend.matcher(constraint)
 

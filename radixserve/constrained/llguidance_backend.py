@@ -72,15 +72,17 @@ class LLGuidanceBackend(GrammarBackend):
             else:
                 grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
         except ValueError as e:  # the JSON schema is not JSON, or the EBNF does not convert
-            raise GrammarError(f"invalid {constraint.kind}: {e}") from None
+            raise GrammarError(f"invalid {constraint.kind}: {e}", constraint.kind) from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer
         )
         if is_error:
-            raise GrammarError(f"invalid {constraint.kind}: {_one_line(messages[0])}")
+            message = _one_line(messages[0])
+            raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {constraint.kind}: {_one_line(matcher.get_error())}")
+            message = _one_line(matcher.get_error())
+            raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
         return matcher
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:

@@ -12,6 +12,10 @@ RejectionKind = Literal["invalid", "duplicate_rid", "queue_full"]
 class RequestRejected(ValueError):
     kind: RejectionKind = "invalid"
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the field at fault, where one is
+
 
 class InvalidRequest(RequestRejected):
     """The request can never run on this engine (out-of-vocabulary ids, too long...)."""
@@ -36,6 +40,6 @@ REJECTIONS: dict[str, type[RequestRejected]] = {
 }
 
 
-def rejection(kind: str, message: str) -> RequestRejected:
+def rejection(kind: str, message: str, param: str | None = None) -> RequestRejected:
     """The typed error a `Rejected` message stands for."""
-    return REJECTIONS.get(kind, RequestRejected)(message)
+    return REJECTIONS.get(kind, RequestRejected)(message, param)

@@ -91,6 +91,7 @@ class Rejected(Message):
     rid: str
     kind: RejectionKind
     message: str
+    param: str | None = None  # the field at fault, where one is
 
 
 class ControlReply(Message):

@@ -127,7 +127,7 @@ class SchedulerLoop:
         try:
             self.admit(msg)
         except RequestRejected as e:
-            self.transport.reply(Rejected(msg.rid, e.kind, str(e)))
+            self.transport.reply(Rejected(msg.rid, e.kind, str(e), e.param))
             return
         self.transport.accepted(msg)
 
@@ -140,11 +140,11 @@ class SchedulerLoop:
                 "(--max-queued-requests); retry later"
             )
         if any(req.rid == msg.rid for req in scheduler.live()):
-            raise DuplicateRid(f"a request with rid {msg.rid!r} is already running")
+            raise DuplicateRid(f"a request with rid {msg.rid!r} is already running", "rid")
         try:
             scheduler.add_request(msg.to_req())
         except ValueError as e:  # the request can never run here (GrammarError included)
-            raise InvalidRequest(str(e)) from e
+            raise InvalidRequest(str(e), getattr(e, "param", None)) from e
 
     def control(self, msg: ControlReq) -> ControlReply:
         if msg.op == "flush_cache":

@@ -294,7 +294,8 @@ class TokenizerManager:
         track = self.pending.pop(msg.rid, None)
         self.to_scheduler.done(msg.rid)
         if track is not None:
-            track.call.queue.put_nowait(APIError(REJECTION_STATUS[msg.kind], msg.message))
+            status = REJECTION_STATUS[msg.kind]
+            track.call.queue.put_nowait(APIError(status, msg.message, param=msg.param))
 
     def _on_control_reply(self, msg: ControlReply) -> None:
         gather = self.controls.get(msg.call_id)
