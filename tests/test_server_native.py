@@ -889,7 +889,17 @@ BAD_REQUESTS = {
         {"text": "Hi", "sampling_params": {"foo": 1}, "stream": True},
         ["foo"],
     ),
+    # SGLang's fields for what this server does not do: refused, not silently ignored
+    "image_data": ({"text": "Hi", "image_data": "http://x/cat.png"}, ["image_data"]),
+    "lora_path": ({"text": "Hi", "lora_path": "my-adapter"}, ["lora_path"]),
+    "return_hidden_states": ({"text": "Hi", "return_hidden_states": True}, ["hidden_states"]),
 }
+
+
+def test_unsupported_sglang_fields_at_their_defaults_are_accepted(url):
+    defaults = {"image_data": None, "lora_path": None, "return_hidden_states": False}
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}, **defaults}
+    assert generate(url, body)["meta_info"]["completion_tokens"] == 1
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))

@@ -62,6 +62,23 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | None = None
+    # SGLang's fields for what this server does not do: accepted at their defaults (clients
+    # and routers send them so), a 400 naming them otherwise (see UNSUPPORTED)
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    return_hidden_states: Any = False
+
+
+UNSUPPORTED = {
+    "token_ids_logprob": "token_ids_logprob is not supported yet",
+    "image_data": "image_data: this server runs text-only models",
+    "video_data": "video_data: this server runs text-only models",
+    "audio_data": "audio_data: this server runs text-only models",
+    "lora_path": "lora_path: LoRA adapters are not supported",
+    "return_hidden_states": "return_hidden_states is not supported",
+}
 
 
 class TokenizeRequest(BaseModel):
@@ -204,8 +221,9 @@ async def tokenizer_info(state: State) -> dict[str, Any]:
 # -- generation -----------------------------------------------------------------------------
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, state: State) -> Response:
-    if body.token_ids_logprob:
-        raise bad_request("token_ids_logprob is not supported yet", "token_ids_logprob")
+    for name, message in UNSUPPORTED.items():
+        if getattr(body, name) not in (None, False, [], ""):
+            raise bad_request(message, name)
     fields = native_fields("input_ids" if body.input_ids is not None else "text")
     try:
         expanded = await off_the_loop_if_large(
