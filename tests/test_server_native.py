@@ -896,6 +896,20 @@ BAD_REQUESTS = {
 }
 
 
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": 5}, "text"),  # str | list[str]: pydantic says text.str
+        ({"input_ids": [1, "a"]}, "input_ids.1"),  # input_ids.list[int].1
+        ({"text": "Hi", "sampling_params": 3}, "sampling_params"),
+    ],
+)
+def test_a_union_field_is_named_without_pydantics_member_tags(url, body, param):
+    error = assert_error(post(url, "/generate", body), 400)
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: "), error
+
+
 def test_unsupported_sglang_fields_at_their_defaults_are_accepted(url):
     defaults = {"image_data": None, "lora_path": None, "return_hidden_states": False}
     body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}, **defaults}

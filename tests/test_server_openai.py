@@ -385,6 +385,13 @@ def test_chat_logprobs(client, model_id):
         assert entry.bytes == list(entry.token.encode())
     if choice.finish_reason == "length":
         assert "".join(e.token for e in content) == choice.message.content
+    # top_logprobs alone asks for nothing OpenAI would give: a 400 naming it
+    body = bad_request(
+        lambda: client.chat.completions.create(
+            model=model_id, messages=DRAGON, max_tokens=1, top_logprobs=3
+        )
+    )
+    assert body["param"] == "top_logprobs" and "logprobs" in body["message"]
 
 
 def test_chat_max_completion_tokens(client, model_id):

@@ -102,17 +102,28 @@ def _check_text(text: str, path: Path) -> None:
         raise bad_request(f"{name}: the string is not valid Unicode (a lone surrogate)", name)
 
 
+# How pydantic names the member of a union that failed, in an error's location: `str`,
+# `list[int]`, `dict[str,any]`, `literal['none','auto']`, a model's class name. Field names
+# (snake_case) and list indexes are the rest.
+_TYPE_TAG = re.compile(r"[A-Z]\w*|(str|int|float|bool|none|bytes)|\w+\[.*\]|function-\w+.*")
+
+
+def _union_member(part: str | int) -> bool:
+    return isinstance(part, str) and _TYPE_TAG.fullmatch(part) is not None
+
+
 def validation_error(e: RequestValidationError) -> APIError:
     """FastAPI's 422 as the project's 400, naming the first field that failed."""
     first = e.errors()[0]
     loc = list(first["loc"])
     if loc[:1] == ["body"]:
         loc = loc[1:]
-    field = field_name(loc)
+    field = field_name([part for part in loc if not _union_member(part)])
     if first["type"] == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {field}"
     else:
-        message = f"{field}: {first['msg']}" if field else first["msg"]
+        reason = first["msg"].removeprefix("Value error, ")  # pydantic's wording for a ValueError
+        message = f"{field}: {reason}" if field else reason
     return bad_request(message, param=field)
 
 

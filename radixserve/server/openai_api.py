@@ -340,6 +340,8 @@ def template_source(tokenizer: Any) -> str | None:
 def chat_reqs(
     body: ChatCompletionRequest, tokenizer: Any, max_context: int, plan: ToolPlan
 ) -> list[Req]:
+    if body.top_logprobs and not body.logprobs:  # as OpenAI: refused, not ignored
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     ids = chat_prompt_ids(body, tokenizer, plan)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
