@@ -299,6 +299,22 @@ def test_completion_stream_matches_non_streaming(client, model_id):
     )
     assert all(c.choices for c in plain)
     assert "".join(c.choices[0].text for c in plain) == expected.choices[0].text
+    assert all(c.usage is None for c in plain)
+
+    # vLLM's continuous_usage_stats: every chunk has the counts so far
+    counted = list(
+        client.completions.create(
+            model=model_id,
+            prompt=STORY,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    so_far = [c.usage.completion_tokens for c in counted[:-1] if c.choices[0].text]
+    assert so_far == sorted(so_far) and so_far[-1] == expected.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == expected.usage.prompt_tokens for c in counted)
 
 
 # -- 4. chat ----------------------------------------------------------------------------------

@@ -128,7 +128,10 @@ async def _chunks(
         choice = shape.chunk_choice(index, call.reqs[index], delta, meta)
         if choice is None:
             continue
-        yield {**head, "choices": [{"index": index, **oai.finish_fields(meta), **choice}]}
+        chunk = {**head, "choices": [{"index": index, **oai.finish_fields(meta), **choice}]}
+        if body.continuous_usage:
+            chunk["usage"] = oai.usage([out.result], 1)
+        yield chunk
     if body.include_usage:
         yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
 
