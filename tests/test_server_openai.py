@@ -265,16 +265,16 @@ def test_completion_echo_logprobs_lm_eval_style(client, model_id, server):
 # -- 3. completions, streaming ----------------------------------------------------------------
 def test_completion_stream_matches_non_streaming(client, model_id):
     expected = greedy(client, model_id, STORY)
-    chunks = list(
-        client.completions.create(
-            model=model_id,
-            prompt=STORY,
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
+
+    def story_stream(**stream_options) -> list:
+        options = {"stream_options": stream_options} if stream_options else {}
+        return list(
+            client.completions.create(
+                model=model_id, prompt=STORY, max_tokens=16, temperature=0, stream=True, **options
+            )
         )
-    )
+
+    chunks = story_stream(include_usage=True)
     assert chunks, "no chunks"
     last = chunks[-1]
     assert last.choices == [], last
@@ -292,26 +292,13 @@ def test_completion_stream_matches_non_streaming(client, model_id):
     assert body[-1].choices[0].finish_reason is not None  # the finish comes last
 
     # without include_usage, no usage-only chunk
-    plain = list(
-        client.completions.create(
-            model=model_id, prompt=STORY, max_tokens=16, temperature=0, stream=True
-        )
-    )
+    plain = story_stream()
     assert all(c.choices for c in plain)
     assert "".join(c.choices[0].text for c in plain) == expected.choices[0].text
     assert all(c.usage is None for c in plain)
 
     # vLLM's continuous_usage_stats: every chunk has the counts so far
-    counted = list(
-        client.completions.create(
-            model=model_id,
-            prompt=STORY,
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
-        )
-    )
+    counted = story_stream(include_usage=True, continuous_usage_stats=True)
     so_far = [c.usage.completion_tokens for c in counted[:-1] if c.choices[0].text]
     assert so_far == sorted(so_far) and so_far[-1] == expected.usage.completion_tokens
     assert all(c.usage.prompt_tokens == expected.usage.prompt_tokens for c in counted)
