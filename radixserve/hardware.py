@@ -17,8 +17,9 @@ Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs the
 (`auto_dtype`), with the weights pre-blocked for oneDNN on AVX-512 CPUs
 (`KernelPlan.packed_rows`) and decode-sized products through the project's tile-layout
 kernel, AMX or AVX512-BF16 (`KernelPlan.blocked_rows`), fp32 ones through its fp32
-counterpart on AMD's AVX-512 CPUs; elsewhere the one-row fp32 kernel wherever MKL's sgemv
-is the slower one, i.e. everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the
+counterpart on AVX-512 CPUs with AVX512-BF16 (AMD's Zen 4, Intel's AMX Xeons); elsewhere the
+one-row fp32 kernel wherever MKL's sgemv is the slower one, i.e. everywhere but on Intel CPUs
+with AVX-512 (`KernelPlan.gemv`); the
 decode-attention kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built
 for AVX-512 where the CPU has it with AVX512-BF16 (`KernelPlan.decode_attention_isa`);
 RMSNorm, rotary and SiLU*up fused (`KernelPlan.fused_elementwise`).
@@ -253,6 +254,12 @@ AVX512_BF16_ROWS = 128
 # of 20 alternated: 584-638 -> 735-781 tok/s. With each thread's next group of weights
 # fetched into L2 while it works on a group: all 30 layers + the LM head at 16 rows 29.6-34.0
 # -> 24.8-25.7 ms, at 8 rows 23.6 -> 20.2 (fp32_linear_avx512.cpp).
+# Intel Xeon (AMX, AVX-512, 2 threads), where oneDNN on pre-blocked weights had 2-64 rows
+# and MKL one (and so a step's layers ran one by one from Python: decode_layers.cpp drives
+# the project's kernels only), SmolLM2 fp32, two runs alternated: `bench step-breakdown
+# --context-len 544`, unprofiled ms per decode step, 31.4, 30.8 -> 21.5, 21.8 at 1 running;
+# 74.3, 76.7 -> 53.2, 54.8 at 16; 191.1, 193.5 -> 168.1, 168.3 at 64; `bench one-batch
+# --input-len 544`, prefill tok/s 1144, 1156 -> 1183, 1156 (the same).
 FP32_BLOCKED_ROWS = 64
 
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
@@ -313,8 +320,8 @@ class KernelPlan:
     # products of 1..blocked_rows rows (decode steps) through a kernel that reads its own
     # layout of the weights, ahead of packed_rows; 0: off. bf16: bf16_linear_amx.cpp on
     # CPUs with AMX-BF16, and AVX-512 CPUs with AVX512-BF16 (see AMX_LINEAR), the build
-    # named by blocked_isa ("amx" or "avx512"); fp32: fp32_linear_avx512.cpp on AMD's
-    # AVX-512 CPUs (see FP32_LINEAR)
+    # named by blocked_isa ("amx" or "avx512"); fp32: fp32_linear_avx512.cpp on AVX-512
+    # CPUs with AVX512-BF16, AMD's and Intel's (see FP32_LINEAR)
     blocked_rows: int = 0
     blocked_isa: str = "avx512"
     # a model's prefill and extend rows (new tokens after a cached prefix) attend over a
@@ -351,8 +358,8 @@ class KernelPlan:
         wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
         fused_dtype = dtype in (torch.bfloat16, torch.float32)
         blocked_rows = 0  # through bf16_linear_amx.cpp (AMX or AVX-512) or fp32_linear_avx512
-        # fp32: measured on AMD's Zen 4 only; Intel's AVX-512 CPUs keep oneDNN and MKL
-        fp32_blocked = on_x86 and dtype == torch.float32 and wide and not cpu.intel
+        # fp32: AMD's Zen 4 and Intel's AMX Xeons alike (see FP32_LINEAR)
+        fp32_blocked = on_x86 and dtype == torch.float32 and wide
         blocked_isa = "avx512"
         if packed and dtype == torch.bfloat16 and wide:
             blocked_rows = AMX_ROWS if cpu.amx_bf16 else AVX512_BF16_ROWS

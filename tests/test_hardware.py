@@ -114,8 +114,12 @@ def test_kernel_plan_per_cpu():
     # on pre-blocked weights from 2 rows up in fp32, for every product in bf16 (AMX)
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
-    intel_fp32 = KernelPlan(True, False, 0, 16, fp32_rows, "amx", "avx512")  # built with AMX
-    intel_fp32 = dataclasses.replace(intel_fp32, extend_attention=True, decode_layers=True)
+    # (fp32 models on AVX-512 CPUs with AVX512-BF16: the blocked fp32 kernel up to 64 rows,
+    # Intel's as AMD's, and MKL past them)
+    intel_fp32 = KernelPlan(True, False, 0, 16, None, "amx", "avx512")  # built with AMX
+    intel_fp32 = dataclasses.replace(
+        intel_fp32, extend_attention=True, decode_layers=True, blocked_rows=FP32_BLOCKED_ROWS
+    )
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
     no_bf16_fp32 = KernelPlan(
@@ -156,8 +160,10 @@ def test_kernel_plan_per_cpu():
         extend_attention=True,
         decode_layers=True,
     )
-    # (measured on AMD's Zen 4 only: Intel's AVX-512 CPUs keep oneDNN for fp32, above)
-    assert KernelPlan.choose("auto", CPU, f32, f32, intel).blocked_rows == 0
+    # (Intel's AMX Xeons the same, but for the attention kernel's AMX build)
+    assert KernelPlan.choose("auto", CPU, f32, f32, intel) == dataclasses.replace(
+        KernelPlan.choose("auto", CPU, f32, f32, zen4), decode_attention_isa="amx"
+    )
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).decode_layers
     # AVX-512 without AVX512-BF16 or AMX: bf16 matmuls are not fast, nothing packed for them

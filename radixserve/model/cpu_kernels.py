@@ -382,6 +382,12 @@ SAME_AS_TORCH_ROWS = (16, 64)  # the rows of the products checked for each weigh
 # business (each output is its own sum), and the whole of SmolLM2's tied head (49152 x 576)
 # took 0.86 s of start-up to check (its first 512 features: ~10 ms). AMD EPYC Zen 4.
 SAME_AS_TORCH_FEATURES = 512
+# The chunk where none reproduces torch (MKL 2025 on an Intel Xeon with AMX sums in some
+# order no chunk gives): partial sums of a few dozen columns round closer to a blocked
+# sgemm's than one chain over all of them. Intel Xeon (AMX), the fidelity suite's SmolLM2
+# decode logits against transformers', largest difference: one chain 1.01e-4 (over its bar
+# of 1e-4), chunks of 16 / 32 / 64 / 128 / 256 columns 5.8 / 6.1 / 5.7 / 5.5 / 7.5e-5.
+FALLBACK_SUM_CHUNK = 128
 
 
 def products_agree(kernel: BlockedLinear, rows: int, features: int, columns: int) -> bool:
@@ -418,13 +424,15 @@ def torch_sum_chunk(kernel: BlockedLinear) -> int | None:
 def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
     """The fp32 linear kernel on its 16-feature block layout (AVX-512), or None where it
     cannot be built. Its sums go in the chunks that reproduce torch's F.linear on this CPU
-    where some chunk does (`reproduces_torch`; see torch_sum_chunk), in one chunk elsewhere."""
+    where some chunk does (`reproduces_torch`; see torch_sum_chunk), in FALLBACK_SUM_CHUNK's
+    elsewhere."""
     library = load_kernel("fp32_linear_avx512", folder, isa="avx512")
     if library is None:
         return None
     kernel = BlockedLinear(library, "fp32_blocked", torch.float32, 1, chunked=True)
     chunk = torch_sum_chunk(kernel)
-    kernel.chunk, kernel.reproduces_torch = chunk or 0, chunk is not None
+    kernel.chunk = FALLBACK_SUM_CHUNK if chunk is None else chunk
+    kernel.reproduces_torch = chunk is not None
     return kernel
 
 
