@@ -322,11 +322,15 @@ def test_a_mixed_batch_attends_each_request_as_alone(isa, prefix_lens, extend_le
         start += extend
 
 
-# the extend kernel's builds and the dtypes each takes: AVX2 fp32; AVX-512 fp32 and bf16
+# the extend kernel's builds and the dtypes each takes: AVX2 fp32; AVX-512 fp32 and bf16;
+# the AMX build (bf16 on the tile unit, fp32 as the AVX-512 build)
+needs_amx = pytest.mark.skipif(not cpu_runs("amx"), reason="this CPU has no AMX-BF16")
 EXTEND_BUILDS = [
     ("avx2", torch.float32),
     pytest.param("avx512", torch.float32, marks=needs_avx512_bf16),
     pytest.param("avx512", BF16, marks=needs_avx512_bf16),
+    pytest.param("amx", torch.float32, marks=needs_amx),
+    pytest.param("amx", BF16, marks=needs_amx),
 ]
 
 

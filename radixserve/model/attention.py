@@ -669,14 +669,19 @@ def extend_attention_kernel(
     kernel_dir: Path | None = None, isa: str = "avx512"
 ) -> ExtendKernel | None:
     """The C++ prefill / extend attention built into `kernel_dir` for the decode kernel's
-    `isa`: "avx2" `extend_attention.cpp` (fp32); "avx512", and "amx" (which has no build of
-    its own), `extend_attention_avx512.cpp` (AVX-512 + AVX512-BF16; fp32 and bf16); None
-    where it cannot be built or run."""
+    `isa`: "avx2" `extend_attention.cpp` (fp32); "avx512" `extend_attention_avx512.cpp`
+    (AVX-512 + AVX512-BF16; fp32 and bf16); "amx" that source built with AMX (a bf16
+    model's products on the tile unit); None where it cannot be built or run."""
     if isa == "avx2":
         library = load_kernel("extend_attention", kernel_dir, "avx2")
     else:
-        library = load_kernel("extend_attention_avx512", kernel_dir, "avx512")
-    return None if library is None else ExtendKernel(library)
+        library = load_kernel("extend_attention_avx512", kernel_dir, isa)
+    if library is None:
+        return None
+    if isa == "amx" and not library.extend_attention_amx_enable():
+        logger.warning("Linux refused this process AMX's tile state: no extend-attention kernel")
+        return None
+    return ExtendKernel(library)
 
 
 @functools.cache

@@ -27,8 +27,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "extend_tasks.h"
@@ -325,6 +328,174 @@ void run_task(const Task& task, const typename Kind::T* q, const typename Kind::
     }
 }
 
+#ifdef __AMX_BF16__
+// Built with AMX (the kernel plan's "amx" build), a bf16 model's tasks run on the tile unit,
+// queries in rows instead of lanes: per lane group (16 tokens of one query head) and key
+// block of 32, S (16 x 32, fp32) = Q (16 x D) . K^T in tile products of 32 dims, the online
+// softmax row by row on AVX-512, then P (16 x 32, rounded to bf16 as the lane build and
+// torch's flash attention round it) . V (the block's values, key pairs side by side: the
+// B-tile layout as the lane build packs them) in tile products of 16 dims, added to the
+// row's output scaled by its softmax correction. K^T is laid out once per key block (per
+// 32 dims and 16 keys a 16 x 16 word transpose: word p of key n is dims 2p, 2p + 1) and
+// serves every lane group of the KV head. Tiles: 0-1 S, 2 Q, 3 K^T, 4 P, 5 V, 6 P . V.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+    TileConfig cfg;
+    for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// kt (D / 32, 2, 16, 16) words: kt[c][h][p][n] = word 16c + p of key 16h + n of the block
+// (keys: kBlockK rows of D bf16, zero past the block's keys).
+void transpose_keys(const uint16_t* keys, int64_t dim, uint32_t* kt) {
+    const int64_t words = dim / 2;
+    for (int64_t c = 0; c < dim / 32; c++)
+        for (int64_t h = 0; h < 2; h++) {
+            __m512 r[16];
+            for (int64_t n = 0; n < 16; n++)
+                r[n] = _mm512_load_ps((const float*)((const uint32_t*)keys + (16 * h + n) * words + 16 * c));
+            transpose16(r);
+            for (int64_t p = 0; p < 16; p++) _mm512_store_ps((float*)(kt + ((c * 2 + h) * 16 + p) * 16), r[p]);
+        }
+}
+
+// One key block [s0, s0 + n) for a lane group held in rows: lg.q (16, D) bf16 queries,
+// lg.out (16, D) fp32 unnormalized outputs, lg.max / lg.sum lane m = row m's.
+void attend_block_amx(LaneGroup& lg, const uint32_t* kt, const uint32_t* values, int64_t s0,
+                      int64_t n, int64_t dim, float scale) {
+    alignas(64) float st[16 * kBlockK];
+    alignas(64) uint16_t p[16 * kBlockK];
+    alignas(64) float pv[16 * 16];
+    const bool two = n > 16;  // the block's second 16 keys
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < dim / 32; c++) {
+        _tile_loadd(2, (const uint16_t*)lg.q + 32 * c, dim * 2);
+        _tile_loadd(3, kt + (c * 2) * 256, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        if (two) {
+            _tile_loadd(3, kt + (c * 2 + 1) * 256, 64);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+    }
+    _tile_stored(0, st, kBlockK * 4);
+    _tile_stored(1, st + 16, kBlockK * 4);
+    // causal: row m sees keys s0 + j <= its position, and j < n
+    alignas(64) int32_t pos[16];
+    alignas(64) float row_max[16];
+    _mm512_store_si512(pos, lg.pos);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t m = 0; m < 16; m++) {
+        const int64_t seen = std::max<int64_t>(0, std::min<int64_t>(n, pos[m] - s0 + 1));
+        const __mmask16 k0 = (__mmask16)(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
+        const __mmask16 k1 = (__mmask16)(seen >= 32 ? 0xFFFF : seen <= 16 ? 0 : (1u << (seen - 16)) - 1);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 v0 = _mm512_mask_mul_ps(ninf, k0, _mm512_load_ps(st + m * kBlockK), vscale);
+        const __m512 v1 = _mm512_mask_mul_ps(ninf, k1, _mm512_load_ps(st + m * kBlockK + 16), vscale);
+        _mm512_store_ps(st + m * kBlockK, v0);
+        _mm512_store_ps(st + m * kBlockK + 16, v1);
+        row_max[m] = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+    }
+    // a row that has seen no key yet keeps max -inf: its probabilities are 0, its alpha 1
+    const __m512 new_max = _mm512_max_ps(lg.max, _mm512_load_ps(row_max));
+    const __mmask16 live = _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 shift = _mm512_maskz_mov_ps(live, new_max);
+    const __m512 alpha = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(lg.max, shift)));
+    alignas(64) float shifts[16], sums[16], alphas[16];
+    _mm512_store_ps(shifts, shift);
+    _mm512_store_ps(alphas, alpha);
+    for (int64_t m = 0; m < 16; m++) {
+        const __m512 mm = _mm512_set1_ps(shifts[m]);
+        const __m512 p0 = exp16(_mm512_sub_ps(_mm512_load_ps(st + m * kBlockK), mm));
+        const __m512 p1 = exp16(_mm512_sub_ps(_mm512_load_ps(st + m * kBlockK + 16), mm));
+        _mm512_store_si512(p + m * kBlockK, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));  // unrounded, as torch sums
+    }
+    lg.sum = _mm512_add_ps(_mm512_mul_ps(lg.sum, alpha), _mm512_load_ps(sums));
+    lg.max = new_max;
+    _tile_loadd(4, p, kBlockK * 2);
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        _tile_zero(6);
+        _tile_loadd(5, values + d0, dim * 4);
+        _tile_dpbf16ps(6, 4, 5);
+        _tile_stored(6, pv, 64);
+        for (int64_t m = 0; m < 16; m++) {
+            float* o = lg.out + m * dim + d0;
+            _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), _mm512_set1_ps(alphas[m]),
+                                               _mm512_load_ps(pv + m * 16)));
+        }
+    }
+}
+
+// run_task's work for a bf16 task on the tile unit (see attend_block_amx).
+void run_task_amx(const Task& task, const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool,
+                  const int64_t* slots, int64_t prefix, int64_t q_start, uint16_t* out, int64_t heads,
+                  int64_t kv_heads, int64_t dim, float scale, std::vector<LaneGroup>& groups,
+                  uint16_t* keys, uint32_t* values, uint32_t* kt) {
+    const int64_t group = heads / kv_heads;
+    const int64_t n_tokens = task.n;
+    const int64_t halves = (n_tokens + 15) / 16;
+    const int64_t n_groups = group * halves;
+    const int64_t row = heads * dim;  // q and out: (T, H * D)
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t half = 0; half < halves; half++) {
+            LaneGroup& lg = groups[g * halves + half];
+            lg.head = task.kh * group + g;
+            lg.first = task.t0 + half * 16;
+            lg.valid = std::min<int64_t>(16, n_tokens - half * 16);
+            lg.key_end = prefix + lg.first + lg.valid;
+            lg.pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(prefix + lg.first)),
+                                      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+            lg.max = _mm512_set1_ps(-INFINITY);
+            lg.sum = _mm512_setzero_ps();
+            memset(lg.out, 0, dim * 16 * 4);
+            uint16_t* rows_q = (uint16_t*)lg.q;  // (16, D): the tokens' queries, padding rows 0
+            const uint16_t* q0 = q + (q_start + lg.first) * row + lg.head * dim;
+            for (int64_t m = 0; m < 16; m++) {
+                if (m < lg.valid)
+                    memcpy(rows_q + m * dim, q0 + m * row, dim * 2);
+                else
+                    memset(rows_q + m * dim, 0, dim * 2);
+            }
+        }
+    }
+    const int64_t key_end = prefix + task.t0 + n_tokens;
+    const uint16_t* rows[kBlockK];
+    for (int64_t s0 = 0; s0 < key_end; s0 += kBlockK) {
+        const int64_t n = std::min(kBlockK, key_end - s0);
+        for (int64_t j = 0; j < kBlockK; j++) {
+            if (j < n)
+                memcpy(keys + j * dim, k_pool + (slots[s0 + j] * kv_heads + task.kh) * dim, dim * 2);
+            else
+                memset(keys + j * dim, 0, dim * 2);
+        }
+        transpose_keys(keys, dim, kt);
+        for (int64_t j = 0; j < n; j++) rows[j] = v_pool + (slots[s0 + j] * kv_heads + task.kh) * dim;
+        Bf16::pack_values(rows, n, dim, values);
+        for (int64_t i = 0; i < n_groups; i++) {
+            LaneGroup& lg = groups[i];
+            if (s0 < lg.key_end)
+                attend_block_amx(lg, kt, values, s0, std::min(n, lg.key_end - s0), dim, scale);
+        }
+    }
+    for (int64_t i = 0; i < n_groups; i++) {
+        LaneGroup& lg = groups[i];
+        alignas(64) float inv[16];
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), lg.sum));
+        uint16_t* o = out + (q_start + lg.first) * row + lg.head * dim;
+        for (int64_t m = 0; m < lg.valid; m++)
+            for (int64_t d0 = 0; d0 < dim; d0 += 16)
+                simd512::store_bf16(o + m * row + d0,
+                                    _mm512_mul_ps(_mm512_load_ps(lg.out + m * dim + d0), _mm512_set1_ps(inv[m])));
+    }
+}
+#endif
+
 template <typename Kind>
 void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
             const int64_t* rows, const int64_t* prefix_lens, const int64_t* extend_lens,
@@ -340,13 +511,33 @@ void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t
         static thread_local std::vector<uint32_t> key_buf(kBlockK * kMaxDim + 16), value_buf(kBlockK * kMaxDim + 16);
         T* keys = (T*)(((uintptr_t)key_buf.data() + 63) & ~(uintptr_t)63);
         uint32_t* values = (uint32_t*)(((uintptr_t)value_buf.data() + 63) & ~(uintptr_t)63);
+#ifdef __AMX_BF16__
+        constexpr bool amx = std::is_same<Kind, Bf16>::value;
+        static thread_local std::vector<uint32_t> kt_buf(kMaxDim * 16 + 16);
+        uint32_t* kt = (uint32_t*)(((uintptr_t)kt_buf.data() + 63) & ~(uintptr_t)63);
+        if (amx) amx_configure();
+#else
+        constexpr bool amx = false;
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task& t = tasks[i];
+#ifdef __AMX_BF16__
+            if (amx) {
+                run_task_amx(t, (const uint16_t*)q, (const uint16_t*)k_pool, (const uint16_t*)v_pool,
+                             table + rows[t.b] * table_stride, prefix_lens[t.b], q_starts[t.b],
+                             (uint16_t*)out, heads, kv_heads, dim, scale, groups, (uint16_t*)keys,
+                             values, kt);
+                continue;
+            }
+#endif
             run_task<Kind>(t, (const T*)q, (const T*)k_pool, (const T*)v_pool,
                            table + rows[t.b] * table_stride, prefix_lens[t.b], q_starts[t.b],
                            (T*)out, heads, kv_heads, dim, scale, groups, keys, values);
         }
+#ifdef __AMX_BF16__
+        if (amx) _tile_release();
+#endif
     }
 }
 
@@ -375,5 +566,10 @@ int extend_attention_supports(int64_t heads, int64_t kv_heads, int64_t dim) {
 
 // This build takes bf16 as well as fp32.
 int extend_attention_takes_bf16() { return 1; }
+
+#ifdef __AMX_BF16__
+// The AMX build: Linux's permission for the tile state (once per process), before any call.
+int extend_attention_amx_enable() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+#endif
 
 }  // extern "C"
