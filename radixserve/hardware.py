@@ -233,7 +233,13 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 # -> 39-40 at 64 (1.0-1.2x), 78-83 -> 74 at 128 (1.05-1.12x): up to 128 rows there. bf16
 # decode steps (context 544, unprofiled ms, runs alternated): 27.9, 26.6 -> 18.5, 17.6 at 1
 # running; 48.0, 70.0 -> 41.8, 48.9 at 16; 168.8, 165.1 -> 168.2, 140.5 at 64.
-AMX_ROWS = 256
+# With the extend attention on AMX too (Intel Xeon AMX, 2 threads, bf16 prefill forwards,
+# medians of 5, up to 256 rows -> up to 4,096 rows through the kernel, ms): 1 x 544 tokens
+# 134-136 -> 109-110 (a forward of up to 1,024 rows then runs its layers in one C++ call,
+# DECODE_LAYERS), 2 x 512 211-213 -> 203-206, 1 x 1,024 252 -> 232, 8 x 128 186 -> 183; but
+# 2 x 544 224 -> 234, 1 x 1,536 372 -> 416, 4 x 512 351 -> 463 (oneDNN's blocking wins
+# there). So up to 1,024 rows: a CPU prefill chunk (CHUNKED_PREFILL).
+AMX_ROWS = 1024
 AVX512_BF16_ROWS = 128
 
 # FP32_LINEAR: fp32 linear layers of few rows through fp32_linear_avx512.cpp (the weight laid
