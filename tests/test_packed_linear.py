@@ -242,6 +242,19 @@ def test_the_amx_product_matches_f_linear(rows, n, k, bias):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [32, 75, 544])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (80, 96), (192, 576)])
+def test_the_amx_product_of_many_rows_is_the_16_row_chunks_bit_for_bit(rows, n, k):
+    """Past 32 rows the AMX build goes 32 rows x 2 blocks at a time (and a group's odd
+    block alone); every sum takes the same tile products in the same order as a product of
+    16 rows: the same bits."""
+    x, weight, b = product_inputs(rows, n, k, True)
+    packed, bias = AMX.pack(weight), b.float()
+    chunks = [AMX(x[r : r + 16], packed, n, bias) for r in range(0, rows, 16)]
+    assert torch.equal(AMX(x, packed, n, bias), torch.cat(chunks))
+
+
+@needs_amx
 def test_the_amx_layer_takes_few_rows_and_leaves_the_rest_to_onednn():
     layer = Linear(64, 48, bias=True).to(BF16)
     small, big = torch.randn(7, 64).to(BF16), torch.randn(9, 64).to(BF16)
