@@ -260,6 +260,21 @@ void attend_block(LaneGroup& lg, const typename Kind::T* keys, const uint32_t* v
     }
 }
 
+// A lane group's fields at the start of a task: query head g of the task's KV head, its
+// half-th 16 new tokens; no key seen yet.
+inline void start_group(LaneGroup& lg, const Task& task, int64_t group, int64_t g, int64_t half,
+                        int64_t prefix, int64_t dim) {
+    lg.head = task.kh * group + g;
+    lg.first = task.t0 + half * 16;
+    lg.valid = std::min<int64_t>(16, task.n - half * 16);
+    lg.key_end = prefix + lg.first + lg.valid;
+    lg.pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(prefix + lg.first)),
+                              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    lg.max = _mm512_set1_ps(-INFINITY);
+    lg.sum = _mm512_setzero_ps();
+    memset(lg.out, 0, dim * 16 * 4);
+}
+
 template <typename Kind>
 void run_task(const Task& task, const typename Kind::T* q, const typename Kind::T* k_pool,
               const typename Kind::T* v_pool, const int64_t* slots, int64_t prefix, int64_t q_start,
@@ -275,15 +290,7 @@ void run_task(const Task& task, const typename Kind::T* q, const typename Kind::
     for (int64_t g = 0; g < group; g++) {
         for (int64_t half = 0; half < halves; half++) {
             LaneGroup& lg = groups[g * halves + half];
-            lg.head = task.kh * group + g;
-            lg.first = task.t0 + half * 16;
-            lg.valid = std::min<int64_t>(16, n_tokens - half * 16);
-            lg.key_end = prefix + lg.first + lg.valid;
-            lg.pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(prefix + lg.first)),
-                                      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-            lg.max = _mm512_set1_ps(-INFINITY);
-            lg.sum = _mm512_setzero_ps();
-            memset(lg.out, 0, dim * 16 * 4);
+            start_group(lg, task, group, g, half, prefix, dim);
             // the queries into lanes (padding lanes zero), 16 words of each at a time
             const T* q0 = q + (q_start + lg.first) * row + lg.head * dim;
             for (int64_t w0 = 0; w0 < dim / Kind::kDimsPerWord; w0 += 16) {
@@ -445,15 +452,7 @@ void run_task_amx(const Task& task, const uint16_t* q, const uint16_t* k_pool, c
     for (int64_t g = 0; g < group; g++) {
         for (int64_t half = 0; half < halves; half++) {
             LaneGroup& lg = groups[g * halves + half];
-            lg.head = task.kh * group + g;
-            lg.first = task.t0 + half * 16;
-            lg.valid = std::min<int64_t>(16, n_tokens - half * 16);
-            lg.key_end = prefix + lg.first + lg.valid;
-            lg.pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(prefix + lg.first)),
-                                      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-            lg.max = _mm512_set1_ps(-INFINITY);
-            lg.sum = _mm512_setzero_ps();
-            memset(lg.out, 0, dim * 16 * 4);
+            start_group(lg, task, group, g, half, prefix, dim);
             uint16_t* rows_q = (uint16_t*)lg.q;  // (16, D): the tokens' queries, padding rows 0
             const uint16_t* q0 = q + (q_start + lg.first) * row + lg.head * dim;
             for (int64_t m = 0; m < 16; m++) {
