@@ -32,6 +32,7 @@
 
 #include <vector>
 
+#include "amx_tiles.h"
 #include "linear_groups.h"
 
 namespace {
@@ -40,12 +41,6 @@ constexpr int64_t kTile = 16 * 32;  // bf16 elements of one B tile (16 rows of 6
 constexpr int kGroup = 4;           // output blocks per group: the accumulator tiles
 
 #ifdef __AMX_BF16__
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // Tiles 0..3: accumulators (rows x 16 fp32); 4: x's slice (rows x 32 bf16); 5, 6: W's
 // tiles (16 pairs x 16 features).
 void configure(int rows) {

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "decode_pieces.h"
 #include "simd_avx512.h"
 
@@ -247,12 +248,6 @@ inline void prefetch_row(const T* p, int64_t dim) {
     const char* bytes = (const char*)p;
     for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
-
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
 
 void amx_configure() {
     TileConfig cfg;

@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "extend_tasks.h"
 #include "simd_avx512.h"
 
@@ -345,12 +346,6 @@ void run_task(const Task& task, const typename Kind::T* q, const typename Kind::
 // row's output scaled by its softmax correction. K^T is laid out once per key block (per
 // 32 dims and 16 keys a 16 x 16 word transpose: word p of key n is dims 2p, 2p + 1) and
 // serves every lane group of the KV head. Tiles: 0-1 S, 2 Q, 3 K^T, 4 P, 5 V, 6 P . V.
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 void amx_configure() {
     TileConfig cfg;
     for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
