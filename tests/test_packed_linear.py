@@ -255,6 +255,32 @@ def test_the_amx_product_of_many_rows_is_the_16_row_chunks_bit_for_bit(rows, n, 
 
 
 @needs_amx
+def test_the_gate_up_product_with_its_activation_is_the_two_steps_bit_for_bit():
+    """The AMX build's gate/up product with SiLU * up in its epilogue (32-row x 2-block
+    tiles, their rows written while the next tiles' products run, and 16-row chunks with a
+    partial last one): the bits of the plain product followed by the fused silu_mul. The
+    AVX512-BF16 build has no such entry."""
+    if not cpu_info().amx_bf16:
+        assert AMX.silu_mul_address is None
+        return
+    assert AMX.silu_mul_address is not None and FUSED is not None
+    for n, k in [(16, 32), (48, 64), (96, 576), (64, 1536)]:
+        for rows in (1, 5, 16, 17, 31, 32, 40, 75, 200):
+            x, weight, _ = product_inputs(rows, 2 * n, k, False)
+            x = x * 3  # activations past silu's knee, both signs
+            packed = AMX.pack(weight)
+            expected = FUSED.silu_mul(AMX(x, packed, 2 * n, None))
+            assert torch.equal(AMX.silu_mul(x, packed, n), expected), (n, k, rows)
+    mlp = GatedMLP(64, 96, "silu").to(BF16)  # a model's MLP takes it for its blocked rows
+    mlp.fused = FUSED
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.use_blocked(AMX, PackedRows(1, 64))
+    x = torch.randn(40, 64).to(BF16)
+    assert mlp.act_in_product(x) and not mlp.act_in_product(torch.randn(65, 64).to(BF16))
+    assert torch.equal(mlp(x), mlp.down_proj(FUSED.silu_mul(mlp.gate_up_proj(x))))
+
+
+@needs_amx
 def test_the_amx_layer_takes_few_rows_and_leaves_the_rest_to_onednn():
     layer = Linear(64, 48, bias=True).to(BF16)
     small, big = torch.randn(7, 64).to(BF16), torch.randn(9, 64).to(BF16)

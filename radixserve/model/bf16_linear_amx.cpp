@@ -19,7 +19,8 @@
 // (past 16 rows, a partial last chunk read from a zero-padded copy), the fp32 sums rounded
 // to bf16 (round to nearest even, as torch rounds) after the bias is added in fp32. The
 // products are exact bf16 x bf16 summed in fp32: the same arithmetic as oneDNN's, in
-// another order.
+// another order. A SiLU MLP's gate/up product can come out as its activation instead
+// (`bf16_amx_linear_silu_mul`, AMX build only).
 //
 // The kernel needs the tile data permission from Linux (arch_prctl ARCH_REQ_XCOMP_PERM;
 // `bf16_amx_enable`, called once before any product), AMX-TILE, AMX-BF16 and AVX512-BF16.
@@ -34,6 +35,7 @@
 
 #include "amx_tiles.h"
 #include "linear_groups.h"
+#include "simd_avx512.h"
 
 namespace {
 
@@ -60,8 +62,9 @@ void configure(int rows) {
 // through the kernel whatever the rows: 2 x 544 234 -> 232, 4 x 512 463 -> 440 (oneDNN 351-365
 // there). The kernel alone, weights in cache, 1,024 rows: ~2.0-2.1 TFLOP/s on SmolLM2's
 // shapes (oneDNN on the plain weight 1.2-2.6).
+template <typename Between>
 inline void accumulate2x2(const uint16_t* x, int64_t ldx, const uint16_t* w0, const uint16_t* w1,
-                          int64_t slices) {
+                          int64_t slices, Between between) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -76,7 +79,68 @@ inline void accumulate2x2(const uint16_t* x, int64_t ldx, const uint16_t* w0, co
         _tile_loadd(5, x1 + j * 32, ldx * 2);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        between(j);
     }
+}
+
+// The four tiles of a 32-row x 2-block product, stored (rows 0-15 of the two blocks at 0 and
+// 256, rows 16-31 at 512 and 768), waiting to go out a few rows at a time while the next
+// product's tile instructions run: the vector work of rounding (and of the activation) then
+// overlaps the tile unit's instead of following it (figures: radixserve/hardware.py
+// AMX_ROWS).
+// Act: false, the two blocks + bias rounded to bf16 (one 64-byte row of out per row); true,
+// bf16(silu(g)) * u of a gate block g and its up block u (group_silu_mul).
+template <bool Act>
+struct Pending {
+    static constexpr int64_t kRows = 32;
+    float* tiles;                  // 4 x 256 fp32, 64-byte aligned
+    uint16_t* out = nullptr;       // row 0 of the block's output
+    int64_t ldo = 0;
+    const float* bias = nullptr;   // 32 fp32 (Act: none)
+    int64_t done = kRows;          // rows written (kRows: none waiting)
+
+    void advance(int64_t upto) {
+        for (; done < upto && done < kRows; done++) {
+            const float* lo = tiles + done / 16 * 512 + done % 16 * 16;
+            write(lo, lo + 256, out + done * ldo);
+        }
+    }
+    void finish() { advance(kRows); }
+    // tiles 0-3 in, to go to out (ldo apart) with bias; the previous ones must be out
+    void stash(uint16_t* o, int64_t ld, const float* b) {
+        _tile_stored(0, tiles, 64);
+        _tile_stored(1, tiles + 256, 64);
+        _tile_stored(2, tiles + 512, 64);
+        _tile_stored(3, tiles + 768, 64);
+        out = o, ldo = ld, bias = b, done = 0;
+    }
+
+    void write(const float* lo, const float* hi, uint16_t* o) const {
+        const __m512 zero = _mm512_setzero_ps();
+        if constexpr (Act) {
+            // + 0: the plain product's sums with no bias (the same zeros' signs)
+            const __m512 g = simd512::round_bf16(_mm512_add_ps(_mm512_load_ps(lo), zero));
+            const __m512 u = simd512::round_bf16(_mm512_add_ps(_mm512_load_ps(hi), zero));
+            const __m512 act = simd512::round_bf16(_mm512_div_ps(
+                g, _mm512_add_ps(_mm512_set1_ps(1.0f), simd512::exp16_torch(_mm512_sub_ps(zero, g)))));
+            simd512::store_bf16(o, _mm512_mul_ps(act, u));
+        } else {
+            const __m512 v0 = _mm512_add_ps(_mm512_load_ps(lo), bias ? _mm512_loadu_ps(bias) : zero);
+            const __m512 v1 = _mm512_add_ps(_mm512_load_ps(hi), bias ? _mm512_loadu_ps(bias + 16) : zero);
+            _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
+    }
+};
+
+// One 32-row x 2-block product into tiles 0-3, the waiting block's rows written 2 per slice
+// of x meanwhile (all of them by its end), then this one left waiting in its place.
+template <bool Act>
+inline void product2x2(Pending<Act>& pending, const uint16_t* x, int64_t ldx, const uint16_t* w0,
+                       const uint16_t* w1, int64_t slices, uint16_t* out, int64_t ldo,
+                       const float* bias) {
+    accumulate2x2(x, ldx, w0, w1, slices, [&](int64_t j) { pending.advance(2 * (j + 1)); });
+    pending.finish();
+    pending.stash(out, ldo, bias);
 }
 
 // The sums of `count` blocks (starting at w, `stride` elements apart) for one chunk of
@@ -125,21 +189,11 @@ void group(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k, const 
            int64_t stride, const float* bias, uint16_t* out, int64_t n, float* scratch) {
     int64_t first = 0;  // rows before it went 32 at a time
     if constexpr (count > 1) {
+        Pending<false> pending{scratch + 256};
         for (; first + 32 <= m; first += 32) {
-            for (int c = 0; c + 1 < count; c += 2) {
-                accumulate2x2(x + first * k, k, w + c * stride, w + (c + 1) * stride, k / 32);
-                const float* b0 = bias ? bias + c * 16 : nullptr;
-                const float* b1 = bias ? bias + c * 16 + 16 : nullptr;
-                uint16_t* o = out + first * n + c * 16;
-                _tile_stored(0, scratch, 64);
-                store(scratch, 16, b0, o, n);
-                _tile_stored(1, scratch, 64);
-                store(scratch, 16, b1, o + 16, n);
-                _tile_stored(2, scratch, 64);
-                store(scratch, 16, b0, o + 16 * n, n);
-                _tile_stored(3, scratch, 64);
-                store(scratch, 16, b1, o + 16 * n + 16, n);
-            }
+            for (int c = 0; c + 1 < count; c += 2)
+                product2x2(pending, x + first * k, k, w + c * stride, w + (c + 1) * stride, k / 32,
+                           out + first * n + c * 16, n, bias ? bias + c * 16 : nullptr);
             if constexpr (count % 2) {  // the group's last block, alone
                 for (int64_t r0 = first; r0 < first + 32; r0 += 16) {
                     accumulate<1>(x + r0 * k, k, w + (count - 1) * stride, stride, k / 32);
@@ -149,6 +203,7 @@ void group(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k, const 
                 }
             }
         }
+        pending.finish();
     }
     for (int64_t r0 = first; r0 < m; r0 += 16) {
         int64_t rows = m - r0 < 16 ? m - r0 : 16;
@@ -168,6 +223,39 @@ void group(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k, const 
         if constexpr (count > 3) {
             _tile_stored(3, scratch, 64);
             store(scratch, rows, bias ? bias + 48 : nullptr, o + 48, n);
+        }
+    }
+}
+
+// The gate/up product of a SiLU MLP with its activation in the epilogue: out (m, n) =
+// bf16(bf16(silu(g)) * u) for g, u the bf16 products of x with the [gate | up] weight's two
+// halves (packed as one weight of 2n features: gate's blocks, then up's). Each row of a
+// block of gate features and the same block of up's rounded to bf16 as the plain kernel
+// stores them, then silu and the product as fused_ops.cpp's silu_mul computes them (torch's
+// e^x and rounding): the bits of the plain product followed by silu_mul, without writing the
+// 2n-wide product to memory and reading it back. `count` pairs of blocks (gate block i at w
+// + i * stride, its up block `half` elements further), all of x's rows: 32 at a time (gate
+// and up as product2x2's two blocks), the rest 16 at a time (figures: radixserve/hardware.py
+// AMX_ROWS).
+void group_silu_mul(const uint16_t* x, const uint16_t* tail, int64_t m, int64_t k,
+                    const uint16_t* w, int64_t stride, int64_t half, int64_t count,
+                    uint16_t* out, int64_t n, float* scratch) {
+    Pending<true> pending{scratch};
+    int64_t first = 0;
+    for (; first + 32 <= m; first += 32)
+        for (int64_t c = 0; c < count; c++)
+            product2x2(pending, x + first * k, k, w + c * stride, w + c * stride + half, k / 32,
+                       out + first * n + c * 16, n, nullptr);
+    pending.finish();
+    for (int64_t r0 = first; r0 < m; r0 += 16) {
+        const int64_t rows = m - r0 < 16 ? m - r0 : 16;
+        const uint16_t* chunk = tail && rows < 16 ? tail : x + r0 * k;
+        for (int64_t c = 0; c < count; c++) {
+            accumulate<2>(chunk, k, w + c * stride, half, k / 32);
+            _tile_stored(0, scratch, 64);
+            _tile_stored(1, scratch + 256, 64);
+            for (int64_t r = 0; r < rows; r++)
+                pending.write(scratch + r * 16, scratch + 256 + r * 16, out + (r0 + r) * n + c * 16);
         }
     }
 }
@@ -252,25 +340,29 @@ extern "C" void bf16_amx_pack(const uint16_t* w, uint16_t* out, int64_t n, int64
 }
 
 #ifdef __AMX_BF16__
+namespace {
+// Past 16 rows x is read in chunks of 16 rows: its partial last chunk as a zero-padded copy
+// (the calling thread's, kept from call to call), or null where m needs none.
+const uint16_t* padded_tail(const uint16_t* x, int64_t m, int64_t k) {
+    static thread_local std::vector<uint16_t> padded;
+    if (m <= 16 || m % 16 == 0) return nullptr;
+    const int64_t last = m / 16 * 16;
+    padded.assign(16 * k, 0);
+    memcpy(padded.data(), x + last * k, (m - last) * k * sizeof(uint16_t));
+    return padded.data();
+}
+}  // namespace
+
 // out (m, n) = x (m, k) @ W.T + bias; x contiguous, n a multiple of 16, k of 32; bias (n,)
 // fp32 or null.
 extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const float* bias,
                                 uint16_t* out, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t blocks = n / 16, stride = k / 32 * kTile;
-    // past 16 rows x is read in chunks of 16 rows: a partial last one from a zero-padded
-    // copy (this thread's, kept from call to call)
-    static thread_local std::vector<uint16_t> padded;
-    const uint16_t* tail = nullptr;
-    if (m > 16 && m % 16) {
-        const int64_t last = m / 16 * 16;
-        padded.assign(16 * k, 0);
-        memcpy(padded.data(), x + last * k, (m - last) * k * sizeof(uint16_t));
-        tail = padded.data();
-    }
+    const uint16_t* tail = padded_tail(x, m, k);
 #pragma omp parallel num_threads(threads)
     {
         configure(m < 16 ? static_cast<int>(m) : 16);
-        alignas(64) float scratch[16 * 16];
+        alignas(64) float scratch[5 * 16 * 16];  // a tile's rows, then Pending's four tiles
         linear_groups::this_threads(blocks, kGroup, [&](int64_t b, int64_t count) {
             const uint16_t* w = packed + b * stride;
             const float* gb = bias ? bias + b * 16 : nullptr;
@@ -281,6 +373,27 @@ extern "C" void bf16_amx_linear(const uint16_t* x, const uint16_t* packed, const
                 case 3: group<3>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
                 default: group<4>(x, tail, m, k, w, stride, gb, o, n, scratch); break;
             }
+        });
+        _tile_release();
+    }
+}
+
+// out (m, n) = silu(x @ gate.T) * (x @ up.T) as described at group_silu_mul, for `packed`
+// the [gate | up] weight (2n, k) in the layout above, no bias (the argument is there for the
+// linear kernels' signature: it must be null); n a multiple of 16, k of 32.
+extern "C" void bf16_amx_linear_silu_mul(const uint16_t* x, const uint16_t* packed,
+                                         const float* bias, uint16_t* out, int64_t m, int64_t n,
+                                         int64_t k, int threads) {
+    (void)bias;
+    const int64_t stride = k / 32 * kTile, half = n / 16 * stride;
+    const uint16_t* tail = padded_tail(x, m, k);
+#pragma omp parallel num_threads(threads)
+    {
+        configure(m < 16 ? static_cast<int>(m) : 16);
+        alignas(64) float scratch[4 * 16 * 16];
+        linear_groups::this_threads(n / 16, kGroup / 2, [&](int64_t b, int64_t count) {
+            group_silu_mul(x, tail, m, k, packed + b * stride, stride, half, count, out + b * 16, n,
+                           scratch);
         });
         _tile_release();
     }

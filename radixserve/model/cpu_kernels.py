@@ -290,6 +290,12 @@ class BlockedLinear:
         self._linear = getattr(library, f"{prefix}_linear")
         self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int] + [i64] * chunked
         self._linear.restype = None
+        # the gate/up product with SiLU * up in its epilogue (same signature, out (M, n) for
+        # a [gate | up] weight of 2n features), where the library has it
+        self._silu_mul = getattr(library, f"{prefix}_linear_silu_mul", None)
+        if self._silu_mul is not None:
+            self._silu_mul.argtypes = self._linear.argtypes
+            self._silu_mul.restype = None
         self.dtype, self._k_multiple = dtype, k_multiple
         # a chunked kernel's columns per partial sum (fp32_linear_avx512.cpp; 0: one sum
         # over all), or None where the kernel takes no such argument
@@ -302,6 +308,24 @@ class BlockedLinear:
     def address(self) -> int:
         """The linear kernel's address, for C code that calls it (decode_layers.cpp)."""
         return function_address(self._linear)
+
+    @property
+    def silu_mul_address(self) -> int | None:
+        """`silu_mul`'s entry point (for decode_layers.cpp), or None where there is none."""
+        return None if self._silu_mul is None else function_address(self._silu_mul)
+
+    def silu_mul(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """silu(gate) * up (M, n) of x (M, K) and the packed [gate | up] weight (2n, K) of no
+        bias: the bits of this kernel's product followed by FusedOps.silu_mul (only where
+        `silu_mul_address` is not None)."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=self.dtype)
+        with profiled("kernel:linear"):
+            self._silu_mul(
+                x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), x.shape[0], n, x.shape[1],
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
 
     def fits(self, weight: torch.Tensor) -> bool:
         """A 2-D weight of the kernel's dtype, a multiple of 16 rows (output features) by a

@@ -45,6 +45,8 @@ struct Linear {
 };
 constexpr int64_t kOneRow = -2;  // fp32_gemv: (x, w, bias, out, n, k, threads)
 constexpr int64_t kRows = -1;    // (x, w, bias, out, m, n, k, threads)
+// as kRows, a gate/up kernel whose out is silu(gate) * up (n: its width, half the weight's)
+constexpr int64_t kActRows = -3;
 // kind >= 0: a chunked kernel (fp32_linear_avx512.cpp), kind its chunk of columns
 
 void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int64_t k,
@@ -52,7 +54,7 @@ void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int
     const void *w = (const void*)l.weight, *bias = (const void*)l.bias;
     if (l.kind == kOneRow)
         ((LinearOneRow)l.fn)(x, w, bias, out, n, k, threads);
-    else if (l.kind == kRows)
+    else if (l.kind == kRows || l.kind == kActRows)
         ((LinearRows)l.fn)(x, w, bias, out, m, n, k, threads);
     else
         ((LinearChunked)l.fn)(x, w, bias, out, m, n, k, threads, l.kind);
@@ -183,8 +185,13 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
         linear(p->o, attn, delta, n, hidden, q_width, threads);
         ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, n, hidden, eps,
                                      threads);
-        linear(p->gate_up, h, gate_up, n, 2 * inter, hidden, threads);
-        ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, n, inter, 2 * inter, threads);
+        if (p->gate_up.kind == kActRows) {
+            linear(p->gate_up, h, act, n, inter, hidden, threads);
+        } else {
+            linear(p->gate_up, h, gate_up, n, 2 * inter, hidden, threads);
+            ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, n, inter, 2 * inter,
+                                  threads);
+        }
         linear(p->down, act, delta, n, hidden, inter, threads);
     }
 }

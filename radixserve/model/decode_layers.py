@@ -43,7 +43,9 @@ LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers
 STEP_FIELDS = 13  # decode_layers.cpp's Step
 SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
 CUT_FIELDS = 7  # decode_layers.cpp's Cut
-ROWS_KIND, ONE_ROW_KIND = -1, -2  # how a linear kernel is called (decode_layers.cpp)
+# how a linear kernel is called (decode_layers.cpp); ACT_ROWS_KIND: as ROWS_KIND, the
+# gate/up product's kernel with SiLU * up applied (out: the activation)
+ROWS_KIND, ONE_ROW_KIND, ACT_ROWS_KIND = -1, -2, -3
 MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 
 
@@ -161,6 +163,7 @@ class DecodeLayers:
         goes elsewhere than a C kernel."""
         pool_k, pool_v = view.pool_k, view.pool_v
         layers = []
+        probe = torch.empty(rows, self.hidden, dtype=self.dtype, device="meta")
         for index, layer in enumerate(self.model.layers):
             attention, mlp = layer.self_attn, layer.mlp
             row = [
@@ -174,6 +177,8 @@ class DecodeLayers:
                 mlp.gate_up_proj, mlp.down_proj,
             ):  # fmt: skip
                 fields = self._linear_fields(linear, rows)
+                if linear is mlp.gate_up_proj and mlp.act_in_product(probe):
+                    fields = [linear.blocked.silu_mul_address, fields[1], 0, ACT_ROWS_KIND]
                 if fields is None:
                     return None
                 row.extend(fields)

@@ -382,10 +382,25 @@ class GatedMLP(nn.Module):
             return self.down_proj(
                 self._act_mul(F.linear(x, weight[:half]), F.linear(x, weight[half:]))
             )
+        if self.act_in_product(x):
+            return self.down_proj(gate_up.blocked.silu_mul(x, gate_up.blocked_weight, half))
         h = gate_up(x)
         if self.fused is not None and h.dim() == 2 and self.fused.fits(h, widths=2):
             return self.down_proj(self.fused.silu_mul(h))
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])
+
+    def act_in_product(self, x: torch.Tensor) -> bool:
+        """The gate/up product of x's rows goes to a blocked kernel that applies SiLU * up
+        in its epilogue (bf16_linear_amx.cpp): the same bits as the product and then
+        FusedOps.silu_mul, without the 2I-wide product written out and read back."""
+        gate_up = self.gate_up_proj
+        return (
+            self.act is F.silu
+            and isinstance(gate_up, Linear)
+            and gate_up.bias is None
+            and gate_up.uses_blocked(x)
+            and gate_up.blocked.silu_mul_address is not None
+        )
 
     def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up for two contiguous tensors of one shape: in one pass over them as
