@@ -41,6 +41,7 @@ inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
 //   slot (a request's own rows keep their order), then matched on their first min_shared
 //   slots; a piece's `shared` is then the prefix every row holds in common with its
 //   longest row. Per call: a sort of the batch and one pass over each grouped row's slots.
+//   A run of rows that may go together is cut into pieces of about equal size.
 // Then the pieces with most rows are halved while pieces x KV heads leave a thread without
 // two tasks (one request's verified draft must still keep every thread busy).
 inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows,
@@ -58,16 +59,8 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
             if (long_x != long_y) return long_x;
             return long_x && slots(x)[0] < slots(y)[0];
         });
-    for (int64_t i = 0; i < batch;) {
-        const int64_t head = plan.order[i];
-        int64_t j = i + 1;
-        for (; grouping && j < batch && j - i < max_rows; j++) {
-            const int64_t b = plan.order[j], prev = plan.order[j - 1];
-            if (rows[b] == rows[prev] && seq_lens[b] >= seq_lens[prev]) continue;  // its own
-            const int64_t need = across ? std::min(seq_lens[b], seq_lens[head]) : 0;
-            if (need < min_shared || same_slots(slots(b), slots(head), min_shared) < min_shared)
-                break;
-        }
+    // rows [i, j) of the order as one piece: by increasing length, and what they share
+    auto add_piece = [&](int64_t i, int64_t j) {
         const auto first = plan.order.begin() + i, last = plan.order.begin() + j;
         std::stable_sort(first, last, [&](int64_t x, int64_t y) { return seq_lens[x] < seq_lens[y]; });
         const int64_t longest = *(last - 1);
@@ -78,7 +71,22 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
             if (same < len) shared = std::min(shared, same);
         }
         plan.pieces.push_back({i, j - i, shared});
-        i = j;
+    };
+    for (int64_t i = 0; i < batch;) {
+        const int64_t head = plan.order[i];
+        int64_t end = i + 1;  // the run of rows that may go with the head
+        for (; grouping && end < batch; end++) {
+            const int64_t b = plan.order[end], prev = plan.order[end - 1];
+            if (rows[b] == rows[prev] && seq_lens[b] >= seq_lens[prev]) continue;  // its own
+            const int64_t need = across ? std::min(seq_lens[b], seq_lens[head]) : 0;
+            if (need < min_shared || same_slots(slots(b), slots(head), min_shared) < min_shared)
+                break;
+        }
+        // a run of more than max_rows: pieces of about equal size (16 rows of one prefix at
+        // 5 a piece: 4, 4, 4, 4 rather than 5, 5, 5, 1, which leaves a thread idle)
+        const int64_t run = end - i, count = (run + max_rows - 1) / max_rows;
+        for (int64_t p = 0; p < count; p++) add_piece(i + run * p / count, i + run * (p + 1) / count);
+        i = end;
     }
     while ((int64_t)plan.pieces.size() * kv_heads < 2 * threads) {
         auto most = std::max_element(plan.pieces.begin(), plan.pieces.end(),
