@@ -24,10 +24,11 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_maskz_mov_ps(~underflow, e);
+    // p * 2^n by vscalefps: the bits of p times 2^n built in an exponent field (checked on
+    // every float in (-100, 100)), one instruction instead of four. Intel Xeon (AMX), the
+    // extend kernel's AMX build alone, SmolLM2's heads, ms per layer (medians of 15): 2 x 512
+    // tokens 1.14 -> 1.07, 1 x 544 0.66 -> 0.62, 1 x 1,024 2.10 -> 2.02; decode unchanged.
+    return _mm512_maskz_mov_ps(~underflow, _mm512_scalef_ps(p, n));
 }
 
 // e^x for 16 lanes bit for bit as torch computes it for fp32 vectors: simd_avx2.h's
