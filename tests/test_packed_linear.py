@@ -243,11 +243,12 @@ def test_the_amx_product_matches_f_linear(rows, n, k, bias):
 
 @needs_amx
 @pytest.mark.parametrize("rows", [32, 75, 544])
-@pytest.mark.parametrize(("n", "k"), [(48, 64), (80, 96), (192, 576)])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (80, 96), (160, 64), (192, 576)])
 def test_the_amx_product_of_many_rows_is_the_16_row_chunks_bit_for_bit(rows, n, k):
     """Past 32 rows the AMX build goes 32 rows x 2 blocks at a time (and a group's odd
-    block alone); every sum takes the same tile products in the same order as a product of
-    16 rows: the same bits."""
+    block alone), in groups of up to 6 blocks (5 and 6 here: the rows past the last 32 four
+    blocks at a time, then the rest); every sum takes the same tile products in the same
+    order as a product of 16 rows: the same bits."""
     x, weight, b = product_inputs(rows, n, k, True)
     packed, bias = AMX.pack(weight), b.float()
     chunks = [AMX(x[r : r + 16], packed, n, bias) for r in range(0, rows, 16)]
