@@ -418,7 +418,9 @@ extern "C" void bf16_amx_linear_silu_mul(const uint16_t* x, const uint16_t* pack
     {
         configure(m < 16 ? static_cast<int>(m) : 16);
         alignas(64) float scratch[4 * 16 * 16];
-        linear_groups::this_threads(n / 16, kGroup / 2, [&](int64_t b, int64_t count) {
+        // pairs of blocks per group: past 32 rows 4, x's 32-row chunk serving more of them
+        // from cache (SmolLM2's gate/up at 1,024 rows, 30 layers: 52.3 -> 50.9 ms; 3: 51.4)
+        linear_groups::this_threads(n / 16, m >= 32 ? 4 : kGroup / 2, [&](int64_t b, int64_t count) {
             group_silu_mul(x, tail, m, k, packed + b * stride, stride, half, count, out + b * 16, n,
                            scratch);
         });
