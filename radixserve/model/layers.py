@@ -324,7 +324,8 @@ class GatedMLP(nn.Module):
     separate transposed products, ~8% faster than them with their copies back (batch 16-64).
     Prefill rows (256 and up) take two F.linear products on the weight's halves (one over
     the fused weight, then strided halves, measured 5% slower prefill). Elsewhere (one row,
-    CUDA, an int8 layer, a packed weight): one product and its halves.
+    CUDA, an int8 layer, a packed weight): one product and its halves, or where the AMX
+    kernel takes the rows, one product that comes out as the activation (`act_in_product`).
     The transposed order is kept to gate/up: on every projection it moved SmolLM2's batch-8
     decode logits 1.1e-4 from transformers' (over the 1e-4 fidelity bar; 5.9e-5 like this).
     """
