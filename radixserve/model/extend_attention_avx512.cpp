@@ -304,6 +304,25 @@ inline void start_group(LaneGroup& lg, const Task& task, int64_t group, int64_t 
     memset(lg.out, 0, dim * 16 * 4);
 }
 
+// A key block's K rows [s0, s0 + n) of KV head kh copied into keys (kBlockK rows, zero past
+// n) and its V rows packed into values (Kind's layout): what every lane group of the task
+// reads for that block.
+template <typename Kind>
+void load_block(const typename Kind::T* k_pool, const typename Kind::T* v_pool, const int64_t* slots,
+                int64_t s0, int64_t n, int64_t kv_heads, int64_t kh, int64_t dim,
+                typename Kind::T* keys, uint32_t* values) {
+    using T = typename Kind::T;
+    const T* rows[kBlockK];
+    for (int64_t j = 0; j < kBlockK; j++) {
+        if (j < n)
+            memcpy(keys + j * dim, k_pool + (slots[s0 + j] * kv_heads + kh) * dim, dim * sizeof(T));
+        else
+            memset(keys + j * dim, 0, dim * sizeof(T));
+    }
+    for (int64_t j = 0; j < n; j++) rows[j] = v_pool + (slots[s0 + j] * kv_heads + kh) * dim;
+    Kind::pack_values(rows, n, dim, values);
+}
+
 template <typename Kind>
 void run_task(const Task& task, const typename Kind::T* q, const typename Kind::T* k_pool,
               const typename Kind::T* v_pool, const int64_t* slots, int64_t prefix, int64_t q_start,
@@ -332,17 +351,9 @@ void run_task(const Task& task, const typename Kind::T* q, const typename Kind::
         }
     }
     const int64_t key_end = prefix + task.t0 + n_tokens;
-    const T* rows[kBlockK];
     for (int64_t s0 = 0; s0 < key_end; s0 += kBlockK) {
         const int64_t n = std::min(kBlockK, key_end - s0);
-        for (int64_t j = 0; j < kBlockK; j++) {
-            if (j < n)
-                memcpy(keys + j * dim, k_pool + (slots[s0 + j] * kv_heads + task.kh) * dim, dim * sizeof(T));
-            else
-                memset(keys + j * dim, 0, dim * sizeof(T));
-        }
-        for (int64_t j = 0; j < n; j++) rows[j] = v_pool + (slots[s0 + j] * kv_heads + task.kh) * dim;
-        Kind::pack_values(rows, n, dim, values);
+        load_block<Kind>(k_pool, v_pool, slots, s0, n, kv_heads, task.kh, dim, keys, values);
         for (int64_t i = 0; i < n_groups; i++) {
             LaneGroup& lg = groups[i];
             if (s0 < lg.key_end)
@@ -487,18 +498,10 @@ void run_task_amx(const Task& task, const uint16_t* q, const uint16_t* k_pool, c
         }
     }
     const int64_t key_end = prefix + task.t0 + n_tokens;
-    const uint16_t* rows[kBlockK];
     for (int64_t s0 = 0; s0 < key_end; s0 += kBlockK) {
         const int64_t n = std::min(kBlockK, key_end - s0);
-        for (int64_t j = 0; j < kBlockK; j++) {
-            if (j < n)
-                memcpy(keys + j * dim, k_pool + (slots[s0 + j] * kv_heads + task.kh) * dim, dim * 2);
-            else
-                memset(keys + j * dim, 0, dim * 2);
-        }
+        load_block<Bf16>(k_pool, v_pool, slots, s0, n, kv_heads, task.kh, dim, keys, values);
         transpose_keys(keys, dim, kt);
-        for (int64_t j = 0; j < n; j++) rows[j] = v_pool + (slots[s0 + j] * kv_heads + task.kh) * dim;
-        Bf16::pack_values(rows, n, dim, values);
         for (int64_t i = 0; i < n_groups; i++) {
             LaneGroup& lg = groups[i];
             if (s0 < lg.key_end)
