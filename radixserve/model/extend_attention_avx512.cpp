@@ -541,8 +541,6 @@ void attend(const void* q, const void* k_pool, const void* v_pool, const int64_t
         static thread_local std::vector<uint32_t> kt_buf(kMaxDim * 16 + 16);
         uint32_t* kt = (uint32_t*)(((uintptr_t)kt_buf.data() + 63) & ~(uintptr_t)63);
         if (amx) amx_configure();
-#else
-        constexpr bool amx = false;
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_tasks; i++) {
