@@ -280,6 +280,21 @@ AVX512_BF16_ROWS = 128
 # --input-len 544`, prefill tok/s 1144, 1156 -> 1183, 1156 (the same).
 FP32_BLOCKED_ROWS = 64
 
+# CODED_LINEAR: fp32 linear layers whose weights are 4-bit codes in disguise (every run of 32
+# columns of a row (d * q) + m: GGUF's Q4_1 dequantized, as the default model's 210 linear
+# weights come; its tied head is Q8_0's and stays fp32) through fp32_linear_avx512.cpp's
+# coded form: the codes (6 bits a weight with d and m in fp32) decoded into fp32 in cache,
+# then the blocked kernel's sums in its order: its bits from under a fifth of the bytes.
+# Intel Xeon (AMX, AVX-512, 2 threads), SmolLM2's 30 layers of real weights (from memory),
+# ms, medians of 4 x 3 alternated: blocked -> coded 20.4 -> 7.7 at 1 row, 21.0 -> 9.0 at 4,
+# 32.0 -> 18.1 at 16, 47.3 -> 34.6 at 32, 65.2 -> 51.5 at 64, 476.6 -> 446.7 at 544; where
+# MKL has the rows past 64 (its sums are in no order the blocked kernel can take on this
+# CPU), MKL -> coded 86.5 -> 57.7 at 64, 94.8 -> 72.3 at 80, 129.4 -> 109.5 at 128, 191.8
+# -> 163.4 at 192, 235.0 -> 218.0 at 256, 329.3 -> 325.8 at 384; but its sums (in chunks of
+# 128 columns there) took the fidelity suite's batch prefill (8 prompts, 104 rows) 1.04e-4
+# from transformers' logits, over its bar: so the coded form takes the blocked kernel's rows
+# (up to 64 there; on a CPU where the blocked kernel's sums are MKL's, every row count).
+
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
 # heads (9 query, 3 KV, dim 64), AMD EPYC Zen 4 (AVX-512, AVX512-BF16), 2 threads, ms per
 # layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp,
@@ -342,6 +357,10 @@ class KernelPlan:
     # CPUs with AVX512-BF16, AMD's and Intel's (see FP32_LINEAR)
     blocked_rows: int = 0
     blocked_isa: str = "avx512"
+    # fp32 models on the blocked kernel: weights that are 4-bit codes in disguise (GGUF's
+    # Q4_1 dequantized, the default model's) read as their codes by that kernel's coded
+    # form, in the blocked kernel's rows and with its bits (see CODED_LINEAR)
+    coded_linear: bool = False
     # a model's prefill and extend rows (new tokens after a cached prefix) attend over a
     # pool of the model's dtype in place, flash-style, instead of torch's SDPA over gathered
     # K/V with a mask: fp32 models on any CPU with AVX2 (extend_attention.cpp, or the
@@ -396,6 +415,7 @@ class KernelPlan:
             fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
             blocked_rows=blocked_rows,
             blocked_isa=blocked_isa,
+            coded_linear=fp32_blocked,
             decode_layers=attention and on_x86 and fused_dtype,
             extend_attention=attention
             and dtype == kv_dtype

@@ -115,10 +115,14 @@ def test_kernel_plan_per_cpu():
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
     # (fp32 models on AVX-512 CPUs with AVX512-BF16: the blocked fp32 kernel up to 64 rows,
-    # Intel's as AMD's, and MKL past them)
+    # Intel's as AMD's, and MKL past them; weights that are 4-bit codes read as such there)
     intel_fp32 = KernelPlan(True, False, 0, 16, None, "amx", "avx512")  # built with AMX
     intel_fp32 = dataclasses.replace(
-        intel_fp32, extend_attention=True, decode_layers=True, blocked_rows=FP32_BLOCKED_ROWS
+        intel_fp32,
+        extend_attention=True,
+        decode_layers=True,
+        blocked_rows=FP32_BLOCKED_ROWS,
+        coded_linear=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
@@ -159,6 +163,7 @@ def test_kernel_plan_per_cpu():
         *(True, False, 0, 16, None, "avx512", "avx512", FP32_BLOCKED_ROWS, "avx512"),
         extend_attention=True,
         decode_layers=True,
+        coded_linear=True,
     )
     # (Intel's AMX Xeons the same, but for the attention kernel's AMX build)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == dataclasses.replace(

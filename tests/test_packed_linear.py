@@ -19,7 +19,9 @@ from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
 from radixserve.model import layers
 from radixserve.model.cpu_kernels import (
+    CodedLinear,
     amx_linear,
+    coded_linear,
     cpu_runs,
     fp32_linear,
     fused_ops,
@@ -57,6 +59,19 @@ FUSED = fused_ops(None, "avx512") if cpu_runs("avx512") else fused_ops()  # the 
 needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor AVX512-BF16")
 FP32 = fp32_linear()  # fp32_linear_avx512.cpp: AVX-512 (the kernels' build takes AVX512-BF16)
 needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-512")
+CODED = coded_linear()  # its coded form (CODED), beside FP32
+
+
+def as_codes(weight: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The weight as GGUF's Q4_1 keeps it and dequantizes it: per run of 32 columns of a row,
+    m its least value and d its range / 15 (both fp16), q = round((w - m) / d) in 0..15, and
+    back (d * q) + m in fp32."""
+    n, k = weight.shape
+    runs = weight.detach().float().reshape(n, k // 32, 32)
+    m = runs.amin(-1, keepdim=True).half().float()
+    d = ((runs.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((runs - m) / torch.where(d > 0, d, 1)).clamp(0, 15)
+    return (d * q + m).reshape(n, k)
 
 
 def bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -228,6 +243,91 @@ def test_the_fp32_blocked_layer_takes_few_rows_and_leaves_the_rest_to_mkl():
     assert not layer.uses_blocked(prefill) and layer.blocked_weight.numel() == 64 * 48
     torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias))
     torch.testing.assert_close(layer(prefill), expected, atol=0, rtol=0)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (192, 576), (576, 1536)])
+@pytest.mark.parametrize("chunk", [0, 64, 128, 192])
+def test_the_coded_product_is_the_blocked_ones_bit_for_bit(rows, n, k, chunk):
+    """A weight that is Q4_1 codes dequantized goes to the coded kernel, which reads its
+    codes and sums as the blocked kernel does (chunks of 64, 128 or 192 columns with a
+    tail, one chunk, halves of 64 at 64...): the blocked kernel's product bit for bit, with
+    and without a bias, from less than a fifth of the bytes."""
+    gen = torch.Generator().manual_seed(rows * n + k + chunk)
+    weight = as_codes(torch.randn(n, k, generator=gen) / 24)
+    x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    previous = FP32.chunk, CODED.chunk
+    try:
+        FP32.chunk = CODED.chunk = chunk
+        codes = CODED.pack(weight)
+        assert codes is not None and codes.dtype == torch.uint8
+        assert codes.numel() == n * k * 6 // 8  # 6 bits a weight: a 4-bit code, d and m fp32
+        blocked = FP32.pack(weight)
+        for bias in (None, b):
+            assert torch.equal(CODED(x, codes, n, bias), FP32(x, blocked, n, bias))
+    finally:
+        FP32.chunk, CODED.chunk = previous
+
+
+@needs_fp32_kernel
+def test_only_weights_that_are_codes_are_read_as_codes():
+    """pack says None where some run of 32 columns is no (d * q) + m of 16 codes (random
+    weights; a Q4_1 weight with one value an ulp off), where the columns are no multiple of
+    32, and for a bf16 weight; a run of one repeated value (d = 0) is codes."""
+    gen = torch.Generator().manual_seed(5)
+    weight = as_codes(torch.randn(64, 96, generator=gen))
+    assert CODED.pack(weight) is not None
+    assert CODED.pack(torch.randn(64, 96, generator=gen)) is None
+    nudged = weight.clone()
+    nudged[17, 40] = torch.nextafter(nudged[17, 40], torch.tensor(float("inf")))
+    assert CODED.pack(nudged) is None
+    assert CODED.pack(as_codes(torch.randn(64, 80, generator=gen)[:, :64])[:, :48]) is None
+    assert CODED.pack(weight.to(BF16)) is None
+    flat = weight.clone()
+    flat[3, 32:64] = 0.375
+    codes = CODED.pack(flat)
+    x = torch.randn(4, 96, generator=gen)
+    assert torch.equal(CODED(x, codes, 64, None), FP32(x, FP32.pack(flat), 64, None))
+
+
+@needs_fp32_kernel
+def test_an_fp32_model_of_codes_reads_them_with_the_blocked_kernels_bits(
+    tiny_model_dirs, model_cache_dir
+):
+    """A model whose linear weights are Q4_1 codes dequantized (the default model's are):
+    with the coded kernel beside the blocked one, every linear layer reads its codes (the
+    tied head, no codes here, its blocked copy), and prefill and decode logits are the
+    blocked kernel's bit for bit."""
+    runners = [torch_runner(tiny_model_dirs["llama"], model_cache_dir) for _ in range(2)]
+    for runner in runners:
+        for module in runner.model.modules():
+            if isinstance(module, Linear):
+                module.weight.data = as_codes(module.weight)
+    blocked, coded = runners
+    blocked.model.use_blocked_linears(FP32, PackedRows(1, 64))
+    coded.model.use_blocked_linears(FP32, PackedRows(1, 64), coded=CODED)
+    linears = [m for m in coded.model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.blocked, CodedLinear) for m in linears)
+    prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
+    assert torch.equal(prefill_logits(coded, prompts), prefill_logits(blocked, prompts))
+    params = [greedy(12) for _ in prompts]
+    a = StaticGenerator(coded).generate(prompts, params, return_logprob=True)
+    b = StaticGenerator(blocked).generate(prompts, params, return_logprob=True)
+    assert [(x.output_ids, x.logprobs) for x in a] == [(y.output_ids, y.logprobs) for y in b]
+
+
+@needs_fp32_kernel
+def test_the_default_models_linear_layers_are_read_as_codes():
+    """SmolLM2 from its GGUF (Q4_1 linear layers): the runner's fp32 plan reads all 210 as
+    codes, and its tied head (Q8_0's, no 4-bit codes) through the blocked kernel."""
+    runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=1024), progress=False)
+    if not runner.kernels.coded_linear:
+        pytest.skip("the kernel plan reads no codes on this CPU")
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 30 * 6 and all(isinstance(m.blocked, CodedLinear) for m in linears)
+    head = runner.model.lm_blocked
+    assert head is not None and not isinstance(head, CodedLinear)
 
 
 @needs_amx

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import BlockedLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedLinear, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -160,21 +160,31 @@ class CausalLM(nn.Module):
                 module.fused = ops
 
     def use_blocked_linears(
-        self, kernel: BlockedLinear, rows: PackedRows, exact_rows: PackedRows | None = None
+        self,
+        kernel: BlockedLinear,
+        rows: PackedRows,
+        exact_rows: PackedRows | None = None,
+        coded: CodedLinear | None = None,
     ) -> None:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
         `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
         of the embedding matrix. With `exact_rows`, a weight whose products the kernel gives
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
-        instead. Before `pack_linears`."""
+        instead. With `coded` (fp32), a weight that is 4-bit codes in disguise goes to that
+        kernel instead, for the same rows (`CodedLinear`: the blocked kernel's bits from under
+        a fifth of the bytes). Before `pack_linears`."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
 
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_blocked(kernel, rows_for(module.weight))
+                codes = coded.pack(module.weight) if coded is not None else None
+                if codes is not None:
+                    module.use_blocked(coded, rows_for(module.weight), codes)
+                else:
+                    module.use_blocked(kernel, rows_for(module.weight))
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             packed = kernel.pack(self.embed_tokens.weight)
             self.register_buffer("lm_blocked_weight", packed, persistent=False)

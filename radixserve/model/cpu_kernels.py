@@ -284,9 +284,11 @@ class BlockedLinear:
         chunked: bool = False,
     ):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._pack = getattr(library, f"{prefix}_pack")
-        self._pack.argtypes = [p, p, i64, i64]
-        self._pack.restype = None
+        # the layout's packer, where it is a C function (CodedLinear packs in Python)
+        self._pack = getattr(library, f"{prefix}_pack", None)
+        if self._pack is not None:
+            self._pack.argtypes = [p, p, i64, i64]
+            self._pack.restype = None
         self._linear = getattr(library, f"{prefix}_linear")
         self._linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int] + [i64] * chunked
         self._linear.restype = None
@@ -458,6 +460,100 @@ def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
     kernel.chunk = FALLBACK_SUM_CHUNK if chunk is None else chunk
     kernel.reproduces_torch = chunk is not None
     return kernel
+
+
+# fp32_linear_avx512.cpp's CODED layout: a (d, m) pair per run of CODED_RUN columns of a
+# row, 4-bit codes, CODED_RUN_BYTES bytes per run of a block of 16 features
+CODED_RUN = 32
+CODED_RUN_BYTES = 384
+
+
+class CodedLinear(BlockedLinear):
+    """fp32 linear layers whose weights are 4-bit codes in disguise: every run of 32 columns
+    of a row is (d * q) + m in fp32 for 16 values of q (GGUF's Q4_1 dequantized, as the
+    default model's linear layers are). `pack` finds d, m and q and keeps them (6 bits a
+    weight) where they give back every weight bit for bit, and the kernel decodes them into
+    fp32 in cache as it reads them, then sums as the blocked kernel (`fp32_linear`) does:
+    its bits, from under a fifth of the bytes (fp32_linear_avx512.cpp CODED; figures:
+    radixserve/hardware.py CODED_LINEAR). Any other weight: `pack` returns None."""
+
+    def __init__(self, blocked: BlockedLinear, library: ctypes.CDLL) -> None:
+        super().__init__(library, "fp32_coded", torch.float32, k_multiple=CODED_RUN, chunked=True)
+        self.blocked = blocked
+        self.chunk, self.reproduces_torch = blocked.chunk, blocked.reproduces_torch
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """The blocked kernel's shapes whose chunks of sums fall on runs of 32 columns."""
+        k = weight.shape[-1]
+        chunk = k if not self.chunk or self.chunk > k else self.chunk
+        if chunk < k < 2 * chunk and k % 2 == 0:  # the kernels' halves (effective_chunk)
+            chunk = k // 2
+        return super().fits(weight) and chunk % CODED_RUN == 0
+
+    def same_as_torch(self, weight: torch.Tensor) -> bool:
+        """The blocked kernel's answer: the same weights, the same sums."""
+        return self.blocked.same_as_torch(weight)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        """weight (N, K) as the kernel's codes (a flat uint8 tensor), or None where it does
+        not fit or some run of it is no (d * q) + m."""
+        if not self.fits(weight):
+            return None
+        found = coded_runs(weight.detach().float().contiguous())
+        if found is None:
+            return None
+        d, m, q = found  # (N, K / 32) fp32 twice, (N, K / 32, 32) uint8
+        n, runs = d.shape
+        pairs = q.view(n, runs, CODED_RUN // 2, 2)
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).view(n // 16, 16, runs, CODED_RUN // 2)
+
+        def by_run(t: torch.Tensor) -> torch.Tensor:  # (N, runs) fp32 -> (N / 16, runs, 64) bytes
+            return t.view(n // 16, 16, runs).transpose(1, 2).contiguous().view(torch.uint8)
+
+        nibbles = packed.permute(0, 2, 3, 1).reshape(n // 16, runs, -1)  # (pair, feature)
+        codes = torch.cat([by_run(d), by_run(m), nibbles], 2)
+        assert codes.shape[-1] == CODED_RUN_BYTES
+        return codes.reshape(-1).contiguous()
+
+
+def coded_runs(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(d, m, q) with (d * q) + m == weight bit for bit in every run of CODED_RUN columns of
+    a row (q in 0..15), or None. m is the run's least value (q = 0 there), d the step that
+    takes it to the greatest in 15 steps, as Q4_1 stores it (fp16) or as fp32 computes it."""
+    n, k = weight.shape
+    runs = weight.view(n, k // CODED_RUN, CODED_RUN)
+    m, top = runs.amin(-1), runs.amax(-1)
+    step = (top - m) / 15
+    half = step.half()
+    candidates = (half.float(), step, torch.nextafter(half, half.new_tensor(0.0)).float(),
+                  torch.nextafter(half, half.new_tensor(65504.0)).float())  # fmt: skip
+    exact, d_found, q_found = None, m, None
+    for d in candidates:
+        flat = d == 0  # a run of one value: q = 0
+        q = torch.round((runs - m[..., None]) / torch.where(flat, 1.0, d)[..., None])
+        q = q.clamp_(0, 15).masked_fill_(flat[..., None], 0)
+        back = d[..., None] * q + m[..., None]  # two roundings, as the kernel decodes
+        hit = (back.view(torch.int32) == runs.view(torch.int32)).all(-1)
+        if exact is None:  # the first candidate: fp16's d, Q4_1's (every run, usually)
+            exact, d_found, q_found = hit, d, q.to(torch.uint8)
+        else:
+            hit &= ~exact
+            d_found = torch.where(hit, d, d_found)
+            q_found = torch.where(hit[..., None], q.to(torch.uint8), q_found)
+            exact |= hit
+        if bool(exact.all()):
+            return d_found, m, q_found
+    return None
+
+
+@functools.cache
+def coded_linear(folder: Path | None = None) -> CodedLinear | None:
+    """The fp32 kernel on 4-bit codes (`CodedLinear`) beside `fp32_linear`, where that one
+    is there."""
+    blocked = fp32_linear(folder)
+    if blocked is None:
+        return None
+    return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"))
 
 
 def blocked_linear(

@@ -27,6 +27,7 @@
 // moving logits from the reference. chunk <= 0: one chunk.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "linear_groups.h"
 
@@ -63,69 +64,150 @@ struct Ahead {
     int64_t count = 0;            // its 64-byte lines
 };
 
-// x's `rows` rows (k apart) times the `count` blocks at w (`stride` apart), bias first, into
-// out's rows (n apart), the columns in chunks (see the order of the sums above). The loops
-// over rows and blocks are unrolled so that the sums stay in registers (GCC kept them on the
-// stack otherwise: half the speed).
+// Columns [first, end) of a product (one chunk of its sums; see the order of the sums
+// above): x's `rows` rows (k apart, x at column 0) times the `count` blocks whose column
+// `first` is at w (`stride` apart), added into out's rows (n apart), which the first chunk
+// starts as the bias or its sum. The loops over rows and blocks are unrolled so that the
+// sums stay in registers (GCC kept them on the stack otherwise: half the speed).
 template <int count, int rows>
-void rows_times_group(const float* x, int64_t k, int64_t chunk, const float* w, int64_t stride,
-                      const float* bias, float* out, int64_t n, Ahead ahead) {
-    for (int64_t first = 0; first < k; first += chunk) {
-        const int64_t end = first + chunk < k ? first + chunk : k;
-        __m512 acc[rows][count];
+void chunk_times_group(const float* x, int64_t k, int64_t first, int64_t end, const float* w,
+                       int64_t stride, const float* bias, float* out, int64_t n, Ahead ahead) {
+    __m512 acc[rows][count];
 #pragma GCC unroll 16
-        for (int r = 0; r < rows; r++)
+    for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
-        for (int64_t col = first; col < end; col++) {
-            __m512 wv[count];
+        for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t col = first; col < end; col++) {
+        __m512 wv[count];
 #pragma GCC unroll 4
-            for (int c = 0; c < count; c++) wv[c] = _mm512_load_ps(w + c * stride + col * 16);
+        for (int c = 0; c < count; c++) wv[c] = _mm512_load_ps(w + c * stride + (col - first) * 16);
 #pragma GCC unroll 4
-            for (int c = 0; c < count; c++)
-                if (col * count + c < ahead.count)
-                    _mm_prefetch(ahead.lines + (col * count + c) * 64, _MM_HINT_T1);
+        for (int c = 0; c < count; c++)
+            if (col * count + c < ahead.count)
+                _mm_prefetch(ahead.lines + (col * count + c) * 64, _MM_HINT_T1);
 #pragma GCC unroll 16
-            for (int r = 0; r < rows; r++) {
-                const __m512 xv = _mm512_set1_ps(x[r * k + col]);
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * k + col]);
 #pragma GCC unroll 4
-                for (int c = 0; c < count; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-            }
+            for (int c = 0; c < count; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
         }
+    }
 #pragma GCC unroll 4
-        for (int c = 0; c < count; c++) {
-            const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+    for (int c = 0; c < count; c++) {
+        const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-            for (int r = 0; r < rows; r++) {
-                float* o = out + r * n + c * 16;
-                __m512 sum = acc[r][c];
-                if (first > 0)
-                    sum = _mm512_add_ps(_mm512_loadu_ps(o), sum);
-                else if (bias)
-                    sum = _mm512_add_ps(b, sum);
-                _mm512_storeu_ps(o, sum);
-            }
+        for (int r = 0; r < rows; r++) {
+            float* o = out + r * n + c * 16;
+            __m512 sum = acc[r][c];
+            if (first > 0)
+                sum = _mm512_add_ps(_mm512_loadu_ps(o), sum);
+            else if (bias)
+                sum = _mm512_add_ps(b, sum);
+            _mm512_storeu_ps(o, sum);
         }
     }
 }
 
-// rows_times_group<count, rows> for rows <= R, a compile-time count of rows each.
+// chunk_times_group<count, rows> for rows <= R, a compile-time count of rows each.
 template <int count, int R>
-inline void rows_of(int64_t rows, const float* x, int64_t k, int64_t chunk, const float* w,
-                    int64_t stride, const float* bias, float* out, int64_t n, Ahead ahead) {
+inline void chunk_rows(int64_t rows, const float* x, int64_t k, int64_t first, int64_t end,
+                       const float* w, int64_t stride, const float* bias, float* out, int64_t n,
+                       Ahead ahead) {
     if constexpr (R > 1)
         if (rows < R)
-            return rows_of<count, R - 1>(rows, x, k, chunk, w, stride, bias, out, n, ahead);
-    rows_times_group<count, R>(x, k, chunk, w, stride, bias, out, n, ahead);
+            return chunk_rows<count, R - 1>(rows, x, k, first, end, w, stride, bias, out, n, ahead);
+    chunk_times_group<count, R>(x, k, first, end, w, stride, bias, out, n, ahead);
+}
+
+// All of x's m rows, kRows at a time, times columns [first, end) of the group's blocks.
+template <int count>
+void chunk_all_rows(const float* x, int64_t m, int64_t k, int64_t first, int64_t end,
+                    const float* w, int64_t stride, const float* bias, float* out, int64_t n,
+                    Ahead ahead) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRows)
+        chunk_rows<count, kRows>(m - r0 < kRows ? m - r0 : kRows, x + r0 * k, k, first, end, w,
+                                 stride, bias, out + r0 * n, n, ahead);
+}
+
+// The columns cut into chunks: chunk <= 0 or over k, one; a row of more than one chunk and
+// less than two, of even length, two halves (MKL's way, above).
+inline int64_t effective_chunk(int64_t k, int64_t chunk) {
+    if (chunk <= 0 || chunk > k) return k;
+    if (k < 2 * chunk && k % 2 == 0) return k / 2;
+    return chunk;
 }
 
 template <int count>
 void group(const float* x, int64_t m, int64_t k, int64_t chunk, const float* w, int64_t stride,
            const float* bias, float* out, int64_t n, Ahead ahead) {
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const float* xr = x + r0 * k;
-        float* o = out + r0 * n;
-        rows_of<count, kRows>(m - r0 < kRows ? m - r0 : kRows, xr, k, chunk, w, stride, bias, o, n, ahead);
+        const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
+        for (int64_t first = 0; first < k; first += chunk) {
+            const int64_t end = first + chunk < k ? first + chunk : k;
+            chunk_rows<count, kRows>(rows, x + r0 * k, k, first, end, w + first * 16, stride, bias,
+                                     out + r0 * n, n, ahead);
+        }
+    }
+}
+
+// CODED: fp32 weights whose every run of 32 columns of a row is w = (d * q) + m for some
+// fp32 d and m and 4-bit q (two IEEE roundings: the product, then the sum), as GGUF's Q4_1
+// blocks dequantize (the default model's linear layers come so): the same weights, held in
+// 6 bits a weight instead of 32 (cpu_kernels.CodedLinear finds the codes and checks that
+// they give back every weight bit for bit), decoded into fp32 in cache as a product reads
+// them, a chunk of columns at a time, then the same FMAs in the same order as the blocked
+// kernel: its bits. A decode step, bound by reading the weights from memory, reads under a
+// fifth of them (figures: radixserve/hardware.py CODED_LINEAR).
+//
+// Layout: blocks of 16 output features, one after the other; a block is k / 32 runs of 384
+// bytes, run j (columns 32 j .. 32 j + 31): the 16 features' d (16 fp32), their m (16 fp32),
+// then 16 column pairs of 16 bytes, byte f of pair p holding feature f's q of column 32 j +
+// 2 p (low nibble) and 32 j + 2 p + 1 (high).
+constexpr int64_t kCodedRun = 32;     // columns per (d, m)
+constexpr int64_t kCodedBytes = 384;  // bytes per run of a block
+
+// Columns [first, end) (multiples of kCodedRun) of `count` coded blocks (at codes, `stride`
+// bytes apart) decoded into w (count blocks of (end - first) x 16 fp32, `wstride` floats
+// apart), the next group's codes fetched into L2 meanwhile (a run's 6 lines per run decoded).
+template <int count>
+void decode_runs(const uint8_t* codes, int64_t stride, int64_t first, int64_t end, float* w,
+                 int64_t wstride, Ahead ahead) {
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int64_t j = first / kCodedRun; j < end / kCodedRun; j++) {
+#pragma GCC unroll 4
+        for (int c = 0; c < count; c++) {
+            const uint8_t* run = codes + c * stride + j * kCodedBytes;
+            const int64_t line = (j * count + c) * (kCodedBytes / 64);
+            for (int64_t l = line; l < line + kCodedBytes / 64 && l < ahead.count; l++)
+                _mm_prefetch(ahead.lines + l * 64, _MM_HINT_T1);
+            const __m512 d = _mm512_loadu_ps((const float*)run);
+            const __m512 m = _mm512_loadu_ps((const float*)run + 16);
+            float* out = w + c * wstride + (j * kCodedRun - first) * 16;
+            for (int p = 0; p < kCodedRun / 2; p++) {
+                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(run + 128 + p * 16)));
+                // two roundings, never fused into one FMA (the _round_ forms are not contracted)
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+                constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                _mm512_store_ps(out + 2 * p * 16,
+                                _mm512_add_round_ps(_mm512_mul_round_ps(lo, d, kNearest), m, kNearest));
+                _mm512_store_ps(out + (2 * p + 1) * 16,
+                                _mm512_add_round_ps(_mm512_mul_round_ps(hi, d, kNearest), m, kNearest));
+            }
+        }
+    }
+}
+
+// The group's blocks chunk by chunk: each chunk's columns decoded once (into the calling
+// thread's scratch), then all of x's rows against them.
+template <int count>
+void coded_group(const float* x, int64_t m, int64_t k, int64_t chunk, const uint8_t* codes,
+                 int64_t stride, const float* bias, float* out, int64_t n, Ahead ahead,
+                 float* scratch) {
+    for (int64_t first = 0; first < k; first += chunk) {
+        const int64_t end = first + chunk < k ? first + chunk : k;
+        decode_runs<count>(codes, stride, first, end, scratch, chunk * 16, ahead);
+        chunk_all_rows<count>(x, m, k, first, end, scratch, chunk * 16, bias, out, n, Ahead{});
     }
 }
 
@@ -144,10 +226,7 @@ extern "C" void fp32_blocked_pack(const float* w, float* out, int64_t n, int64_t
 extern "C" void fp32_blocked_linear(const float* x, const float* packed, const float* bias, float* out,
                                     int64_t m, int64_t n, int64_t k, int threads, int64_t chunk) {
     const int64_t stride = k * 16;
-    if (chunk <= 0 || chunk > k)
-        chunk = k;
-    else if (k < 2 * chunk && k % 2 == 0)
-        chunk = k / 2;
+    chunk = effective_chunk(k, chunk);
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
         const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
@@ -163,5 +242,41 @@ extern "C" void fp32_blocked_linear(const float* x, const float* packed, const f
                 default: group<kGroup>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
             }
         });
+    }
+}
+
+// out (m, n) = x (m, k) @ W.T + bias for W held as codes (CODED above; n a multiple of 16, k
+// of 32), the sums in chunks of `chunk` columns as fp32_blocked_linear takes them (the
+// chunk it ends with must be a multiple of 32: cpu_kernels.CodedLinear checks).
+extern "C" void fp32_coded_linear(const float* x, const uint8_t* codes, const float* bias,
+                                  float* out, int64_t m, int64_t n, int64_t k, int threads,
+                                  int64_t chunk) {
+    const int64_t stride = k / kCodedRun * kCodedBytes;
+    chunk = effective_chunk(k, chunk);
+#pragma omp parallel num_threads(threads)
+    {
+        // the decoded chunk: the thread's own, kept from call to call
+        static thread_local float* scratch = nullptr;
+        static thread_local int64_t capacity = 0;
+        if (capacity < kGroup * chunk * 16) {
+            free(scratch);
+            capacity = kGroup * chunk * 16;
+            scratch = static_cast<float*>(aligned_alloc(64, capacity * sizeof(float)));
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
+            const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+            const float* xp = x + r0 * k;
+            linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
+                const uint8_t* c = codes + b * stride;
+                const float* gb = bias ? bias + b * 16 : nullptr;
+                float* o = out + r0 * n + b * 16;
+                const Ahead ahead{next ? (const char*)(c + count * stride) : nullptr,
+                                  next * stride / 64};
+                if (count == 1)
+                    coded_group<1>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+                else
+                    coded_group<kGroup>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+            });
+        }
     }
 }

@@ -96,13 +96,18 @@ class Linear(nn.Linear):
     blocked_rows: PackedRows | None = None
     blocked_bias: torch.Tensor | None = None
 
-    def use_blocked(self, kernel: BlockedLinear, rows: PackedRows) -> None:
+    def use_blocked(
+        self, kernel: BlockedLinear, rows: PackedRows, packed: torch.Tensor | None = None
+    ) -> None:
         """Products of `rows` rows through `kernel`, with a copy of the weight in its layout
-        (a buffer: the model's bytes count it); a weight whose shape or dtype the kernel
-        does not take is left alone. Before `pack`, which may drop the plain weight."""
-        if not kernel.fits(self.weight):
-            return
-        self.register_buffer("blocked_weight", kernel.pack(self.weight), persistent=False)
+        (a buffer: the model's bytes count it; `packed` where the caller has made it); a
+        weight whose shape or dtype the kernel does not take is left alone. Before `pack`,
+        which may drop the plain weight."""
+        if packed is None:
+            if not kernel.fits(self.weight):
+                return
+            packed = kernel.pack(self.weight)
+        self.register_buffer("blocked_weight", packed, persistent=False)
         self.blocked, self.blocked_rows = kernel, rows
         self.blocked_bias = None if self.bias is None else self.bias.detach().float()
 

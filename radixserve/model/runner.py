@@ -32,10 +32,16 @@ from radixserve.hardware import (
 )
 from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
-from radixserve.model.cpu_kernels import blocked_linear, fused_ops, gemm_small_kernel, gemv_kernel
+from radixserve.model.cpu_kernels import (
+    blocked_linear,
+    coded_linear,
+    fused_ops,
+    gemm_small_kernel,
+    gemv_kernel,
+)
 from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
-from radixserve.model.layers import PackedRows, RotaryEmbedding, RowKernels
+from radixserve.model.layers import Linear, PackedRows, RotaryEmbedding, RowKernels
 from radixserve.model.loader import (
     ModelLoadError,
     iter_checkpoint,
@@ -448,7 +454,16 @@ def build_model(
                 # a weight whose products the kernel gives as torch's F.linear does takes
                 # every product, prefills too: the same bits, faster (hardware.FP32_LINEAR)
                 rows = PackedRows(1, kernels.blocked_rows)
-                model.use_blocked_linears(blocked, rows, exact_rows=PackedRows(1, None))
+                coded = coded_linear(kernel_dir) if kernels.coded_linear else None
+                model.use_blocked_linears(blocked, rows, PackedRows(1, None), coded)
+                if coded is not None:
+                    linears = [m for m in model.modules() if isinstance(m, Linear)]
+                    count = sum(m.blocked is coded for m in linears)
+                    logger.info(
+                        "%d linear layers' fp32 weights are 4-bit codes (d * q + m per 32 "
+                        "columns, as GGUF's Q4_1 dequantizes): their products read the codes",
+                        count,
+                    )  # fmt: skip
                 if blocked.reproduces_torch:
                     logger.info(
                         "%s linear layers whose products the blocked kernel gives bit for bit "
