@@ -59,15 +59,19 @@ FUSED = fused_ops(None, "avx512") if cpu_runs("avx512") else fused_ops()  # the 
 needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor AVX512-BF16")
 FP32 = fp32_linear()  # fp32_linear_avx512.cpp: AVX-512 (the kernels' build takes AVX512-BF16)
 needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-512")
-CODED = coded_linear()  # its coded form (CODED), beside FP32
+CODED = {form: coded_linear(None, form) for form in ("q4_1", "q8_0")}  # its coded forms
 
 
-def as_codes(weight: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """The weight as GGUF's Q4_1 keeps it and dequantizes it: per run of 32 columns of a row,
+def as_codes(weight: torch.Tensor, form: str = "q4_1") -> torch.Tensor:
+    """The weight as GGUF keeps it and dequantizes it, per run of 32 columns of a row: Q4_1,
     m its least value and d its range / 15 (both fp16), q = round((w - m) / d) in 0..15, and
-    back (d * q) + m in fp32."""
+    back (d * q) + m in fp32; Q8_0, d its greatest magnitude / 127 (fp16), back d * q."""
     n, k = weight.shape
     runs = weight.detach().float().reshape(n, k // 32, 32)
+    if form == "q8_0":
+        d = (runs.abs().amax(-1, keepdim=True) / 127).half().float()
+        q = torch.round(runs / torch.where(d > 0, d, 1)).clamp(-128, 127) + 0.0  # no -0: ints
+        return (d * q).reshape(n, k)
     m = runs.amin(-1, keepdim=True).half().float()
     d = ((runs.amax(-1, keepdim=True) - m) / 15).half().float()
     q = torch.round((runs - m) / torch.where(d > 0, d, 1)).clamp(0, 15)
@@ -249,46 +253,53 @@ def test_the_fp32_blocked_layer_takes_few_rows_and_leaves_the_rest_to_mkl():
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (192, 576), (576, 1536)])
 @pytest.mark.parametrize("chunk", [0, 64, 128, 192])
-def test_the_coded_product_is_the_blocked_ones_bit_for_bit(rows, n, k, chunk):
-    """A weight that is Q4_1 codes dequantized goes to the coded kernel, which reads its
-    codes and sums as the blocked kernel does (chunks of 64, 128 or 192 columns with a
+@pytest.mark.parametrize(("form", "bits"), [("q4_1", 6), ("q8_0", 9)])
+def test_the_coded_product_is_the_blocked_ones_bit_for_bit(rows, n, k, chunk, form, bits):
+    """A weight that is Q4_1 (Q8_0) codes dequantized goes to the coded kernel, which reads
+    its codes and sums as the blocked kernel does (chunks of 64, 128 or 192 columns with a
     tail, one chunk, halves of 64 at 64...): the blocked kernel's product bit for bit, with
-    and without a bias, from less than a fifth of the bytes."""
+    and without a bias, from 6 (9) bits a weight: a code of 4 (8), d (and m) fp32 a run."""
     gen = torch.Generator().manual_seed(rows * n + k + chunk)
-    weight = as_codes(torch.randn(n, k, generator=gen) / 24)
+    weight = as_codes(torch.randn(n, k, generator=gen) / 24, form)
     x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
-    previous = FP32.chunk, CODED.chunk
+    coded = CODED[form]
+    previous = FP32.chunk, coded.chunk
     try:
-        FP32.chunk = CODED.chunk = chunk
-        codes = CODED.pack(weight)
+        FP32.chunk = coded.chunk = chunk
+        codes = coded.pack(weight)
         assert codes is not None and codes.dtype == torch.uint8
-        assert codes.numel() == n * k * 6 // 8  # 6 bits a weight: a 4-bit code, d and m fp32
+        assert codes.numel() == n * k * bits // 8
         blocked = FP32.pack(weight)
         for bias in (None, b):
-            assert torch.equal(CODED(x, codes, n, bias), FP32(x, blocked, n, bias))
+            assert torch.equal(coded(x, codes, n, bias), FP32(x, blocked, n, bias))
     finally:
-        FP32.chunk, CODED.chunk = previous
+        FP32.chunk, coded.chunk = previous
 
 
 @needs_fp32_kernel
-def test_only_weights_that_are_codes_are_read_as_codes():
-    """pack says None where some run of 32 columns is no (d * q) + m of 16 codes (random
-    weights; a Q4_1 weight with one value an ulp off), where the columns are no multiple of
-    32, and for a bf16 weight; a run of one repeated value (d = 0) is codes."""
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+def test_only_weights_that_are_codes_are_read_as_codes(form):
+    """pack says None where some run of 32 columns is no code of the form (random weights;
+    a weight of codes with one value an ulp off; Q8_0's codes for the Q4_1 kernel), where
+    the columns are no multiple of 32, and for a bf16 weight; a run of one repeated value (d
+    = 0 for Q4_1) is codes."""
+    coded, other = CODED[form], "q8_0" if form == "q4_1" else "q4_1"
     gen = torch.Generator().manual_seed(5)
-    weight = as_codes(torch.randn(64, 96, generator=gen))
-    assert CODED.pack(weight) is not None
-    assert CODED.pack(torch.randn(64, 96, generator=gen)) is None
+    weight = as_codes(torch.randn(64, 96, generator=gen), form)
+    assert coded.pack(weight) is not None
+    assert coded.pack(torch.randn(64, 96, generator=gen)) is None
+    if form == "q4_1":
+        assert coded.pack(as_codes(torch.randn(64, 96, generator=gen), other)) is None
     nudged = weight.clone()
     nudged[17, 40] = torch.nextafter(nudged[17, 40], torch.tensor(float("inf")))
-    assert CODED.pack(nudged) is None
-    assert CODED.pack(as_codes(torch.randn(64, 80, generator=gen)[:, :64])[:, :48]) is None
-    assert CODED.pack(weight.to(BF16)) is None
+    assert coded.pack(nudged) is None
+    assert coded.pack(weight[:, :48].contiguous()) is None
+    assert coded.pack(weight.to(BF16)) is None
     flat = weight.clone()
-    flat[3, 32:64] = 0.375
-    codes = CODED.pack(flat)
+    flat[3, 32:64] = 0.375 if form == "q4_1" else 0.0
+    codes = coded.pack(flat)
     x = torch.randn(4, 96, generator=gen)
-    assert torch.equal(CODED(x, codes, 64, None), FP32(x, FP32.pack(flat), 64, None))
+    assert torch.equal(coded(x, codes, 64, None), FP32(x, FP32.pack(flat), 64, None))
 
 
 @needs_fp32_kernel
@@ -306,7 +317,7 @@ def test_an_fp32_model_of_codes_reads_them_with_the_blocked_kernels_bits(
                 module.weight.data = as_codes(module.weight)
     blocked, coded = runners
     blocked.model.use_blocked_linears(FP32, PackedRows(1, 64))
-    coded.model.use_blocked_linears(FP32, PackedRows(1, 64), coded=CODED)
+    coded.model.use_blocked_linears(FP32, PackedRows(1, 64), coded=(CODED["q4_1"],))
     linears = [m for m in coded.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.blocked, CodedLinear) for m in linears)
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
@@ -319,15 +330,17 @@ def test_an_fp32_model_of_codes_reads_them_with_the_blocked_kernels_bits(
 
 @needs_fp32_kernel
 def test_the_default_models_linear_layers_are_read_as_codes():
-    """SmolLM2 from its GGUF (Q4_1 linear layers): the runner's fp32 plan reads all 210 as
-    codes, and its tied head (Q8_0's, no 4-bit codes) through the blocked kernel."""
+    """SmolLM2 from its GGUF (Q4_1 linear layers, a Q8_0 embedding): the runner's fp32 plan
+    reads all 210 (as 180 products: gate and up as one) as Q4_1's codes, its tied head as
+    Q8_0's."""
     runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=1024), progress=False)
     if not runner.kernels.coded_linear:
         pytest.skip("the kernel plan reads no codes on this CPU")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 30 * 6 and all(isinstance(m.blocked, CodedLinear) for m in linears)
+    assert len(linears) == 30 * 6
+    assert all(isinstance(m.blocked, CodedLinear) and m.blocked.form == "q4_1" for m in linears)
     head = runner.model.lm_blocked
-    assert head is not None and not isinstance(head, CodedLinear)
+    assert isinstance(head, CodedLinear) and head.form == "q8_0"
 
 
 @needs_amx

@@ -164,31 +164,36 @@ class CausalLM(nn.Module):
         kernel: BlockedLinear,
         rows: PackedRows,
         exact_rows: PackedRows | None = None,
-        coded: CodedLinear | None = None,
+        coded: tuple[CodedLinear, ...] = (),
     ) -> None:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
         `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
         of the embedding matrix. With `exact_rows`, a weight whose products the kernel gives
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
-        instead. With `coded` (fp32), a weight that is 4-bit codes in disguise goes to that
-        kernel instead, for the same rows (`CodedLinear`: the blocked kernel's bits from under
-        a fifth of the bytes). Before `pack_linears`."""
+        instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the
+        first of those kernels that reads it as its codes, for the same rows (`CodedLinear`:
+        the blocked kernel's bits from a fraction of the bytes). Before `pack_linears`."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
 
+        def as_codes(weight: torch.Tensor) -> tuple[BlockedLinear, torch.Tensor | None]:
+            for form in coded:
+                codes = form.pack(weight)
+                if codes is not None:
+                    return form, codes
+            return kernel, None
+
         for module in self.modules():
             if isinstance(module, Linear):
-                codes = coded.pack(module.weight) if coded is not None else None
-                if codes is not None:
-                    module.use_blocked(coded, rows_for(module.weight), codes)
-                else:
-                    module.use_blocked(kernel, rows_for(module.weight))
+                reader, codes = as_codes(module.weight)
+                module.use_blocked(reader, rows_for(module.weight), codes)
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
-            packed = kernel.pack(self.embed_tokens.weight)
+            reader, codes = as_codes(self.embed_tokens.weight)
+            packed = codes if codes is not None else kernel.pack(self.embed_tokens.weight)
             self.register_buffer("lm_blocked_weight", packed, persistent=False)
-            self.lm_blocked = kernel
+            self.lm_blocked = reader
             self.lm_blocked_rows = rows_for(self.embed_tokens.weight)
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:

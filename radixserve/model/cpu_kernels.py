@@ -462,24 +462,29 @@ def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
     return kernel
 
 
-# fp32_linear_avx512.cpp's CODED layout: a (d, m) pair per run of CODED_RUN columns of a
-# row, 4-bit codes, CODED_RUN_BYTES bytes per run of a block of 16 features
+# fp32_linear_avx512.cpp's CODED forms: per run of CODED_RUN columns of a row a d (and for
+# Q4_1 an m), and a code per weight; the bytes of a run of a block of 16 features
 CODED_RUN = 32
-CODED_RUN_BYTES = 384
+CODED_RUN_BYTES = {"q4_1": 384, "q8_0": 576}
+# each form's codes: (least, greatest) q
+CODE_RANGE = {"q4_1": (0, 15), "q8_0": (-128, 127)}
 
 
 class CodedLinear(BlockedLinear):
-    """fp32 linear layers whose weights are 4-bit codes in disguise: every run of 32 columns
-    of a row is (d * q) + m in fp32 for 16 values of q (GGUF's Q4_1 dequantized, as the
-    default model's linear layers are). `pack` finds d, m and q and keeps them (6 bits a
-    weight) where they give back every weight bit for bit, and the kernel decodes them into
-    fp32 in cache as it reads them, then sums as the blocked kernel (`fp32_linear`) does:
-    its bits, from under a fifth of the bytes (fp32_linear_avx512.cpp CODED; figures:
-    radixserve/hardware.py CODED_LINEAR). Any other weight: `pack` returns None."""
+    """fp32 linear layers whose weights are low-bit codes in disguise, as GGUF's quantized
+    blocks dequantize: every run of 32 columns of a row is (d * q) + m in fp32 for 16 values
+    of q ("q4_1": Q4_1's, the default model's linear layers), or d * q for q in -128..127
+    ("q8_0": Q8_0's, its tied embedding and head). `pack` finds d (m) and q and keeps them
+    (6 or 9 bits a weight) where they give back every weight bit for bit, and the kernel
+    decodes them into fp32 in cache as it reads them, then sums as the blocked kernel
+    (`fp32_linear`) does: its bits, from under a fifth (under a third) of the bytes
+    (fp32_linear_avx512.cpp CODED; figures: radixserve/hardware.py CODED_LINEAR). Any other
+    weight: `pack` returns None."""
 
-    def __init__(self, blocked: BlockedLinear, library: ctypes.CDLL) -> None:
-        super().__init__(library, "fp32_coded", torch.float32, k_multiple=CODED_RUN, chunked=True)
-        self.blocked = blocked
+    def __init__(self, blocked: BlockedLinear, library: ctypes.CDLL, form: str = "q4_1") -> None:
+        prefix = "fp32_coded" if form == "q4_1" else "fp32_coded8"
+        super().__init__(library, prefix, torch.float32, k_multiple=CODED_RUN, chunked=True)
+        self.blocked, self.form = blocked, form
         self.chunk, self.reproduces_torch = blocked.chunk, blocked.reproduces_torch
 
     def fits(self, weight: torch.Tensor) -> bool:
@@ -496,34 +501,45 @@ class CodedLinear(BlockedLinear):
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """weight (N, K) as the kernel's codes (a flat uint8 tensor), or None where it does
-        not fit or some run of it is no (d * q) + m."""
+        not fit or some run of it is no (d * q) + m of this form."""
         if not self.fits(weight):
             return None
-        found = coded_runs(weight.detach().float().contiguous())
+        found = coded_runs(weight.detach().float().contiguous(), self.form)
         if found is None:
             return None
-        d, m, q = found  # (N, K / 32) fp32 twice, (N, K / 32, 32) uint8
+        d, m, q = found  # (N, K / 32) fp32 twice, (N, K / 32, 32) codes
         n, runs = d.shape
-        pairs = q.view(n, runs, CODED_RUN // 2, 2)
-        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).view(n // 16, 16, runs, CODED_RUN // 2)
 
         def by_run(t: torch.Tensor) -> torch.Tensor:  # (N, runs) fp32 -> (N / 16, runs, 64) bytes
             return t.view(n // 16, 16, runs).transpose(1, 2).contiguous().view(torch.uint8)
 
-        nibbles = packed.permute(0, 2, 3, 1).reshape(n // 16, runs, -1)  # (pair, feature)
-        codes = torch.cat([by_run(d), by_run(m), nibbles], 2)
-        assert codes.shape[-1] == CODED_RUN_BYTES
+        if self.form == "q4_1":  # two columns' codes a byte
+            pairs = q.view(n, runs, CODED_RUN // 2, 2)
+            q = pairs[..., 0] | (pairs[..., 1] << 4)
+        columns = q.to(torch.int8).view(torch.uint8).view(n // 16, 16, runs, -1)
+        parts = [by_run(d), by_run(m)] if self.form == "q4_1" else [by_run(d)]
+        codes = torch.cat([*parts, columns.permute(0, 2, 3, 1).reshape(n // 16, runs, -1)], 2)
+        assert codes.shape[-1] == CODED_RUN_BYTES[self.form]
         return codes.reshape(-1).contiguous()
 
 
-def coded_runs(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def coded_runs(
+    weight: torch.Tensor, form: str = "q4_1"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(d, m, q) with (d * q) + m == weight bit for bit in every run of CODED_RUN columns of
-    a row (q in 0..15), or None. m is the run's least value (q = 0 there), d the step that
-    takes it to the greatest in 15 steps, as Q4_1 stores it (fp16) or as fp32 computes it."""
+    a row, q in the form's CODE_RANGE (int16), or None. Q4_1: m is the run's least value (q
+    = 0 there), d the step that takes it to the greatest in 15 steps; Q8_0: m = 0 (adding it
+    is exact), d the greatest magnitude over 127 (q = +-127 there); d as the GGUF stores it
+    (fp16) or as fp32 computes it."""
     n, k = weight.shape
     runs = weight.view(n, k // CODED_RUN, CODED_RUN)
-    m, top = runs.amin(-1), runs.amax(-1)
-    step = (top - m) / 15
+    low, high = CODE_RANGE[form]
+    if form == "q4_1":
+        m = runs.amin(-1)
+        step = (runs.amax(-1) - m) / high
+    else:
+        m = torch.zeros(runs.shape[:2])
+        step = runs.abs().amax(-1) / high
     half = step.half()
     candidates = (half.float(), step, torch.nextafter(half, half.new_tensor(0.0)).float(),
                   torch.nextafter(half, half.new_tensor(65504.0)).float())  # fmt: skip
@@ -531,15 +547,15 @@ def coded_runs(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     for d in candidates:
         flat = d == 0  # a run of one value: q = 0
         q = torch.round((runs - m[..., None]) / torch.where(flat, 1.0, d)[..., None])
-        q = q.clamp_(0, 15).masked_fill_(flat[..., None], 0)
+        q = q.clamp_(low, high).masked_fill_(flat[..., None], 0)
         back = d[..., None] * q + m[..., None]  # two roundings, as the kernel decodes
         hit = (back.view(torch.int32) == runs.view(torch.int32)).all(-1)
-        if exact is None:  # the first candidate: fp16's d, Q4_1's (every run, usually)
-            exact, d_found, q_found = hit, d, q.to(torch.uint8)
+        if exact is None:  # the first candidate: the GGUF's fp16 d (every run, usually)
+            exact, d_found, q_found = hit, d, q.to(torch.int16)
         else:
             hit &= ~exact
             d_found = torch.where(hit, d, d_found)
-            q_found = torch.where(hit[..., None], q.to(torch.uint8), q_found)
+            q_found = torch.where(hit[..., None], q.to(torch.int16), q_found)
             exact |= hit
         if bool(exact.all()):
             return d_found, m, q_found
@@ -547,13 +563,13 @@ def coded_runs(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @functools.cache
-def coded_linear(folder: Path | None = None) -> CodedLinear | None:
-    """The fp32 kernel on 4-bit codes (`CodedLinear`) beside `fp32_linear`, where that one
-    is there."""
+def coded_linear(folder: Path | None = None, form: str = "q4_1") -> CodedLinear | None:
+    """The fp32 kernel on codes of `form` (`CodedLinear`) beside `fp32_linear`, where that
+    one is there."""
     blocked = fp32_linear(folder)
     if blocked is None:
         return None
-    return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"))
+    return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"), form)
 
 
 def blocked_linear(

@@ -150,64 +150,119 @@ void group(const float* x, int64_t m, int64_t k, int64_t chunk, const float* w, 
     }
 }
 
-// CODED: fp32 weights whose every run of 32 columns of a row is w = (d * q) + m for some
-// fp32 d and m and 4-bit q (two IEEE roundings: the product, then the sum), as GGUF's Q4_1
-// blocks dequantize (the default model's linear layers come so): the same weights, held in
-// 6 bits a weight instead of 32 (cpu_kernels.CodedLinear finds the codes and checks that
-// they give back every weight bit for bit), decoded into fp32 in cache as a product reads
-// them, a chunk of columns at a time, then the same FMAs in the same order as the blocked
-// kernel: its bits. A decode step, bound by reading the weights from memory, reads under a
-// fifth of them (figures: radixserve/hardware.py CODED_LINEAR).
+// CODED: fp32 weights that are low-bit codes in disguise, as GGUF's quantized blocks
+// dequantize (the default model's come so), in one of two forms, every run of 32 columns of
+// a row:
+// - Q4_1: w = (d * q) + m, q in 0..15, d and m fp32 (two IEEE roundings: the product, then
+//   the sum): 6 bits a weight instead of 32;
+// - Q8_0: w = d * q, q in -128..127 (one rounding): 9 bits a weight.
+// cpu_kernels.CodedLinear finds the codes and checks that they give back every weight bit
+// for bit; the kernel decodes them into fp32 in cache as a product reads them, a chunk of
+// columns at a time, then runs the same FMAs in the same order as the blocked kernel: its
+// bits. A decode step, bound by reading the weights from memory, reads under a fifth (under a
+// third) of them (figures: radixserve/hardware.py CODED_LINEAR).
 //
-// Layout: blocks of 16 output features, one after the other; a block is k / 32 runs of 384
-// bytes, run j (columns 32 j .. 32 j + 31): the 16 features' d (16 fp32), their m (16 fp32),
-// then 16 column pairs of 16 bytes, byte f of pair p holding feature f's q of column 32 j +
-// 2 p (low nibble) and 32 j + 2 p + 1 (high).
-constexpr int64_t kCodedRun = 32;     // columns per (d, m)
-constexpr int64_t kCodedBytes = 384;  // bytes per run of a block
+// Layout: blocks of 16 output features, one after the other; a block is k / 32 runs of
+// Form::kBytes bytes, run j (columns 32 j .. 32 j + 31) holding the 16 features' d (16
+// fp32), for Q4_1 their m (16 fp32) and 16 column pairs of 16 bytes (byte f of pair p:
+// feature f's q of column 32 j + 2 p in its low nibble, of 32 j + 2 p + 1 in its high), for
+// Q8_0 32 columns of 16 bytes (byte f of column c: feature f's q).
+constexpr int64_t kCodedRun = 32;  // columns per d
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// The run's 32 columns of 16 features into out (32 x 16 fp32). The _round_ forms of the
+// products and sums keep the compiler from fusing them into FMAs (one rounding, not two).
+struct Q4_1 {
+    static constexpr int64_t kBytes = 384;
+    static void decode(const uint8_t* run, float* out) {
+        const __m512i nibble = _mm512_set1_epi32(15);
+        const __m512 d = _mm512_loadu_ps((const float*)run);
+        const __m512 m = _mm512_loadu_ps((const float*)run + 16);
+        for (int p = 0; p < kCodedRun / 2; p++) {
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(run + 128 + p * 16)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+            _mm512_store_ps(out + 2 * p * 16, _mm512_add_round_ps(_mm512_mul_round_ps(lo, d, kNearest), m, kNearest));
+            _mm512_store_ps(out + (2 * p + 1) * 16,
+                            _mm512_add_round_ps(_mm512_mul_round_ps(hi, d, kNearest), m, kNearest));
+        }
+    }
+};
+struct Q8_0 {
+    static constexpr int64_t kBytes = 576;
+    static void decode(const uint8_t* run, float* out) {
+        const __m512 d = _mm512_loadu_ps((const float*)run);
+        for (int c = 0; c < kCodedRun; c++) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(run + 64 + c * 16)));
+            _mm512_store_ps(out + c * 16, _mm512_mul_round_ps(_mm512_cvtepi32_ps(q), d, kNearest));
+        }
+    }
+};
 
 // Columns [first, end) (multiples of kCodedRun) of `count` coded blocks (at codes, `stride`
 // bytes apart) decoded into w (count blocks of (end - first) x 16 fp32, `wstride` floats
-// apart), the next group's codes fetched into L2 meanwhile (a run's 6 lines per run decoded).
-template <int count>
+// apart), the next group's codes fetched into L2 meanwhile (a run's lines per run decoded).
+template <typename Form, int count>
 void decode_runs(const uint8_t* codes, int64_t stride, int64_t first, int64_t end, float* w,
                  int64_t wstride, Ahead ahead) {
-    const __m512i nibble = _mm512_set1_epi32(15);
+    constexpr int64_t lines = Form::kBytes / 64;
     for (int64_t j = first / kCodedRun; j < end / kCodedRun; j++) {
 #pragma GCC unroll 4
         for (int c = 0; c < count; c++) {
-            const uint8_t* run = codes + c * stride + j * kCodedBytes;
-            const int64_t line = (j * count + c) * (kCodedBytes / 64);
-            for (int64_t l = line; l < line + kCodedBytes / 64 && l < ahead.count; l++)
+            const int64_t line = (j * count + c) * lines;
+            for (int64_t l = line; l < line + lines && l < ahead.count; l++)
                 _mm_prefetch(ahead.lines + l * 64, _MM_HINT_T1);
-            const __m512 d = _mm512_loadu_ps((const float*)run);
-            const __m512 m = _mm512_loadu_ps((const float*)run + 16);
-            float* out = w + c * wstride + (j * kCodedRun - first) * 16;
-            for (int p = 0; p < kCodedRun / 2; p++) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(run + 128 + p * 16)));
-                // two roundings, never fused into one FMA (the _round_ forms are not contracted)
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-                constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-                _mm512_store_ps(out + 2 * p * 16,
-                                _mm512_add_round_ps(_mm512_mul_round_ps(lo, d, kNearest), m, kNearest));
-                _mm512_store_ps(out + (2 * p + 1) * 16,
-                                _mm512_add_round_ps(_mm512_mul_round_ps(hi, d, kNearest), m, kNearest));
-            }
+            Form::decode(codes + c * stride + j * Form::kBytes, w + c * wstride + (j * kCodedRun - first) * 16);
         }
     }
 }
 
 // The group's blocks chunk by chunk: each chunk's columns decoded once (into the calling
 // thread's scratch), then all of x's rows against them.
-template <int count>
+template <typename Form, int count>
 void coded_group(const float* x, int64_t m, int64_t k, int64_t chunk, const uint8_t* codes,
                  int64_t stride, const float* bias, float* out, int64_t n, Ahead ahead,
                  float* scratch) {
     for (int64_t first = 0; first < k; first += chunk) {
         const int64_t end = first + chunk < k ? first + chunk : k;
-        decode_runs<count>(codes, stride, first, end, scratch, chunk * 16, ahead);
+        decode_runs<Form, count>(codes, stride, first, end, scratch, chunk * 16, ahead);
         chunk_all_rows<count>(x, m, k, first, end, scratch, chunk * 16, bias, out, n, Ahead{});
+    }
+}
+
+// out (m, n) = x (m, k) @ W.T + bias for W held as Form's codes (CODED above; n a multiple
+// of 16, k of 32), the sums in chunks of `chunk` columns as fp32_blocked_linear takes them
+// (the chunk it ends with must be a multiple of 32: cpu_kernels.CodedLinear checks).
+template <typename Form>
+void coded_linear(const float* x, const uint8_t* codes, const float* bias, float* out, int64_t m,
+                  int64_t n, int64_t k, int threads, int64_t chunk) {
+    const int64_t stride = k / kCodedRun * Form::kBytes;
+    chunk = effective_chunk(k, chunk);
+#pragma omp parallel num_threads(threads)
+    {
+        // the decoded chunk: the thread's own, kept from call to call
+        static thread_local float* scratch = nullptr;
+        static thread_local int64_t capacity = 0;
+        if (capacity < kGroup * chunk * 16) {
+            free(scratch);
+            capacity = kGroup * chunk * 16;
+            scratch = static_cast<float*>(aligned_alloc(64, capacity * sizeof(float)));
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
+            const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+            const float* xp = x + r0 * k;
+            linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
+                const uint8_t* c = codes + b * stride;
+                const float* gb = bias ? bias + b * 16 : nullptr;
+                float* o = out + r0 * n + b * 16;
+                const Ahead ahead{next ? (const char*)(c + count * stride) : nullptr,
+                                  next * stride / 64};
+                if (count == 1)
+                    coded_group<Form, 1>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+                else
+                    coded_group<Form, kGroup>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+            });
+        }
     }
 }
 
@@ -245,38 +300,14 @@ extern "C" void fp32_blocked_linear(const float* x, const float* packed, const f
     }
 }
 
-// out (m, n) = x (m, k) @ W.T + bias for W held as codes (CODED above; n a multiple of 16, k
-// of 32), the sums in chunks of `chunk` columns as fp32_blocked_linear takes them (the
-// chunk it ends with must be a multiple of 32: cpu_kernels.CodedLinear checks).
+// coded_linear of the two forms (see CODED above)
 extern "C" void fp32_coded_linear(const float* x, const uint8_t* codes, const float* bias,
                                   float* out, int64_t m, int64_t n, int64_t k, int threads,
                                   int64_t chunk) {
-    const int64_t stride = k / kCodedRun * kCodedBytes;
-    chunk = effective_chunk(k, chunk);
-#pragma omp parallel num_threads(threads)
-    {
-        // the decoded chunk: the thread's own, kept from call to call
-        static thread_local float* scratch = nullptr;
-        static thread_local int64_t capacity = 0;
-        if (capacity < kGroup * chunk * 16) {
-            free(scratch);
-            capacity = kGroup * chunk * 16;
-            scratch = static_cast<float*>(aligned_alloc(64, capacity * sizeof(float)));
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
-            const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
-            const float* xp = x + r0 * k;
-            linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
-                const uint8_t* c = codes + b * stride;
-                const float* gb = bias ? bias + b * 16 : nullptr;
-                float* o = out + r0 * n + b * 16;
-                const Ahead ahead{next ? (const char*)(c + count * stride) : nullptr,
-                                  next * stride / 64};
-                if (count == 1)
-                    coded_group<1>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
-                else
-                    coded_group<kGroup>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
-            });
-        }
-    }
+    coded_linear<Q4_1>(x, codes, bias, out, m, n, k, threads, chunk);
+}
+extern "C" void fp32_coded8_linear(const float* x, const uint8_t* codes, const float* bias,
+                                   float* out, int64_t m, int64_t n, int64_t k, int threads,
+                                   int64_t chunk) {
+    coded_linear<Q8_0>(x, codes, bias, out, m, n, k, threads, chunk);
 }

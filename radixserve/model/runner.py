@@ -454,15 +454,17 @@ def build_model(
                 # a weight whose products the kernel gives as torch's F.linear does takes
                 # every product, prefills too: the same bits, faster (hardware.FP32_LINEAR)
                 rows = PackedRows(1, kernels.blocked_rows)
-                coded = coded_linear(kernel_dir) if kernels.coded_linear else None
+                forms = ("q4_1", "q8_0") if kernels.coded_linear else ()
+                coded = tuple(c for f in forms if (c := coded_linear(kernel_dir, f)) is not None)
                 model.use_blocked_linears(blocked, rows, PackedRows(1, None), coded)
-                if coded is not None:
-                    linears = [m for m in model.modules() if isinstance(m, Linear)]
-                    count = sum(m.blocked is coded for m in linears)
+                if coded:
+                    readers = [m.blocked for m in model.modules() if isinstance(m, Linear)]
+                    readers.append(model.lm_blocked)
                     logger.info(
-                        "%d linear layers' fp32 weights are 4-bit codes (d * q + m per 32 "
-                        "columns, as GGUF's Q4_1 dequantizes): their products read the codes",
-                        count,
+                        "fp32 weights that are GGUF codes dequantized, read as their codes: "
+                        "%s of %d products",
+                        ", ".join(f"{sum(r is c for r in readers)} {c.form}" for c in coded),
+                        len(readers),
                     )  # fmt: skip
                 if blocked.reproduces_torch:
                     logger.info(
