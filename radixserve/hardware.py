@@ -295,6 +295,27 @@ FP32_BLOCKED_ROWS = 64
 # from transformers' logits, over its bar: so the coded form takes the blocked kernel's rows
 # (up to 64 there; on a CPU where the blocked kernel's sums are MKL's, every row count).
 
+# CODED_AMX: fp32 products of many rows of weights that are GGUF codes in disguise (the
+# default model's 180 linear weights, Q4_1) on AMX's bf16 tiles (fp32_coded_amx.cpp): the
+# codes are small integers, exact in bf16, x goes in as three bf16 parts that sum to it
+# exactly, so every product is exact and summed in fp32, from three tile products per 32
+# columns. Intel Xeon (AMX, 2 threads), SmolLM2's 30 layers of real weights, ms, medians of
+# 3 x 2 alternated, the kernel alone (x split once) / with its split: MKL 108.9 -> 48.7 / 58.3
+# at 128 rows, 364.7 -> 187.1 / 231.0 at 512, 717.0 -> 386.0 / 459.5 at 1,024 (1.85x at
+# 1,024 with q, k and v reading one split); a prefill of 2 x 512 tokens through the runner
+# 853 -> 597 ms. Accuracy, against the same weights in fp64 (max |error| / max |output|, one
+# product of 200 rows): 2.3-3.5e-7 against MKL's 2.8-5.7e-7. Through the model (SmolLM2,
+# the fidelity suite's 8 prompts, max-abs logit error against transformers run in fp64):
+# 8 prompts of ~10 tokens (84 rows) 8.8e-5 vs transformers fp32's own 9.0e-5 and the MKL
+# path's 1.06e-4; the same prompts x 6 (504 rows) 1.09e-4 vs transformers fp32's 1.09e-3 and
+# the MKL path's 8.7e-4. But its rounding is not MKL's, so against transformers fp32 the
+# 84-row batch lands 1.75e-4 away (the MKL path 7.6e-5; at 504 rows the MKL path is 2.2e-4
+# away too): the fidelity suite's bar (1e-4 from transformers fp32, which sits 9e-5 from
+# fp64 itself there) is kept by leaving products of under 128 rows to MKL (the suite's
+# batch is 84), and the kernel's accuracy is tested against fp64 instead
+# (tests/test_packed_linear.py).
+CODED_AMX_ROWS = 128
+
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
 # heads (9 query, 3 KV, dim 64), AMD EPYC Zen 4 (AVX-512, AVX512-BF16), 2 threads, ms per
 # layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp,
@@ -361,6 +382,12 @@ class KernelPlan:
     # Q4_1 dequantized, the default model's) read as their codes by that kernel's coded
     # form, in the blocked kernel's rows and with its bits (see CODED_LINEAR)
     coded_linear: bool = False
+    # fp32 models on the blocked kernel, CPUs with AMX-BF16: products of this many rows or
+    # more (past blocked_rows: prefill chunks, large mixed steps) of weights that are GGUF
+    # codes in disguise through fp32_coded_amx.cpp (x split into three bf16 parts that sum
+    # to it exactly, the codes exact in bf16: every product exact, sums in fp32) instead of
+    # MKL; 0: off (see CODED_AMX)
+    coded_amx_rows: int = 0
     # a model's prefill and extend rows (new tokens after a cached prefix) attend over a
     # pool of the model's dtype in place, flash-style, instead of torch's SDPA over gathered
     # K/V with a mask: fp32 models on any CPU with AVX2 (extend_attention.cpp, or the
@@ -416,6 +443,7 @@ class KernelPlan:
             blocked_rows=blocked_rows,
             blocked_isa=blocked_isa,
             coded_linear=fp32_blocked,
+            coded_amx_rows=CODED_AMX_ROWS if fp32_blocked and cpu.amx_bf16 else 0,
             decode_layers=attention and on_x86 and fused_dtype,
             extend_attention=attention
             and dtype == kv_dtype

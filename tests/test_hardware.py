@@ -14,6 +14,7 @@ from radixserve.config import CacheConfig, ModelConfig
 from radixserve.hardware import (
     AMX_ROWS,
     AVX512_BF16_ROWS,
+    CODED_AMX_ROWS,
     FEW_ROWS_MAX,
     FP32_BLOCKED_ROWS,
     CpuInfo,
@@ -115,7 +116,8 @@ def test_kernel_plan_per_cpu():
     onednn = torch.backends.mkldnn.is_available()
     fp32_rows, bf16_rows = ((2, 64), (1, None)) if onednn else (None, None)
     # (fp32 models on AVX-512 CPUs with AVX512-BF16: the blocked fp32 kernel up to 64 rows,
-    # Intel's as AMD's, and MKL past them; weights that are 4-bit codes read as such there)
+    # Intel's as AMD's, and MKL past them; weights that are 4-bit codes read as such there,
+    # and with AMX, as codes on the tiles from CODED_AMX_ROWS rows up)
     intel_fp32 = KernelPlan(True, False, 0, 16, None, "amx", "avx512")  # built with AMX
     intel_fp32 = dataclasses.replace(
         intel_fp32,
@@ -123,6 +125,7 @@ def test_kernel_plan_per_cpu():
         decode_layers=True,
         blocked_rows=FP32_BLOCKED_ROWS,
         coded_linear=True,
+        coded_amx_rows=CODED_AMX_ROWS,
     )
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == intel_fp32
     no_bf16 = intel_cpu(INTEL_FLAGS.replace("avx512_bf16", ""))
@@ -165,9 +168,12 @@ def test_kernel_plan_per_cpu():
         decode_layers=True,
         coded_linear=True,
     )
-    # (Intel's AMX Xeons the same, but for the attention kernel's AMX build)
+    # (Intel's AMX Xeons the same, but for the attention kernel's AMX build and the AMX
+    # products over codes; without AMX no product of codes goes to the tiles)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == dataclasses.replace(
-        KernelPlan.choose("auto", CPU, f32, f32, zen4), decode_attention_isa="amx"
+        KernelPlan.choose("auto", CPU, f32, f32, zen4),
+        decode_attention_isa="amx",
+        coded_amx_rows=CODED_AMX_ROWS,
     )
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).decode_layers

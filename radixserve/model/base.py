@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import BlockedLinear, CodedLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, CodedLinear, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -195,6 +195,12 @@ class CausalLM(nn.Module):
             self.register_buffer("lm_blocked_weight", packed, persistent=False)
             self.lm_blocked = reader
             self.lm_blocked_rows = rows_for(self.embed_tokens.weight)
+
+    def use_coded_amx(self, kernel: CodedAmxLinear, rows: PackedRows) -> int:
+        """Products of `rows` rows in every linear layer whose weight is GGUF codes in
+        disguise through the AMX kernel on its codes (`Linear.use_coded_amx`); how many."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(linear.use_coded_amx(kernel, rows) for linear in linears)
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

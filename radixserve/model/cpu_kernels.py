@@ -572,6 +572,107 @@ def coded_linear(folder: Path | None = None, form: str = "q4_1") -> CodedLinear 
     return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"), form)
 
 
+
+class CodedAmxLinear:
+    """fp32 products of many rows (prefill chunks, large mixed steps) on AMX's bf16 tiles for
+    weights that are GGUF codes dequantized (`coded_runs`): each run of 32 columns of a weight
+    row is d * q + m for small integer codes q, exact in bf16, and x is split into three bf16
+    parts that sum to it exactly, so every product is exact and summed in fp32: fp32
+    arithmetic in another order, from three tile products per run instead of 32 FMAs a
+    column (fp32_coded_amx.cpp; figures: radixserve/hardware.py CODED_AMX). A weight that
+    is no such codes, or of a shape the kernel does not take: `pack` returns None."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._split = library.fp32_amx_split
+        self._split.argtypes = [p, p, p, i64, i64, i64, c_int]
+        self._split.restype = None
+        self._linear = library.fp32_amx_coded_linear
+        self._linear.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, c_int, c_int]
+        self._linear.restype = None
+        # the last x split, held (q, k and v read one x): (x, parts, sums, mp)
+        self._last: tuple | None = None
+        self._buffer = torch.empty(0, dtype=torch.bfloat16)  # parts, reused (no page faults)
+        self._sums = torch.empty(0)
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """weight (N, K) as (codes: bf16 AMX B tiles, scales: d and m per block of 16
+        features and run, has_min: whether m is not all zero), or None where N is no multiple
+        of 32, K of 32, or no form of codes gives the weight back bit for bit."""
+        if weight.dim() != 2 or weight.dtype != torch.float32:
+            return None
+        n, k = weight.shape
+        if n % 32 or k % CODED_RUN:
+            return None
+        w = weight.detach().float().contiguous()
+        for form in CODE_RANGE:
+            found = coded_runs(w, form)
+            if found is not None:
+                break
+        else:
+            return None
+        d, m, q = found
+        runs = k // CODED_RUN
+        # tile (block b, run j): row p, pair c holds q[16 b + c][32 j + 2 p + {0, 1}]
+        codes = q.to(torch.bfloat16).view(n // 16, 16, runs, 16, 2).permute(0, 2, 3, 1, 4)
+        by_block = [t.view(n // 16, 16, runs).transpose(1, 2) for t in (d, m)]
+        scales = torch.stack(by_block, 2)  # (N / 16, runs, [d, m], 16)
+        return codes.contiguous().view(-1), scales.contiguous().view(-1), bool(m.any())
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """x's three bf16 parts and run sums (fp32_amx_split), those of the last call where
+        x is the same tensor: a product's input is not written in place before the next
+        product reads it (inference tensors keep no version count to tell)."""
+        last = self._last
+        if last is not None and last[0] is x:
+            return last[1], last[2], last[3]
+        m, k = x.shape
+        mp = -(-m // 16) * 16
+        if self._buffer.numel() < 3 * mp * k:
+            self._buffer = torch.empty(3 * mp * k, dtype=torch.bfloat16)
+        if self._sums.numel() < mp * (k // CODED_RUN):
+            self._sums = torch.empty(mp * (k // CODED_RUN))
+        parts, sums = self._buffer, self._sums
+        with profiled("kernel:linear"):
+            self._split(
+                x.data_ptr(), parts.data_ptr(), sums.data_ptr(), m, mp, k, torch.get_num_threads()
+            )
+        self._last = (x, parts, sums, mp)
+        return parts, sums, mp
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        has_min: bool,
+    ) -> torch.Tensor:
+        """x (M, K) fp32 @ W.T + bias for W packed as (codes, scales)."""
+        x = x.contiguous()
+        (m, k), threads = x.shape, torch.get_num_threads()
+        parts, sums, mp = self.split(x)
+        out = torch.empty(m, n)
+        with profiled("kernel:linear"):
+            self._linear(
+                parts.data_ptr(), sums.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), m, mp, n, k,
+                int(has_min), threads,
+            )  # fmt: skip
+        return out
+
+
+@functools.cache
+def coded_amx_linear(folder: Path | None = None) -> CodedAmxLinear | None:
+    """`CodedAmxLinear`, where this CPU and Linux give the AMX tiles (`amx_linear`) and the
+    kernel builds."""
+    if amx_linear(folder) is None:  # asks Linux for the tile state, once per process
+        return None
+    library = load_kernel("fp32_coded_amx", folder, isa="amx")
+    return None if library is None else CodedAmxLinear(library)
+
+
 def blocked_linear(
     dtype: torch.dtype, folder: Path | None = None, isa: str = "avx512"
 ) -> BlockedLinear | None:

@@ -34,6 +34,7 @@ from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.cpu_kernels import (
     blocked_linear,
+    coded_amx_linear,
     coded_linear,
     fused_ops,
     gemm_small_kernel,
@@ -465,6 +466,14 @@ def build_model(
                         "%s of %d products",
                         ", ".join(f"{sum(r is c for r in readers)} {c.form}" for c in coded),
                         len(readers),
+                    )  # fmt: skip
+                amx = coded_amx_linear(kernel_dir) if kernels.coded_amx_rows else None
+                if amx is not None:
+                    count = model.use_coded_amx(amx, PackedRows(kernels.coded_amx_rows, None))
+                    logger.info(
+                        "fp32 products of %d rows or more on AMX's tiles over the weights' codes "
+                        "(x in three exact bf16 parts): %d linear layers",
+                        kernels.coded_amx_rows, count,
                     )  # fmt: skip
                 if blocked.reproduces_torch:
                     logger.info(
