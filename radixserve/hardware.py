@@ -305,15 +305,15 @@ FP32_BLOCKED_ROWS = 64
 # 1,024 with q, k and v reading one split); a prefill of 2 x 512 tokens through the runner
 # 853 -> 597 ms. Accuracy, against the same weights in fp64 (max |error| / max |output|, one
 # product of 200 rows): 2.3-3.5e-7 against MKL's 2.8-5.7e-7. Through the model (SmolLM2,
-# the fidelity suite's 8 prompts, max-abs logit error against transformers run in fp64):
-# 8 prompts of ~10 tokens (84 rows) 8.8e-5 vs transformers fp32's own 9.0e-5 and the MKL
-# path's 1.06e-4; the same prompts x 6 (504 rows) 1.09e-4 vs transformers fp32's 1.09e-3 and
-# the MKL path's 8.7e-4. But its rounding is not MKL's, so against transformers fp32 the
-# 84-row batch lands 1.75e-4 away (the MKL path 7.6e-5; at 504 rows the MKL path is 2.2e-4
-# away too): the fidelity suite's bar (1e-4 from transformers fp32, which sits 9e-5 from
-# fp64 itself there) is kept by leaving products of under 128 rows to MKL (the suite's
-# batch is 84), and the kernel's accuracy is tested against fp64 instead
-# (tests/test_packed_linear.py).
+# the fidelity suite's 8 prompts, logits against transformers run in fp64, max / mean abs
+# error): as they are (84 rows) 8.8e-5 / 1.13e-5, transformers fp32 8.99e-5 / 1.13e-5, the
+# MKL path 1.06e-4 / 1.28e-5; each repeated 4 times (336 rows) 8.8e-5 / 8.7e-6, 8.75e-5 /
+# 9.3e-6, 7.3e-5 / 8.7e-6: fp32's accuracy, as the others. But its rounding is not MKL's,
+# and transformers' is MKL's: against transformers fp32 the suite's 84-row batch lands
+# 1.75e-4 away (the MKL path 7.6e-5; transformers itself moves 6.8e-5 between row counts).
+# The fidelity suite's bar (1e-4 from transformers fp32) is kept by leaving products of under
+# 128 rows to MKL (the suite's batch is 84 rows); the kernel's accuracy is tested against
+# fp64 (tests/test_packed_linear.py).
 CODED_AMX_ROWS = 128
 
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's

@@ -19,8 +19,10 @@ from radixserve.core.req import Req
 from radixserve.hardware import cpu_info
 from radixserve.model import layers
 from radixserve.model.cpu_kernels import (
+    CodedAmxLinear,
     CodedLinear,
     amx_linear,
+    coded_amx_linear,
     coded_linear,
     cpu_runs,
     fp32_linear,
@@ -60,6 +62,8 @@ needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor
 FP32 = fp32_linear()  # fp32_linear_avx512.cpp: AVX-512 (the kernels' build takes AVX512-BF16)
 needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-512")
 CODED = {form: coded_linear(None, form) for form in ("q4_1", "q8_0")}  # its coded forms
+CODED_AMX = coded_amx_linear() if cpu_info().amx_bf16 else None  # fp32_coded_amx.cpp
+needs_coded_amx = pytest.mark.skipif(CODED_AMX is None, reason="this CPU has no AMX")
 
 
 def as_codes(weight: torch.Tensor, form: str = "q4_1") -> torch.Tensor:
@@ -341,6 +345,107 @@ def test_the_default_models_linear_layers_are_read_as_codes():
     assert all(isinstance(m.blocked, CodedLinear) and m.blocked.form == "q4_1" for m in linears)
     head = runner.model.lm_blocked
     assert isinstance(head, CodedLinear) and head.form == "q8_0"
+
+
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((out.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+@needs_coded_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 130, 300])
+@pytest.mark.parametrize(("n", "k"), [(32, 32), (64, 96), (192, 576), (576, 1536)])
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+def test_the_amx_product_of_codes_is_as_accurate_as_mkls(rows, n, k, form):
+    """A weight of Q4_1 (Q8_0) codes on AMX's tiles, x in three bf16 parts: every product
+    exact, the sums in fp32, so against the product in fp64 it is off by about what MKL's
+    fp32 product is: at most twice that plus 2^-21 of the output's scale (its sums d * P and
+    m * S cancel a little where w = d * q + m does; a part of x dropped would be off by
+    ~2^-17), with and without a bias, for row counts that are and are not multiples of 16."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight = as_codes(torch.randn(n, k, generator=gen) / 24, form)
+    x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    packed = CODED_AMX.pack(weight)
+    assert packed is not None
+    codes, scales, has_min = packed
+    assert codes.dtype == BF16 and codes.numel() == n * k and has_min == (form == "q4_1")
+    for bias in (None, b):
+        out = CODED_AMX(x, codes, scales, n, bias, has_min)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        mkl = relative_error(F.linear(x, weight, bias), exact)
+        assert relative_error(out, exact) <= 2 * mkl + 2**-21
+
+
+@needs_coded_amx
+def test_x_splits_into_three_bf16_parts_that_sum_to_it_exactly():
+    """fp32_amx_split: hi + mid + lo == x exactly (each part bf16), rows padded to 16 with
+    zeros, and each run of 32 columns summed; the split of one x serves the products that
+    read it (q, k, v), and another x of the same shape gets its own."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 96, generator=gen) * torch.logspace(-6, 6, 96)
+    parts, sums, mp = CODED_AMX.split(x)
+    assert mp == 48
+    hi, mid, lo = parts[: 3 * mp * 96].view(3, mp, 96).double()
+    assert torch.equal(hi[:37] + mid[:37] + lo[:37], x.double())
+    assert not hi[37:].any() and not mid[37:].any() and not lo[37:].any()
+    runs = sums[: mp * 3].view(mp, 3)
+    exact = x.double().view(37, 3, 32).sum(-1)
+    assert torch.allclose(runs[:37].double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max())
+    assert CODED_AMX.split(x)[0].data_ptr() == parts.data_ptr()
+    weight = as_codes(torch.randn(64, 96, generator=gen) / 24)
+    codes, scales, has_min = CODED_AMX.pack(weight)
+    for y in (x, x * 2, -x):  # one tensor, then two new ones of its shape
+        exact = F.linear(y.double(), weight.double())
+        assert relative_error(CODED_AMX(y, codes, scales, 64, None, has_min), exact) < 1e-6
+
+
+@needs_coded_amx
+def test_only_weights_of_codes_go_to_the_amx_product():
+    """pack says None for random weights, 48 output features (pairs of 16-feature blocks
+    only), columns no multiple of 32, and bf16."""
+    gen = torch.Generator().manual_seed(4)
+    weight = as_codes(torch.randn(64, 96, generator=gen))
+    assert CODED_AMX.pack(weight) is not None
+    assert CODED_AMX.pack(torch.randn(64, 96, generator=gen)) is None
+    assert CODED_AMX.pack(weight[:48].contiguous()) is None
+    assert CODED_AMX.pack(weight[:, :80].contiguous()) is None
+    assert CODED_AMX.pack(weight.to(BF16)) is None
+
+
+@needs_coded_amx
+def test_a_default_model_prefill_on_the_amx_product_is_as_near_fp64_as_transformers():
+    """SmolLM2 fp32 where the plan puts products of CODED_AMX_ROWS rows or more on the AMX
+    kernel over the codes: all 180 linear layers take it, a batch prefill of 8 prompts (over
+    300 rows) has logits as near transformers run in fp64 as transformers' own fp32 logits
+    are (measured here: max 8.8e-5 vs 8.75e-5, mean 8.7e-6 vs 9.3e-6; a part of x dropped
+    would put it orders of magnitude off), and its greedy continuations are transformers'
+    fp32 ones."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.reference import reference_greedy
+    from tests.test_fidelity import TEXTS
+
+    runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=4096), progress=False)
+    rows = runner.kernels.coded_amx_rows
+    assert rows > 0
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 180 and all(isinstance(m.coded_amx, CodedAmxLinear) for m in linears)
+    prompts = [runner.tokenizer.encode(" ".join([t] * 4), add_special_tokens=False) for t in TEXTS]
+    assert sum(map(len, prompts)) >= max(rows, 300)
+    logits = prefill_logits(runner, prompts).double()
+    references = {}
+    for dtype in (torch.float32, torch.float64):
+        model = AutoModelForCausalLM.from_pretrained(runner.model_folder, dtype=dtype).eval()
+        with torch.no_grad():
+            references[dtype] = torch.cat([model(torch.tensor([p])).logits[0] for p in prompts])
+        if dtype == torch.float32:
+            expected = [reference_greedy(model, p, 8) for p in prompts]
+    exact = references[torch.float64]
+    ours, theirs = (logits - exact).abs(), (references[torch.float32].double() - exact).abs()
+    assert ours.max() <= 1.5 * theirs.max(), (ours.max(), theirs.max())
+    assert ours.mean() <= 1.25 * theirs.mean(), (ours.mean(), theirs.mean())
+    results = StaticGenerator(runner).generate(prompts, [greedy(8) for _ in prompts])
+    assert [r.output_ids for r in results] == expected
 
 
 @needs_amx

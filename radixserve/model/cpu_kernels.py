@@ -572,7 +572,6 @@ def coded_linear(folder: Path | None = None, form: str = "q4_1") -> CodedLinear 
     return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"), form)
 
 
-
 class CodedAmxLinear:
     """fp32 products of many rows (prefill chunks, large mixed steps) on AMX's bf16 tiles for
     weights that are GGUF codes dequantized (`coded_runs`): each run of 32 columns of a weight

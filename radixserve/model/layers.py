@@ -146,7 +146,9 @@ class Linear(nn.Linear):
     def uses_packed(self, x: torch.Tensor) -> bool:
         """A product of x's rows reads a weight laid out at load (the blocked kernel's or
         oneDNN's)."""
-        return self.uses_blocked(x) or self.uses_coded_amx(x) or (self.packed_rows is not None and self.packed_rows.covers(x))
+        if self.uses_blocked(x) or self.uses_coded_amx(x):
+            return True
+        return self.packed_rows is not None and self.packed_rows.covers(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_blocked(x):
