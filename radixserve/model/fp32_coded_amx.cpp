@@ -1,5 +1,5 @@
 // fp32 linear products of many rows (prefill chunks, large mixed steps) on Intel AMX, for
-// weights that are GGUF codes dequantized (cpu_kernels.CodedLinear finds them): in every run
+// weights that are GGUF codes dequantized (cpu_kernels.coded_runs finds them): in every run
 // of 32 columns of a weight row, w = d * q + m for integer codes q (Q4_1: 0..15; Q8_0:
 // -128..127, m = 0) and fp32 d, m.
 //
