@@ -33,7 +33,9 @@
 // (AMX), 2 threads, SmolLM2's 30 layers at 1,024 rows: four accumulators (32 rows x 2 blocks)
 // stored, then folded before the next run's products could start, ran 436-468 ms; one 16 x 16
 // accumulator held in registers (4 tile loads per 3 products) 478; this 393-396; with no fold
-// at all 310 (MKL 692).
+// at all 310 (MKL 692). Rows of x per pass over a thread's pairs (the same sums, whatever
+// the rows), random codes: 128 385-410 ms, 64 369-379, 32 365-370, 16 375-382; on the real
+// weights 32 against 128 was 376-389 vs 386-402 at 1,024 rows but 53 vs 49 at 128: kept 128.
 //
 // Needs AMX-TILE, AMX-BF16, AVX512-BF16 and the tile data permission from Linux (the bf16
 // kernel's `bf16_amx_enable`, asked once per process).
