@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, CodedLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, CodedLinear, Codes, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -165,6 +165,7 @@ class CausalLM(nn.Module):
         rows: PackedRows,
         exact_rows: PackedRows | None = None,
         coded: tuple[CodedLinear, ...] = (),
+        coded_amx: tuple[CodedAmxLinear, PackedRows] | None = None,
     ) -> None:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
@@ -173,34 +174,35 @@ class CausalLM(nn.Module):
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
         instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the
         first of those kernels that reads it as its codes, for the same rows (`CodedLinear`:
-        the blocked kernel's bits from a fraction of the bytes). Before `pack_linears`."""
+        the blocked kernel's bits from a fraction of the bytes). With `coded_amx` (kernel,
+        rows), a linear layer whose weight is such codes takes those rows through the AMX
+        kernel on its codes (`Linear.use_coded_amx`), the codes found once for both. Before
+        `pack_linears`."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
 
-        def as_codes(weight: torch.Tensor) -> tuple[BlockedLinear, torch.Tensor | None]:
+        def as_codes(
+            weight: torch.Tensor,
+        ) -> tuple[BlockedLinear, torch.Tensor | None, Codes | None]:
             for form in coded:
-                codes = form.pack(weight)
-                if codes is not None:
-                    return form, codes
-            return kernel, None
+                found = form.find(weight)
+                if found is not None:
+                    return form, form.pack(weight, found), found
+            return kernel, None, None
 
         for module in self.modules():
             if isinstance(module, Linear):
-                reader, codes = as_codes(module.weight)
+                reader, codes, found = as_codes(module.weight)
                 module.use_blocked(reader, rows_for(module.weight), codes)
+                if coded_amx is not None:
+                    module.use_coded_amx(*coded_amx, found)
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
-            reader, codes = as_codes(self.embed_tokens.weight)
+            reader, codes, _ = as_codes(self.embed_tokens.weight)
             packed = codes if codes is not None else kernel.pack(self.embed_tokens.weight)
             self.register_buffer("lm_blocked_weight", packed, persistent=False)
             self.lm_blocked = reader
             self.lm_blocked_rows = rows_for(self.embed_tokens.weight)
-
-    def use_coded_amx(self, kernel: CodedAmxLinear, rows: PackedRows) -> int:
-        """Products of `rows` rows in every linear layer whose weight is GGUF codes in
-        disguise through the AMX kernel on its codes (`Linear.use_coded_amx`); how many."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        return sum(linear.use_coded_amx(kernel, rows) for linear in linears)
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

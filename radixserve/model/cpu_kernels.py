@@ -499,12 +499,19 @@ class CodedLinear(BlockedLinear):
         """The blocked kernel's answer: the same weights, the same sums."""
         return self.blocked.same_as_torch(weight)
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        """weight (N, K) as the kernel's codes (a flat uint8 tensor), or None where it does
-        not fit or some run of it is no (d * q) + m of this form."""
+    def find(self, weight: torch.Tensor) -> Codes | None:
+        """weight's (d, m, q) in this form (`coded_runs`), or None where it does not fit or
+        some run of it is no (d * q) + m of this form."""
         if not self.fits(weight):
             return None
-        found = coded_runs(weight.detach().float().contiguous(), self.form)
+        return coded_runs(weight.detach().float().contiguous(), self.form)
+
+    def pack(  # type: ignore[override]
+        self, weight: torch.Tensor, found: Codes | None = None
+    ) -> torch.Tensor | None:
+        """weight (N, K) as the kernel's codes (a flat uint8 tensor), or None where `find`
+        says None; `found`: what `find` gave for it already."""
+        found = found if found is not None else self.find(weight)
         if found is None:
             return None
         d, m, q = found  # (N, K / 32) fp32 twice, (N, K / 32, 32) codes
@@ -523,9 +530,11 @@ class CodedLinear(BlockedLinear):
         return codes.reshape(-1).contiguous()
 
 
-def coded_runs(
-    weight: torch.Tensor, form: str = "q4_1"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+# a weight's codes as `coded_runs` finds them: (d, m, q)
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
     """(d, m, q) with (d * q) + m == weight bit for bit in every run of CODED_RUN columns of
     a row, q in the form's CODE_RANGE (int16), or None. Q4_1: m is the run's least value (q
     = 0 there), d the step that takes it to the greatest in 15 steps; Q8_0: m = 0 (adding it
@@ -591,25 +600,24 @@ class CodedAmxLinear:
         self._linear.restype = None
         # the last x split, held (q, k and v read one x): (x, parts, sums, mp)
         self._last: tuple | None = None
-        self._buffer = torch.empty(0, dtype=torch.bfloat16)  # parts, reused (no page faults)
-        self._sums = torch.empty(0)
 
-    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    def pack(
+        self, weight: torch.Tensor, found: Codes | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """weight (N, K) as (codes: bf16 AMX B tiles, scales: d and m per block of 16
         features and run, has_min: whether m is not all zero), or None where N is no multiple
-        of 32, K of 32, or no form of codes gives the weight back bit for bit."""
+        of 32, K of 32, or no form of codes gives the weight back bit for bit; `found`: its
+        codes in some form, found already (`CodedLinear.find`)."""
         if weight.dim() != 2 or weight.dtype != torch.float32:
             return None
         n, k = weight.shape
         if n % 32 or k % CODED_RUN:
             return None
-        w = weight.detach().float().contiguous()
-        for form in CODE_RANGE:
-            found = coded_runs(w, form)
-            if found is not None:
-                break
-        else:
-            return None
+        if found is None:
+            w = weight.detach().float().contiguous()
+            found = next(filter(None, (coded_runs(w, form) for form in CODE_RANGE)), None)
+            if found is None:
+                return None
         d, m, q = found
         runs = k // CODED_RUN
         # tile (block b, run j): row p, pair c holds q[16 b + c][32 j + 2 p + {0, 1}]
@@ -627,11 +635,8 @@ class CodedAmxLinear:
             return last[1], last[2], last[3]
         m, k = x.shape
         mp = -(-m // 16) * 16
-        if self._buffer.numel() < 3 * mp * k:
-            self._buffer = torch.empty(3 * mp * k, dtype=torch.bfloat16)
-        if self._sums.numel() < mp * (k // CODED_RUN):
-            self._sums = torch.empty(mp * (k // CODED_RUN))
-        parts, sums = self._buffer, self._sums
+        parts = torch.empty(3 * mp * k, dtype=torch.bfloat16)
+        sums = torch.empty(mp * (k // CODED_RUN))
         with profiled("kernel:linear"):
             self._split(
                 x.data_ptr(), parts.data_ptr(), sums.data_ptr(), m, mp, k, torch.get_num_threads()

@@ -46,6 +46,7 @@
 
 #include "amx_tiles.h"
 #include "linear_groups.h"
+#include "simd_avx512.h"
 
 namespace {
 
@@ -145,33 +146,24 @@ extern "C" void fp32_amx_split(const float* x, uint16_t* parts, float* sums, int
     const int64_t runs = k / kRun, plane = mp * k;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < mp; r++) {
+        uint16_t* row = parts + r * k;
+        if (r >= m) {
+            for (int p = 0; p < 3; p++) memset(row + p * plane, 0, k * sizeof(uint16_t));
+            memset(sums + r * runs, 0, runs * sizeof(float));
+            continue;
+        }
         for (int64_t j = 0; j < runs; j++) {
-            __m512i packed[3][2];
-            float sum = 0.0f;
-            if (r < m) {
-                __m512 sum16 = _mm512_setzero_ps();
-                for (int h = 0; h < 2; h++) {
-                    const __m512 v = _mm512_loadu_ps(x + r * k + j * kRun + h * 16);
-                    sum16 = _mm512_add_ps(sum16, v);
-                    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
-                    const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
-                    const __m256i mid = (__m256i)_mm512_cvtneps_pbh(rest);
-                    const __m512 last = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(mid), 16)));
-                    const __m256i lo = (__m256i)_mm512_cvtneps_pbh(last);
-                    packed[0][h] = _mm512_castsi256_si512(hi);
-                    packed[1][h] = _mm512_castsi256_si512(mid);
-                    packed[2][h] = _mm512_castsi256_si512(lo);
-                }
-                sum = _mm512_reduce_add_ps(sum16);
-                for (int p = 0; p < 3; p++) {
-                    uint16_t* dst = parts + p * plane + r * k + j * kRun;
-                    _mm256_storeu_si256((__m256i*)dst, _mm512_castsi512_si256(packed[p][0]));
-                    _mm256_storeu_si256((__m256i*)(dst + 16), _mm512_castsi512_si256(packed[p][1]));
-                }
-            } else {
-                for (int p = 0; p < 3; p++) memset(parts + p * plane + r * k + j * kRun, 0, kRun * 2);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t c = j * kRun; c < (j + 1) * kRun; c += 16) {
+                const __m512 v = _mm512_loadu_ps(x + r * k + c);
+                const __m512 rest = _mm512_sub_ps(v, simd512::round_bf16(v));    // exact
+                const __m512 last = _mm512_sub_ps(rest, simd512::round_bf16(rest));  // exact
+                simd512::store_bf16(row + c, v);
+                simd512::store_bf16(row + plane + c, rest);
+                simd512::store_bf16(row + 2 * plane + c, last);
+                sum = _mm512_add_ps(sum, v);
             }
-            sums[r * runs + j] = sum;
+            sums[r * runs + j] = _mm512_reduce_add_ps(sum);
         }
     }
 }

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, Codes, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
@@ -116,10 +116,13 @@ class Linear(nn.Linear):
         self.blocked, self.blocked_rows = kernel, rows
         self.blocked_bias = None if self.bias is None else self.bias.detach().float()
 
-    def use_coded_amx(self, kernel: CodedAmxLinear, rows: PackedRows) -> bool:
+    def use_coded_amx(
+        self, kernel: CodedAmxLinear, rows: PackedRows, found: Codes | None = None
+    ) -> bool:
         """Products of `rows` rows through the AMX kernel on the weight's codes, where the
-        weight is codes in disguise (`CodedAmxLinear.pack`; else False, nothing changed)."""
-        packed = kernel.pack(self.weight)
+        weight is codes in disguise (`CodedAmxLinear.pack`, given `found` where they were
+        found already; else False, nothing changed)."""
+        packed = kernel.pack(self.weight, found)
         if packed is None:
             return False
         codes, scales, self.coded_amx_min = packed

@@ -457,23 +457,25 @@ def build_model(
                 rows = PackedRows(1, kernels.blocked_rows)
                 forms = ("q4_1", "q8_0") if kernels.coded_linear else ()
                 coded = tuple(c for f in forms if (c := coded_linear(kernel_dir, f)) is not None)
-                model.use_blocked_linears(blocked, rows, PackedRows(1, None), coded)
+                amx = coded_amx_linear(kernel_dir) if kernels.coded_amx_rows else None
+                amx_rows = PackedRows(kernels.coded_amx_rows, None)
+                model.use_blocked_linears(
+                    blocked, rows, PackedRows(1, None), coded, (amx, amx_rows) if amx else None
+                )
+                linears = [m for m in model.modules() if isinstance(m, Linear)]
                 if coded:
-                    readers = [m.blocked for m in model.modules() if isinstance(m, Linear)]
-                    readers.append(model.lm_blocked)
+                    readers = [m.blocked for m in linears] + [model.lm_blocked]
                     logger.info(
                         "fp32 weights that are GGUF codes dequantized, read as their codes: "
                         "%s of %d products",
                         ", ".join(f"{sum(r is c for r in readers)} {c.form}" for c in coded),
                         len(readers),
                     )  # fmt: skip
-                amx = coded_amx_linear(kernel_dir) if kernels.coded_amx_rows else None
                 if amx is not None:
-                    count = model.use_coded_amx(amx, PackedRows(kernels.coded_amx_rows, None))
                     logger.info(
                         "fp32 products of %d rows or more on AMX's tiles over the weights' codes "
                         "(x in three exact bf16 parts): %d linear layers",
-                        kernels.coded_amx_rows, count,
+                        kernels.coded_amx_rows, sum(m.coded_amx is amx for m in linears),
                     )  # fmt: skip
                 if blocked.reproduces_torch:
                     logger.info(
