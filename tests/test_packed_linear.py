@@ -313,24 +313,24 @@ def test_an_fp32_model_of_codes_reads_them_with_the_blocked_kernels_bits(
     """A model whose linear weights are Q4_1 codes dequantized (the default model's are):
     with the coded kernel beside the blocked one, every linear layer reads its codes (the
     tied head, no codes here, its blocked copy), and prefill and decode logits are the
-    blocked kernel's bit for bit."""
-    runners = [torch_runner(tiny_model_dirs["llama"], model_cache_dir) for _ in range(2)]
-    for runner in runners:
-        for module in runner.model.modules():
-            if isinstance(module, Linear):
-                module.weight.data = as_codes(module.weight)
-    blocked, coded = runners
-    blocked.model.use_blocked_linears(FP32, PackedRows(1, 64))
-    coded.model.use_blocked_linears(FP32, PackedRows(1, 64), coded=(CODED["q4_1"],))
-    linears = [m for m in coded.model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m.blocked, CodedLinear) for m in linears)
+    blocked kernel's bit for bit (one runner, its layers switched from one kernel to the
+    other: everything else alike)."""
+    runner = torch_runner(tiny_model_dirs["llama"], model_cache_dir)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    for module in linears:
+        module.weight.data = as_codes(module.weight)
     prompts = [[5, 6, 7, 8, 9, 10], [11] * 40, [12, 13]]
-    assert torch.equal(prefill_logits(coded, prompts), prefill_logits(blocked, prompts))
     params = [greedy(12) for _ in prompts]
-    a = StaticGenerator(coded).generate(prompts, params, return_logprob=True)
-    b = StaticGenerator(blocked).generate(prompts, params, return_logprob=True)
+    results = {}
+    for reader in ("blocked", "coded"):
+        coded = (CODED["q4_1"],) if reader == "coded" else ()
+        runner.model.use_blocked_linears(FP32, PackedRows(1, 64), coded=coded)
+        generated = StaticGenerator(runner).generate(prompts, params, return_logprob=True)
+        results[reader] = prefill_logits(runner, prompts), generated
+    assert linears and all(isinstance(m.blocked, CodedLinear) for m in linears)
+    (coded_logits, a), (blocked_logits, b) = results["coded"], results["blocked"]
+    assert torch.equal(coded_logits, blocked_logits)
     assert [(x.output_ids, x.logprobs) for x in a] == [(y.output_ids, y.logprobs) for y in b]
-
 
 @needs_fp32_kernel
 def test_the_default_models_linear_layers_are_read_as_codes():

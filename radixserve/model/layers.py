@@ -316,9 +316,14 @@ class RotaryEmbedding(nn.Module):
             return
         inv_freq, scale = rope_inv_freq(self.config, self.head_dim, self.layer_type)
         freqs = torch.arange(self.max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.cos.copy_(emb.cos() * scale)
-        self.sin.copy_(emb.sin() * scale)
+        emb = torch.cat((freqs, freqs), dim=-1).double()  # (P, D)
+        # cos and sin of the fp32 angles in fp64, rounded to fp32: the fp32 values correctly
+        # rounded. torch's fp32 cos over this (P, D) table came out ~11 bits accurate in one
+        # thread's half of it in some processes (the first runner a test process built, on
+        # an Intel Xeon with AMX: cos(1) 0.5403335 for 0.5403023), so that two runners of
+        # one model disagreed by 1.3e-3 in a tiny model's logits
+        self.cos.copy_(emb.cos().float() * scale)
+        self.sin.copy_(emb.sin().float() * scale)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
         """cos/sin rows for the batch's positions (T,), looked up once per forward pass."""
