@@ -332,6 +332,7 @@ def test_an_fp32_model_of_codes_reads_them_with_the_blocked_kernels_bits(
     assert torch.equal(coded_logits, blocked_logits)
     assert [(x.output_ids, x.logprobs) for x in a] == [(y.output_ids, y.logprobs) for y in b]
 
+
 @needs_fp32_kernel
 def test_the_default_models_linear_layers_are_read_as_codes():
     """SmolLM2 from its GGUF (Q4_1 linear layers, a Q8_0 embedding): the runner's fp32 plan
