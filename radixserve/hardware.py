@@ -316,6 +316,26 @@ FP32_BLOCKED_ROWS = 64
 # fp64 (tests/test_packed_linear.py).
 CODED_AMX_ROWS = 128
 
+# CODED_LUT: fp32 products of many rows of weights that are 4-bit GGUF codes (Q4_1) by tables
+# of subset sums (fp32_coded_lut.cpp): per 8 columns, 4 vector loads and 3 exact doublings
+# stand in for 8 FMAs, so the kernel beats MKL (at the FMA peak) where a core issues fewer
+# FMAs than vector loads a cycle, and loses where it issues as many. Which one a CPU is can
+# not be read from its flags, so on CPUs with the blocked fp32 kernel and no AMX (AMD's Zen 4;
+# Intel's AVX-512 Xeons without AMX) it is measured at start-up (`measure_coded_lut`: each
+# build of the kernel against MKL on one weight of each shape, CODED_LUT_SAMPLE_ROWS rows,
+# medians of 5 alternated) and a shape takes the kernel where it ran CODED_LUT_MARGIN times
+# faster than MKL or more, for products of CODED_LUT_ROWS rows or more (the fidelity suite's
+# 84-row batch stays on MKL, as for CODED_AMX). Intel Xeon (AVX-512, two 512-bit FMAs a
+# cycle), 2 threads, SmolLM2's 6 shapes of a layer, ms, medians of 7 alternated, MKL / 16 rows
+# a vector with 2 groups a chunk (the best build there): 3.69 / 3.78 at 128 rows, 13.26 /
+# 15.37 at 512, 24.50 / 30.24 at 1,024 (0.81x; 1 group 0.76x, 4 groups 0.75x, 8 rows a vector
+# 0.55x); accuracy against fp64 as MKL's (max |error| / max |output| 5.9e-7 vs 5.2e-7). So no
+# shape takes it there, and the AMX kernel is the one on AMX CPUs. Unmeasured on AMD's Zen 4
+# (one 512-bit FMA a cycle, half this Xeon's): the start-up measurement decides there.
+CODED_LUT_ROWS = 128
+CODED_LUT_SAMPLE_ROWS = 256
+CODED_LUT_MARGIN = 1.1
+
 # EXTEND_ATTENTION: prefill / extend attention of a model over a pool of its dtype, SmolLM2's
 # heads (9 query, 3 KV, dim 64), AMD EPYC Zen 4 (AVX-512, AVX512-BF16), 2 threads, ms per
 # layer, torch SDPA (flash, CPU; extends: K/V gathered, a mask) -> extend_attention_avx512.cpp,
@@ -388,6 +408,10 @@ class KernelPlan:
     # to it exactly, the codes exact in bf16: every product exact, sums in fp32) instead of
     # MKL; 0: off (see CODED_AMX)
     coded_amx_rows: int = 0
+    # fp32 models on the blocked kernel, CPUs without AMX: products of this many rows or more
+    # of weights that are 4-bit codes through fp32_coded_lut.cpp (tables of subset sums),
+    # for the shapes where it measures faster than MKL at start-up; 0: off (see CODED_LUT)
+    coded_lut_rows: int = 0
     # a model's prefill and extend rows (new tokens after a cached prefix) attend over a
     # pool of the model's dtype in place, flash-style, instead of torch's SDPA over gathered
     # K/V with a mask: fp32 models on any CPU with AVX2 (extend_attention.cpp, or the
@@ -444,6 +468,7 @@ class KernelPlan:
             blocked_isa=blocked_isa,
             coded_linear=fp32_blocked,
             coded_amx_rows=CODED_AMX_ROWS if fp32_blocked and cpu.amx_bf16 else 0,
+            coded_lut_rows=CODED_LUT_ROWS if fp32_blocked and not cpu.amx_bf16 else 0,
             decode_layers=attention and on_x86 and fused_dtype,
             extend_attention=attention
             and dtype == kv_dtype

@@ -15,6 +15,7 @@ from radixserve.hardware import (
     AMX_ROWS,
     AVX512_BF16_ROWS,
     CODED_AMX_ROWS,
+    CODED_LUT_ROWS,
     FEW_ROWS_MAX,
     FP32_BLOCKED_ROWS,
     CpuInfo,
@@ -154,7 +155,9 @@ def test_kernel_plan_per_cpu():
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None
     # AVX-512 with AVX512-BF16, no AMX (AMD Zen 4): every bf16 product packed, decode-sized
     # ones through the AMX kernel's AVX-512 build; fp32 products of up to 64 rows through
-    # the fp32 blocked kernel (nothing packed: prefill stays MKL's; no one-row kernel)
+    # the fp32 blocked kernel (nothing packed; no one-row kernel), and products of many rows
+    # of 4-bit codes by tables of subset sums from CODED_LUT_ROWS rows up, for the shapes
+    # where they measure faster than MKL at start-up
     zen4 = cpu(ZEN4_FLAGS, "AVX512", "AuthenticAMD")
     zen4_rows = AVX512_BF16_ROWS if onednn else 0  # the AVX-512 build of the AMX kernel
     assert KernelPlan.choose("auto", CPU, bf16, bf16, zen4) == KernelPlan(
@@ -167,13 +170,15 @@ def test_kernel_plan_per_cpu():
         extend_attention=True,
         decode_layers=True,
         coded_linear=True,
+        coded_lut_rows=CODED_LUT_ROWS,
     )
     # (Intel's AMX Xeons the same, but for the attention kernel's AMX build and the AMX
-    # products over codes; without AMX no product of codes goes to the tiles)
+    # products over codes in place of the lookups; without AMX no product goes to the tiles)
     assert KernelPlan.choose("auto", CPU, f32, f32, intel) == dataclasses.replace(
         KernelPlan.choose("auto", CPU, f32, f32, zen4),
         decode_attention_isa="amx",
         coded_amx_rows=CODED_AMX_ROWS,
+        coded_lut_rows=0,
     )
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).extend_attention
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, zen4).decode_layers

@@ -16,18 +16,22 @@ import torch.nn.functional as F
 
 from radixserve.config import Config
 from radixserve.core.req import Req
-from radixserve.hardware import cpu_info
+from radixserve.hardware import CODED_LUT_ROWS, cpu_info
 from radixserve.model import layers
 from radixserve.model.cpu_kernels import (
     CodedAmxLinear,
     CodedLinear,
+    CodedLutLinear,
     amx_linear,
     coded_amx_linear,
     coded_linear,
+    coded_lut_linear,
+    coded_runs,
     cpu_runs,
     fp32_linear,
     fused_ops,
     gemv_kernel,
+    measure_coded_lut,
     torch_sum_chunk,
 )
 from radixserve.model.layers import (
@@ -64,6 +68,8 @@ needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-
 CODED = {form: coded_linear(None, form) for form in ("q4_1", "q8_0")}  # its coded forms
 CODED_AMX = coded_amx_linear() if cpu_info().amx_bf16 else None  # fp32_coded_amx.cpp
 needs_coded_amx = pytest.mark.skipif(CODED_AMX is None, reason="this CPU has no AMX")
+# fp32_coded_lut.cpp's builds that run here: 8 rows a vector (AVX2), 16 (AVX-512)
+LUT_LANES = [8, 16] if cpu_runs("avx512") else [8]
 
 
 def as_codes(weight: torch.Tensor, form: str = "q4_1") -> torch.Tensor:
@@ -413,24 +419,34 @@ def test_only_weights_of_codes_go_to_the_amx_product():
     assert CODED_AMX.pack(weight.to(BF16)) is None
 
 
-@needs_coded_amx
-def test_a_default_model_prefill_on_the_amx_product_is_as_near_fp64_as_transformers():
-    """SmolLM2 fp32 where the plan puts products of CODED_AMX_ROWS rows or more on the AMX
-    kernel over the codes: all 180 linear layers take it, a batch prefill of 8 prompts (over
-    300 rows) has logits as near transformers run in fp64 as transformers' own fp32 logits
-    are (measured here: max 8.8e-5 vs 8.75e-5, mean 8.7e-6 vs 9.3e-6; a part of x dropped
-    would put it orders of magnitude off), and its greedy continuations are transformers'
-    fp32 ones."""
+@pytest.mark.parametrize("kernel", ["amx", "lookup"])
+def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transformers(kernel):
+    """SmolLM2 fp32 with products of many rows over the weights' codes: on AMX's tiles where
+    the plan puts products of CODED_AMX_ROWS rows or more there, or by tables of subset sums
+    (forced here for CODED_LUT_ROWS rows or more, as the plan does on CPUs without AMX where
+    it measures faster than MKL). All 180 linear layers take it, a batch prefill of 8 prompts
+    (over 300 rows) has logits as near transformers run in fp64 as transformers' own fp32
+    logits are (measured on an Intel Xeon, max / mean: AMX 8.8e-5 / 8.7e-6, lookups 1.13e-4 /
+    8.9e-6, transformers fp32 8.75e-5 / 9.3e-6; a part of x dropped or a wrong lookup would
+    put it orders of magnitude off), and its greedy continuations are transformers' fp32
+    ones."""
     from transformers import AutoModelForCausalLM
 
     from tests.reference import reference_greedy
     from tests.test_fidelity import TEXTS
 
+    if kernel == "amx" and CODED_AMX is None:
+        pytest.skip("this CPU has no AMX")
     runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=4096), progress=False)
-    rows = runner.kernels.coded_amx_rows
-    assert rows > 0
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 180 and all(isinstance(m.coded_amx, CodedAmxLinear) for m in linears)
+    if kernel == "amx":
+        rows = runner.kernels.coded_amx_rows
+        assert rows > 0
+        assert all(isinstance(m.coded_prefill, CodedAmxLinear) for m in linears)
+    else:
+        rows, lut = CODED_LUT_ROWS, coded_lut_linear(max(LUT_LANES), 2)
+        assert all(m.use_coded_prefill(lut, PackedRows(rows, None)) for m in linears)
+    assert len(linears) == 180
     prompts = [runner.tokenizer.encode(" ".join([t] * 4), add_special_tokens=False) for t in TEXTS]
     assert sum(map(len, prompts)) >= max(rows, 300)
     logits = prefill_logits(runner, prompts).double()
@@ -447,6 +463,70 @@ def test_a_default_model_prefill_on_the_amx_product_is_as_near_fp64_as_transform
     assert ours.mean() <= 1.25 * theirs.mean(), (ours.mean(), theirs.mean())
     results = StaticGenerator(runner).generate(prompts, [greedy(8) for _ in prompts])
     assert [r.output_ids for r in results] == expected
+
+
+@pytest.mark.parametrize("lanes", LUT_LANES)
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 130])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (64, 96), (192, 576)])
+def test_the_lookup_product_of_codes_is_as_accurate_as_mkls(lanes, chunk, rows, n, k):
+    """A weight of Q4_1 codes by tables of subset sums of x (fp32_coded_lut.cpp): no
+    product rounded, only sums of x, so against the product in fp64 it is off by about what
+    MKL's fp32 product is (at most twice that plus 2^-21 of the output's scale; a wrong
+    lookup would be off by whole terms), with and without a bias, for row counts that are and
+    are not multiples of a vector's rows, each build and chunk of groups."""
+    kernel = coded_lut_linear(lanes, chunk)
+    assert isinstance(kernel, CodedLutLinear)
+    gen = torch.Generator().manual_seed(rows * n + k + lanes + chunk)
+    weight = as_codes(torch.randn(n, k, generator=gen) / 24)
+    x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    offsets, scales, has_min = kernel.pack(weight)
+    assert offsets.dtype == torch.uint16 and offsets.numel() == n * k // 2 and has_min
+    for bias in (None, b):
+        out = kernel(x, offsets, scales, n, bias, has_min)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        mkl = relative_error(F.linear(x, weight, bias), exact)
+        assert relative_error(out, exact) <= 2 * mkl + 2**-20
+
+
+def test_only_weights_of_4_bit_codes_go_to_the_lookup_product():
+    """pack says None for random weights, Q8_0 codes (8 bits: no 4 bit planes), columns no
+    multiple of 32, and bf16; Q4_1 codes whose least value is 0 in every run (m = 0) need no
+    m * S term."""
+    kernel = coded_lut_linear(8, 2)
+    gen = torch.Generator().manual_seed(5)
+    weight = as_codes(torch.randn(64, 96, generator=gen))
+    assert kernel.pack(weight) is not None
+    assert kernel.pack(torch.randn(64, 96, generator=gen)) is None
+    assert kernel.pack(as_codes(torch.randn(64, 96, generator=gen), "q8_0")) is None
+    assert kernel.pack(weight[:, :80].contiguous()) is None
+    assert kernel.pack(weight.to(BF16)) is None
+    q = torch.randint(0, 16, (64, 3, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # each run's least value 0 (m = 0), greatest 15 d
+    d = torch.rand(64, 3, 1, generator=gen).half().float()
+    positive = (d * q).view(64, 96)
+    offsets, scales, has_min = kernel.pack(positive)
+    x = torch.randn(20, 96, generator=gen)
+    exact = F.linear(x.double(), positive.double())
+    assert not has_min and relative_error(kernel(x, offsets, scales, 64, None, False), exact) < 1e-6
+
+
+def test_the_lookup_kernel_is_measured_against_mkl_per_shape():
+    """measure_coded_lut times its builds against MKL on one weight of each shape and keeps
+    the shapes where the fastest build beats MKL by the margin: every shape at margin 0, none
+    at an unreachable one; each measured shape has a positive ratio."""
+    gen = torch.Generator().manual_seed(6)
+    samples = {}
+    for n, k in [(64, 96), (32, 64)]:
+        weight = as_codes(torch.randn(n, k, generator=gen) / 24)
+        samples[(n, k)] = (weight, coded_runs(weight), 3)
+    every = measure_coded_lut(samples, rows=32, margin=0.0, reps=1)
+    assert every is not None and every.shapes == set(samples)
+    assert set(every.speedups) == set(samples) and min(every.speedups.values()) > 0
+    assert every.kernel.lanes in LUT_LANES
+    none = measure_coded_lut(samples, rows=32, margin=float("inf"), reps=1)
+    assert none is not None and not none.shapes
 
 
 @needs_amx

@@ -7,7 +7,7 @@ requests; attention goes through the backend, which owns the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
-from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, CodedLinear, Codes, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedLinear, CodedPrefill, Codes, FusedOps
 from radixserve.model.layers import (
     EVERY_ROW,
     NO_ROW_KERNELS,
@@ -165,7 +165,8 @@ class CausalLM(nn.Module):
         rows: PackedRows,
         exact_rows: PackedRows | None = None,
         coded: tuple[CodedLinear, ...] = (),
-        coded_amx: tuple[CodedAmxLinear, PackedRows] | None = None,
+        coded_prefill: tuple[CodedPrefill, PackedRows] | None = None,
+        coded_prefill_shapes: Collection[tuple[int, int]] | None = None,
     ) -> None:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
@@ -174,10 +175,11 @@ class CausalLM(nn.Module):
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
         instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the
         first of those kernels that reads it as its codes, for the same rows (`CodedLinear`:
-        the blocked kernel's bits from a fraction of the bytes). With `coded_amx` (kernel,
-        rows), a linear layer whose weight is such codes takes those rows through the AMX
-        kernel on its codes (`Linear.use_coded_amx`), the codes found once for both. Before
-        `pack_linears`."""
+        the blocked kernel's bits from a fraction of the bytes). With `coded_prefill` (kernel,
+        rows), a linear layer whose weight is such codes, of a shape (N, K) in
+        `coded_prefill_shapes` (None: any), takes those rows through that kernel on its codes
+        (`Linear.use_coded_prefill`: AMX's tiles or tables of subset sums), the codes found
+        once for all. Before `pack_linears`."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
@@ -195,8 +197,11 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 reader, codes, found = as_codes(module.weight)
                 module.use_blocked(reader, rows_for(module.weight), codes)
-                if coded_amx is not None:
-                    module.use_coded_amx(*coded_amx, found)
+                shape = tuple(module.weight.shape)
+                if coded_prefill is not None and (
+                    coded_prefill_shapes is None or shape in coded_prefill_shapes
+                ):
+                    module.use_coded_prefill(*coded_prefill, found)
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             reader, codes, _ = as_codes(self.embed_tokens.weight)
             packed = codes if codes is not None else kernel.pack(self.embed_tokens.weight)

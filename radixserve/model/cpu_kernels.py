@@ -18,8 +18,11 @@ import hashlib
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -675,6 +678,140 @@ def coded_amx_linear(folder: Path | None = None) -> CodedAmxLinear | None:
         return None
     library = load_kernel("fp32_coded_amx", folder, isa="amx")
     return None if library is None else CodedAmxLinear(library)
+
+
+class CodedLutLinear:
+    """fp32 products of many rows for weights that are 4-bit GGUF codes dequantized (Q4_1,
+    `coded_runs`) by tables of subset sums of x (fp32_coded_lut.cpp): per group of 8 columns
+    4 lookups stand in for 8 FMAs, where the CPU issues vector loads faster than FMAs (see
+    radixserve/hardware.py CODED_LUT). `lanes`: rows of x a vector (8, or 16 where built for
+    AVX-512); `chunk`: groups of 8 columns whose tables a pass over the features reads."""
+
+    def __init__(self, library: ctypes.CDLL, lanes: int, chunk: int) -> None:
+        p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._linear = library.fp32_lut_coded_linear
+        self._linear.argtypes = [p, p, p, p, p, i64, i64, i64, c_int, c_int, c_int, c_int]
+        self._linear.restype = c_int
+        self.lanes, self.chunk = lanes, chunk
+
+    def pack(
+        self, weight: torch.Tensor, found: Codes | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """weight (N, K) as (offsets: uint16 byte offsets of each feature's lookups, scales:
+        (2, runs, N) d then m, has_min), or None where K is no multiple of 32 or the weight is
+        no 4-bit codes (`found`: its codes, found already by `CodedLinear.find`)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % CODED_RUN:
+            return None
+        if found is None:
+            found = coded_runs(weight.detach().float().contiguous(), "q4_1")
+        if found is None:
+            return None
+        d, m, q = found
+        low, high = CODE_RANGE["q4_1"]
+        if int(q.min()) < low or int(q.max()) > high:  # codes of another form (Q8_0)
+            return None
+        n, k = weight.shape
+        chunks = k // 8 // self.chunk
+        q = q.to(torch.int32).view(n, chunks, self.chunk, 8)
+        column_bits = 1 << torch.arange(8, dtype=torch.int32)
+        group_base = torch.arange(self.chunk, dtype=torch.int32).view(1, 1, -1) * 256
+        offsets = torch.stack(
+            [(((q >> b) & 1) * column_bits).sum(-1) + group_base for b in range(4)], -1
+        )  # (n, chunks, chunk, bit): the subset's index in the chunk's tables
+        offsets = (offsets * (self.lanes * 4)).permute(1, 0, 2, 3).contiguous()
+        scales = torch.stack([d.T, m.T]).float().contiguous()  # (2, runs, n)
+        return offsets.to(torch.uint16).view(-1), scales.view(-1), bool(m.any())
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        has_min: bool,
+    ) -> torch.Tensor:
+        """x (M, K) fp32 @ W.T + bias for W packed as (offsets, scales)."""
+        x = x.contiguous()
+        m, k = x.shape
+        out = torch.empty(m, n)
+        with profiled("kernel:linear"):
+            self._linear(
+                x.data_ptr(), offsets.data_ptr(), scales.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
+                self.lanes, self.chunk, int(has_min), torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+
+@functools.cache
+def coded_lut_linear(
+    lanes: int = 16, chunk: int = 2, folder: Path | None = None
+) -> CodedLutLinear | None:
+    """`CodedLutLinear` with `lanes` rows a vector (16: the AVX-512 build; 8: the AVX2 one)
+    and `chunk` groups a chunk, where this CPU runs and the machine builds it."""
+    library = load_kernel("fp32_coded_lut", folder, isa="avx512" if lanes == 16 else "avx2")
+    return None if library is None else CodedLutLinear(library, lanes, chunk)
+
+
+@dataclass(frozen=True)
+class LutChoice:
+    """What `measure_coded_lut` found: the fastest build of the lookup kernel over the
+    sampled shapes (kernel), the weight shapes (N, K) where it beat MKL by the margin
+    (shapes; empty: none), and each shape's MKL / kernel time ratio (speedups)."""
+
+    kernel: CodedLutLinear
+    shapes: frozenset[tuple[int, int]]
+    speedups: dict[tuple[int, int], float]
+
+
+def measure_coded_lut(
+    samples: dict[tuple[int, int], tuple[torch.Tensor, Codes, int]],
+    rows: int,
+    margin: float,
+    folder: Path | None = None,
+    reps: int = 5,
+) -> LutChoice | None:
+    """Time the lookup kernel's builds (`coded_lut_linear`: 16 rows a vector where AVX-512
+    is there, 8 elsewhere; 1 or 2 groups a chunk) against MKL on one weight of each shape,
+    `samples`: (N, K) -> (weight, its Q4_1 codes, how many of the model's layers have that
+    shape), products of `rows` random rows, the two alternated `reps` times, medians. The
+    build with the least time over the model's layers wins; the shapes where it takes at most
+    1 / margin of MKL's time are its. None where no build loads or takes the codes."""
+    builds = [(16, 1), (16, 2), (8, 2)] if cpu_runs("avx512") else [(8, 1), (8, 2)]
+    best: tuple[float, LutChoice] | None = None
+    for lanes, chunk in builds:
+        kernel = coded_lut_linear(lanes, chunk, folder)
+        if kernel is None:
+            continue
+        speedups, total = {}, 0.0
+        for shape, (weight, found, count) in samples.items():
+            packed = kernel.pack(weight, found)
+            if packed is None:
+                return None
+            x = torch.randn(rows, shape[1])
+            times: dict[str, list[float]] = {"mkl": [], "lut": []}
+            for rep in range(reps + 1):  # the first: warm-up
+                for name in times:
+                    start = time.perf_counter()
+                    if name == "mkl":
+                        F.linear(x, weight)
+                    else:
+                        kernel(x, packed[0], packed[1], shape[0], None, packed[2])
+                    if rep:
+                        times[name].append(time.perf_counter() - start)
+            mkl, lut = (statistics.median(times[name]) for name in ("mkl", "lut"))
+            speedups[shape] = mkl / lut
+            total += count * lut
+        shapes = frozenset(s for s, speedup in speedups.items() if speedup >= margin)
+        if best is None or total < best[0]:
+            best = (total, LutChoice(kernel, shapes, speedups))
+    return None if best is None else best[1]
+
+
+# a kernel for fp32 products of many rows on a weight's codes: `pack(weight, found)` ->
+# (codes in its layout, scales, has_min) | None, then `(x, codes, scales, n, bias, has_min)`
+CodedPrefill = CodedAmxLinear | CodedLutLinear
 
 
 def blocked_linear(

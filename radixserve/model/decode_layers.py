@@ -205,7 +205,7 @@ class DecodeLayers:
             bias = 0 if linear.blocked_bias is None else linear.blocked_bias.data_ptr()
             kind = ROWS_KIND if blocked.chunk is None else blocked.chunk
             return [blocked.address, linear.blocked_weight.data_ptr(), bias, kind]
-        if linear.uses_coded_amx(x) or (
+        if linear.uses_coded_prefill(x) or (
             linear.packed_rows is not None and linear.packed_rows.covers(x)
         ):
             return None

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixserve.model.cpu_kernels import BlockedLinear, CodedAmxLinear, Codes, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedPrefill, Codes, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
@@ -86,10 +86,10 @@ class Linear(nn.Linear):
     given them (`RowKernels`): on CPU in float32 they stream the weights faster than MKL's
     sgemv / sgemm do at those sizes, which is what decode steps are made of. After
     `use_blocked(kernel, rows)` products of those rows go to a kernel that reads its own
-    copy of the weight (`BlockedLinear`); after `use_coded_amx(kernel, rows)` products of
-    those rows (past the blocked kernel's) go to the AMX kernel on the weight's codes
-    (`CodedAmxLinear`); after `pack(rows)` products of those rows go to `packed_linear` with
-    a copy of the weight in oneDNN's blocked layout."""
+    copy of the weight (`BlockedLinear`); after `use_coded_prefill(kernel, rows)` products of
+    those rows (past the blocked kernel's) go to a kernel on the weight's codes
+    (`CodedPrefill`: AMX's tiles or tables of subset sums); after `pack(rows)` products of
+    those rows go to `packed_linear` with a copy of the weight in oneDNN's blocked layout."""
 
     kernels: RowKernels = NO_ROW_KERNELS
     packed_weight: torch.Tensor | None = None
@@ -97,9 +97,9 @@ class Linear(nn.Linear):
     blocked: BlockedLinear | None = None  # see use_blocked
     blocked_rows: PackedRows | None = None
     blocked_bias: torch.Tensor | None = None
-    coded_amx: CodedAmxLinear | None = None  # see use_coded_amx
-    coded_amx_rows: PackedRows | None = None
-    coded_amx_min = False
+    coded_prefill: CodedPrefill | None = None  # see use_coded_prefill
+    coded_prefill_rows: PackedRows | None = None
+    coded_prefill_min = False
 
     def use_blocked(
         self, kernel: BlockedLinear, rows: PackedRows, packed: torch.Tensor | None = None
@@ -116,24 +116,25 @@ class Linear(nn.Linear):
         self.blocked, self.blocked_rows = kernel, rows
         self.blocked_bias = None if self.bias is None else self.bias.detach().float()
 
-    def use_coded_amx(
-        self, kernel: CodedAmxLinear, rows: PackedRows, found: Codes | None = None
+    def use_coded_prefill(
+        self, kernel: CodedPrefill, rows: PackedRows, found: Codes | None = None
     ) -> bool:
-        """Products of `rows` rows through the AMX kernel on the weight's codes, where the
-        weight is codes in disguise (`CodedAmxLinear.pack`, given `found` where they were
+        """Products of `rows` rows through `kernel` on the weight's codes, where the weight
+        is codes in disguise that it takes (`kernel.pack`, given `found` where they were
         found already; else False, nothing changed)."""
         packed = kernel.pack(self.weight, found)
         if packed is None:
             return False
-        codes, scales, self.coded_amx_min = packed
-        self.register_buffer("coded_amx_codes", codes, persistent=False)
-        self.register_buffer("coded_amx_scales", scales, persistent=False)
-        self.coded_amx, self.coded_amx_rows = kernel, rows
+        codes, scales, self.coded_prefill_min = packed
+        self.register_buffer("coded_prefill_codes", codes, persistent=False)
+        self.register_buffer("coded_prefill_scales", scales, persistent=False)
+        self.coded_prefill, self.coded_prefill_rows = kernel, rows
         self.blocked_bias = None if self.bias is None else self.bias.detach().float()
         return True
 
-    def uses_coded_amx(self, x: torch.Tensor) -> bool:
-        return self.coded_amx_rows is not None and x.dim() == 2 and self.coded_amx_rows.covers(x)
+    def uses_coded_prefill(self, x: torch.Tensor) -> bool:
+        rows = self.coded_prefill_rows
+        return rows is not None and x.dim() == 2 and rows.covers(x)
 
     def pack(self, rows: PackedRows) -> None:
         """Keep a oneDNN-blocked copy of the weight for products of `rows` rows; for every
@@ -149,17 +150,17 @@ class Linear(nn.Linear):
     def uses_packed(self, x: torch.Tensor) -> bool:
         """A product of x's rows reads a weight laid out at load (the blocked kernel's or
         oneDNN's)."""
-        if self.uses_blocked(x) or self.uses_coded_amx(x):
+        if self.uses_blocked(x) or self.uses_coded_prefill(x):
             return True
         return self.packed_rows is not None and self.packed_rows.covers(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_blocked(x):
             return self.blocked(x, self.blocked_weight, self.out_features, self.blocked_bias)
-        if self.uses_coded_amx(x):
-            return self.coded_amx(
-                x, self.coded_amx_codes, self.coded_amx_scales, self.out_features,
-                self.blocked_bias, self.coded_amx_min,
+        if self.uses_coded_prefill(x):
+            return self.coded_prefill(
+                x, self.coded_prefill_codes, self.coded_prefill_scales, self.out_features,
+                self.blocked_bias, self.coded_prefill_min,
             )  # fmt: skip
         if self.packed_rows is not None and self.packed_rows.covers(x):
             return packed_linear(x, self.packed_weight, self.bias)

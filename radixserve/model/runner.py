@@ -22,6 +22,8 @@ from radixserve.cache.swa_pool import HybridSlotAllocator, swa_pool_size
 from radixserve.config import Config, parse_host_port
 from radixserve.core.batch import ForwardBatch
 from radixserve.hardware import (
+    CODED_LUT_MARGIN,
+    CODED_LUT_SAMPLE_ROWS,
     KernelPlan,
     chunk_default,
     cpu_info,
@@ -33,12 +35,17 @@ from radixserve.hardware import (
 from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.cpu_kernels import (
+    CodedAmxLinear,
+    CodedLinear,
+    CodedPrefill,
+    Codes,
     blocked_linear,
     coded_amx_linear,
     coded_linear,
     fused_ops,
     gemm_small_kernel,
     gemv_kernel,
+    measure_coded_lut,
 )
 from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
@@ -457,10 +464,9 @@ def build_model(
                 rows = PackedRows(1, kernels.blocked_rows)
                 forms = ("q4_1", "q8_0") if kernels.coded_linear else ()
                 coded = tuple(c for f in forms if (c := coded_linear(kernel_dir, f)) is not None)
-                amx = coded_amx_linear(kernel_dir) if kernels.coded_amx_rows else None
-                amx_rows = PackedRows(kernels.coded_amx_rows, None)
+                prefill, shapes = coded_prefill_kernel(model, kernels, coded, kernel_dir)
                 model.use_blocked_linears(
-                    blocked, rows, PackedRows(1, None), coded, (amx, amx_rows) if amx else None
+                    blocked, rows, PackedRows(1, None), coded, prefill, shapes
                 )
                 linears = [m for m in model.modules() if isinstance(m, Linear)]
                 if coded:
@@ -471,11 +477,15 @@ def build_model(
                         ", ".join(f"{sum(r is c for r in readers)} {c.form}" for c in coded),
                         len(readers),
                     )  # fmt: skip
-                if amx is not None:
+                if prefill is not None:
                     logger.info(
-                        "fp32 products of %d rows or more on AMX's tiles over the weights' codes "
-                        "(x in three exact bf16 parts): %d linear layers",
-                        kernels.coded_amx_rows, sum(m.coded_amx is amx for m in linears),
+                        "fp32 products of %d rows or more over the weights' codes %s: %d "
+                        "linear layers",
+                        prefill[1].first,
+                        "on AMX's tiles (x in three exact bf16 parts)"
+                        if isinstance(prefill[0], CodedAmxLinear)
+                        else "by tables of subset sums",
+                        sum(m.coded_prefill is prefill[0] for m in linears),
                     )  # fmt: skip
                 if blocked.reproduces_torch:
                     logger.info(
@@ -500,6 +510,49 @@ def build_model(
         if library is not None:
             model.decode_layers = DecodeLayers(library, model, fused)
     return model
+
+
+def coded_prefill_kernel(
+    model: CausalLM,
+    kernels: KernelPlan,
+    coded: tuple[CodedLinear, ...],
+    kernel_dir: Path | None,
+) -> tuple[tuple[CodedPrefill, PackedRows] | None, frozenset[tuple[int, int]] | None]:
+    """The kernel (and the rows it takes) for fp32 products of many rows over the weights'
+    codes, and the weight shapes it takes (None: all): AMX's where the plan has it, else the
+    lookup kernel where the plan has it and it measures faster than MKL here, on the shapes
+    where it does (hardware.CODED_LUT); (None, None) where neither."""
+    if kernels.coded_amx_rows:
+        amx = coded_amx_linear(kernel_dir)
+        return ((amx, PackedRows(kernels.coded_amx_rows, None)) if amx else None), None
+    q4 = next((c for c in coded if c.form == "q4_1"), None)
+    if not kernels.coded_lut_rows or q4 is None:
+        return None, None
+    samples: dict[tuple[int, int], tuple[torch.Tensor, Codes, int]] = {}
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        shape = tuple(module.weight.shape)
+        if shape in samples:
+            weight, found, count = samples[shape]
+            samples[shape] = (weight, found, count + 1)
+        elif (found := q4.find(module.weight)) is not None:
+            samples[shape] = (module.weight.detach(), found, 1)
+    start = time.perf_counter()
+    choice = measure_coded_lut(samples, CODED_LUT_SAMPLE_ROWS, CODED_LUT_MARGIN, kernel_dir)
+    if choice is None:
+        return None, None
+    logger.info(
+        "fp32 products by tables of subset sums (%d rows a vector, chunks of %d groups) "
+        "against MKL at %d rows, measured in %.2f s: %s; taken where %.2fx or more",
+        choice.kernel.lanes, choice.kernel.chunk, CODED_LUT_SAMPLE_ROWS,
+        time.perf_counter() - start,
+        ", ".join(f"{n}x{k} {speedup:.2f}x" for (n, k), speedup in choice.speedups.items()),
+        CODED_LUT_MARGIN,
+    )  # fmt: skip
+    if not choice.shapes:
+        return None, None
+    return (choice.kernel, PackedRows(kernels.coded_lut_rows, None)), choice.shapes
 
 
 def model_bytes(model: CausalLM) -> int:

@@ -1,0 +1,175 @@
+// fp32 linear products of many rows (prefill chunks, large mixed steps) for weights that are
+// 4-bit GGUF codes dequantized (cpu_kernels.coded_runs finds them: in every run of 32 columns
+// of a weight row, w = d * q + m for q in 0..15), by tables of subset sums instead of FMAs.
+//
+//   out[r][f] = bias[f] + sum over runs j of ( d[f][j] * P[r][f][j] + m[f][j] * S[r][j] ),
+//   P[r][f][j] = sum of x[r][c] * q[f][c] over run j's 32 columns c,  S[r][j] = sum of x[r][c]
+//
+// Write q = q0 + 2 q1 + 4 q2 + 8 q3 (its bits). Over a group of 8 columns, sum of x[c] * q[c]
+// = sum over bits b of 2^b * T[i_b], where T[i] is the sum of the x[c] whose column is set in
+// the byte i, and i_b the byte of bit b of the 8 codes. So per group, rows of x and output
+// feature: 4 lookups and 3 multiply-adds by 2 (exact) instead of 8 FMAs, with the 256 sums T
+// built once per group and rows of x (255 adds) and read by every output feature. Vectors run
+// over rows of x (16 with AVX-512, 8 with AVX2): a lookup is one vector load at an offset
+// read from the packed codes. Nothing is rounded but sums of x (T's and the accumulators'):
+// fp32 arithmetic in another order, as near the exact product as MKL's (tests).
+//
+// What it is worth depends on the CPU's ratio of vector loads to FMAs: a lookup stands in for
+// two FMAs' worth of products, so the kernel wins where the cores issue fewer FMAs than
+// vector loads a cycle (AMD Zen 4 issues one 512-bit FMA and one 512-bit load a cycle, AVX2
+// cores two 256-bit of each), and loses where they issue as many (Intel's server cores, two
+// 512-bit FMAs a cycle: 0.7-0.8x MKL on an Intel Xeon, SmolLM2's shapes at 1,024 rows, one
+// thread). radixserve/hardware.py CODED_LUT has the figures and the CPUs it is chosen for.
+//
+// Layout (cpu_kernels.CodedLutLinear.pack): a product's columns in chunks of `chunk` groups
+// (1, 2 or 4: one chunk's tables, chunk * 256 vectors, stay in L1 while every feature reads
+// them); per chunk, feature, group and bit b the byte offset of T[i_b] in the chunk's tables
+// (uint16; (group * 256 + i_b) * lanes * 4); scales (2, runs, n): d then m per run and
+// feature. Per block of `lanes` rows a thread transposes x (columns as vectors of rows), sums
+// the runs (S), and per chunk builds its tables and adds each feature's part of the chunk into
+// an accumulator of the block's rows (y, feature-major), folding by d; m * S at a run's first
+// chunk.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace {
+
+constexpr int64_t kRun = 32;   // columns per run of codes (one d, one m)
+constexpr int64_t kGroup = 8;  // columns per table: 256 subset sums
+
+struct Lanes8 {  // AVX2: 8 rows of x a vector
+    using V = __m256;
+    static constexpr int64_t n = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_load_ps(p); }
+    static void store(float* p, V v) { _mm256_store_ps(p, v); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static V set1(float v) { return _mm256_set1_ps(v); }
+};
+
+#ifdef __AVX512F__
+struct Lanes16 {  // AVX-512: 16 rows of x a vector
+    using V = __m512;
+    static constexpr int64_t n = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_load_ps(p); }
+    static void store(float* p, V v) { _mm512_store_ps(p, v); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static V set1(float v) { return _mm512_set1_ps(v); }
+};
+#endif
+
+float* aligned_floats(int64_t count) {
+    const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
+    return static_cast<float*>(aligned_alloc(64, bytes));
+}
+
+// The 256 sums of the 8 column vectors xt[0..7] (each `L::n` rows) over every subset, the
+// subset i's sum at t + i * L::n: T[i | h] = T[i] + x[bit h] for i < h.
+template <typename L>
+inline void subset_sums(const float* xt, float* t) {
+    L::store(t, L::zero());
+    for (int bit = 0; bit < kGroup; bit++) {
+        const typename L::V v = L::load(xt + bit * L::n);
+        const int64_t h = int64_t{1} << bit;
+        for (int64_t i = 0; i < h; i++) L::store(t + (h + i) * L::n, L::add(L::load(t + i * L::n), v));
+    }
+}
+
+template <typename L, int Chunk>
+void coded_lut(const float* x, const uint16_t* offsets, const float* scales, const float* bias,
+               float* out, int64_t m, int64_t n, int64_t k, bool has_min, int threads) {
+    constexpr int64_t R = L::n;
+    const int64_t blocks = (m + R - 1) / R, runs = k / kRun, chunks = k / kGroup / Chunk;
+    const float* d_all = scales;
+    const float* m_all = scales + runs * n;
+#pragma omp parallel num_threads(threads)
+    {
+        float* xt = aligned_floats(k * R);
+        float* sums = aligned_floats(runs * R);
+        float* tables = aligned_floats(Chunk * 256 * R);
+        float* y = aligned_floats(n * R);
+        const char* tb = reinterpret_cast<const char*>(tables);
+        const typename L::V two = L::set1(2.0f);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t r0 = b * R, rows = m - r0 < R ? m - r0 : R;
+            for (int64_t c = 0; c < k; c++)
+                for (int64_t r = 0; r < R; r++) xt[c * R + r] = r < rows ? x[(r0 + r) * k + c] : 0.0f;
+            for (int64_t j = 0; j < runs; j++) {
+                typename L::V s = L::zero();
+                for (int64_t c = 0; c < kRun; c++) s = L::add(s, L::load(xt + (j * kRun + c) * R));
+                L::store(sums + j * R, s);
+            }
+            for (int64_t f = 0; f < n; f++) L::store(y + f * R, L::set1(bias ? bias[f] : 0.0f));
+            for (int64_t ch = 0; ch < chunks; ch++) {
+                for (int g = 0; g < Chunk; g++)
+                    subset_sums<L>(xt + (ch * Chunk + g) * kGroup * R, tables + g * 256 * R);
+                const int64_t run = ch * Chunk * kGroup / kRun;
+                const bool run_starts = (ch * Chunk * kGroup) % kRun == 0;
+                const float* d = d_all + run * n;
+                const float* mins = m_all + run * n;
+                const typename L::V s = L::load(sums + run * R);
+                const uint16_t* o = offsets + ch * n * Chunk * 4;
+                for (int64_t f = 0; f < n; f++, o += Chunk * 4) {
+                    typename L::V acc;
+                    for (int g = 0; g < Chunk; g++) {
+                        uint64_t w;  // the group's four offsets, bit 0's lowest
+                        memcpy(&w, o + 4 * g, sizeof w);
+                        auto at = [&](int bit) {
+                            return L::load(reinterpret_cast<const float*>(tb + ((w >> (16 * bit)) & 0xffff)));
+                        };
+                        typename L::V a = at(3);
+                        a = L::fmadd(a, two, at(2));
+                        a = L::fmadd(a, two, at(1));
+                        a = L::fmadd(a, two, at(0));
+                        acc = g == 0 ? a : L::add(acc, a);
+                    }
+                    typename L::V yf = L::fmadd(L::set1(d[f]), acc, L::load(y + f * R));
+                    if (has_min && run_starts) yf = L::fmadd(L::set1(mins[f]), s, yf);
+                    L::store(y + f * R, yf);
+                }
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t f = 0; f < n; f++) out[(r0 + r) * n + f] = y[f * R + r];
+        }
+        free(xt);
+        free(sums);
+        free(tables);
+        free(y);
+    }
+}
+
+template <typename L>
+void coded_lut_chunk(const float* x, const uint16_t* offsets, const float* scales, const float* bias,
+                     float* out, int64_t m, int64_t n, int64_t k, int chunk, bool has_min, int threads) {
+    if (chunk == 1) coded_lut<L, 1>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
+    else if (chunk == 2) coded_lut<L, 2>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
+    else coded_lut<L, 4>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
+}
+
+}  // namespace
+
+// out (m, n) = x (m, k) @ W.T + bias (bias may be null) for W packed as above with `lanes`
+// rows a vector (8; 16 where built for AVX-512) and `chunk` groups (1, 2 or 4) a chunk; k a
+// multiple of 32. Returns 0, or -1 for lanes this build lacks (nothing written).
+extern "C" int fp32_lut_coded_linear(const float* x, const uint16_t* offsets, const float* scales,
+                                     const float* bias, float* out, int64_t m, int64_t n, int64_t k,
+                                     int lanes, int chunk, int has_min, int threads) {
+    if (lanes == 8) {
+        coded_lut_chunk<Lanes8>(x, offsets, scales, bias, out, m, n, k, chunk, has_min, threads);
+        return 0;
+    }
+#ifdef __AVX512F__
+    if (lanes == 16) {
+        coded_lut_chunk<Lanes16>(x, offsets, scales, bias, out, m, n, k, chunk, has_min, threads);
+        return 0;
+    }
+#endif
+    return -1;
+}
