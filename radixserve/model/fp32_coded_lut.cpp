@@ -119,10 +119,8 @@ void coded_lut(const float* x, const uint16_t* offsets, const float* scales, con
                 for (int64_t f = 0; f < n; f++, o += Chunk * 4) {
                     typename L::V acc;
                     for (int g = 0; g < Chunk; g++) {
-                        uint64_t w;  // the group's four offsets, bit 0's lowest
-                        memcpy(&w, o + 4 * g, sizeof w);
                         auto at = [&](int bit) {
-                            return L::load(reinterpret_cast<const float*>(tb + ((w >> (16 * bit)) & 0xffff)));
+                            return L::load(reinterpret_cast<const float*>(tb + o[4 * g + bit]));
                         };
                         typename L::V a = at(3);
                         a = L::fmadd(a, two, at(2));
