@@ -14,12 +14,13 @@
 // read from the packed codes. Nothing is rounded but sums of x (T's and the accumulators'):
 // fp32 arithmetic in another order, as near the exact product as MKL's (tests).
 //
-// What it is worth depends on the CPU's ratio of vector loads to FMAs: a lookup stands in for
-// two FMAs' worth of products, so the kernel wins where the cores issue fewer FMAs than
-// vector loads a cycle (AMD Zen 4 issues one 512-bit FMA and one 512-bit load a cycle, AVX2
-// cores two 256-bit of each), and loses where they issue as many (Intel's server cores, two
-// 512-bit FMAs a cycle: 0.7-0.8x MKL on an Intel Xeon, SmolLM2's shapes at 1,024 rows, one
-// thread). radixserve/hardware.py CODED_LUT has the figures and the CPUs it is chosen for.
+// What it is worth depends on how many FMAs a core issues a cycle. Per feature, 16 rows and
+// 16 columns the kernel issues ~11 512-bit loads (8 lookups, the accumulator, d, m) and ~30
+// other instructions where MKL issues 16 512-bit FMAs. On an Intel Xeon, which issues two
+// 512-bit FMAs (8 cycles) and two 512-bit loads a cycle, it ran ~10 cycles: 0.8x MKL (SmolLM2's
+// shapes, 1,024 rows, 2 threads). A core that issues one 512-bit FMA a cycle (AMD's Zen 4:
+// 16 cycles for MKL) and one 512-bit load should run it in ~11: so the runner measures it
+// against MKL at start-up and uses it where it wins (radixserve/hardware.py CODED_LUT).
 //
 // Layout (cpu_kernels.CodedLutLinear.pack): a product's columns in chunks of `chunk` groups
 // (1, 2 or 4: one chunk's tables, chunk * 256 vectors, stay in L1 while every feature reads
@@ -33,7 +34,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 namespace {
 
