@@ -324,8 +324,9 @@ CODED_AMX_ROWS = 128
 # two (Intel's Xeons). What a core issues can not be read from its flags, so on CPUs with
 # the blocked fp32 kernel and no AMX (AMD's Zen 4; Intel's AVX-512 Xeons without AMX) it is
 # measured at start-up (`measure_coded_lut`: each build of the kernel against MKL on one
-# weight of each shape, CODED_LUT_SAMPLE_ROWS rows, medians of 5 alternated) and a shape takes the kernel where it ran CODED_LUT_MARGIN times
-# faster than MKL or more, for products of CODED_LUT_ROWS rows or more (the fidelity suite's
+# weight of each shape, CODED_LUT_SAMPLE_ROWS rows, medians of 5 alternated) and a shape
+# takes the kernel where it ran CODED_LUT_MARGIN times faster than MKL or more, for
+# products of CODED_LUT_ROWS rows or more (the fidelity suite's
 # 84-row batch stays on MKL, as for CODED_AMX: through the model the kernel lands 1.4e-4 from
 # transformers fp32, though 1.13e-4 from fp64 against transformers' own 9.0e-5, mean 1.03e-5
 # against 1.13e-5). Intel Xeon (AVX-512, two 512-bit FMAs a cycle), 2 threads, SmolLM2's 6

@@ -683,9 +683,10 @@ def coded_amx_linear(folder: Path | None = None) -> CodedAmxLinear | None:
 class CodedLutLinear:
     """fp32 products of many rows for weights that are 4-bit GGUF codes dequantized (Q4_1,
     `coded_runs`) by tables of subset sums of x (fp32_coded_lut.cpp): per group of 8 columns
-    4 lookups stand in for 8 FMAs, where the CPU issues vector loads faster than FMAs (see
-    radixserve/hardware.py CODED_LUT). `lanes`: rows of x a vector (8, or 16 where built for
-    AVX-512); `chunk`: groups of 8 columns whose tables a pass over the features reads."""
+    4 lookups stand in for 8 FMAs, which pays on cores that issue one 512-bit FMA a cycle,
+    not two (measured at start-up: `measure_coded_lut`, radixserve/hardware.py CODED_LUT).
+    `lanes`: rows of x a vector (8, or 16 where built for AVX-512); `chunk`: groups of 8
+    columns whose tables a pass over the features reads."""
 
     def __init__(self, library: ctypes.CDLL, lanes: int, chunk: int) -> None:
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

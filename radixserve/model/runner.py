@@ -538,6 +538,8 @@ def coded_prefill_kernel(
             samples[shape] = (weight, found, count + 1)
         elif (found := q4.find(module.weight)) is not None:
             samples[shape] = (module.weight.detach(), found, 1)
+    if not samples:
+        return None, None
     start = time.perf_counter()
     choice = measure_coded_lut(samples, CODED_LUT_SAMPLE_ROWS, CODED_LUT_MARGIN, kernel_dir)
     if choice is None:
