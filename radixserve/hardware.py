@@ -316,28 +316,28 @@ FP32_BLOCKED_ROWS = 64
 # fp64 (tests/test_packed_linear.py).
 CODED_AMX_ROWS = 128
 
-# CODED_LUT: fp32 products of many rows of weights that are 4-bit GGUF codes (Q4_1) by tables
-# of subset sums (fp32_coded_lut.cpp): per 8 columns, 4 vector loads and 3 exact doublings
-# stand in for 8 FMAs (~11 512-bit loads and ~30 other instructions per feature, 16 rows and 16
-# columns, against MKL's 16 512-bit FMAs), so the kernel beats MKL (at the FMA peak) where a
-# core issues one 512-bit FMA a cycle (AMD's Zen 4; expected ~1.4x), and loses where it issues
-# two (Intel's Xeons). What a core issues can not be read from its flags, so on CPUs with
-# the blocked fp32 kernel and no AMX (AMD's Zen 4; Intel's AVX-512 Xeons without AMX) it is
-# measured at start-up (`measure_coded_lut`: each build of the kernel against MKL on one
-# weight of each shape, CODED_LUT_SAMPLE_ROWS rows, medians of 5 alternated) and a shape
-# takes the kernel where it ran CODED_LUT_MARGIN times faster than MKL or more, for
-# products of CODED_LUT_ROWS rows or more (the fidelity suite's
-# 84-row batch stays on MKL, as for CODED_AMX: through the model the kernel lands 1.4e-4 from
-# transformers fp32, though 1.13e-4 from fp64 against transformers' own 9.0e-5, mean 1.03e-5
-# against 1.13e-5). Intel Xeon (AVX-512, two 512-bit FMAs a cycle), 2 threads, SmolLM2's 6
-# shapes of a layer, ms, medians of 7 alternated, MKL / 16 rows a vector in chunks of 2
-# groups (the best build there): 4.51 / 5.63 at 128 rows, 12.33 / 14.50 at 512, 23.63 / 28.92
-# at 1,024 (0.82x; 1 group 0.77x, 4 groups 0.77x, 8 rows a vector 0.53-0.59x); a 2 x 512
-# prefill 875 vs 1,087 ms (benchmarks/coded_lut_vs_mkl.py, raw
-# benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx.txt); its start-up measurement there
-# 0.35 s, 0.4-0.9x per shape: no shape takes it, and the AMX kernel is the one on AMX CPUs.
-# Accuracy against fp64 as MKL's (max |error| / max |output| 5.9e-7 vs 5.2e-7). Unmeasured
-# on AMD's Zen 4: its start-up measurement decides there.
+# CODED_LUT: fp32 products of many rows of weights that are 4-bit GGUF codes (Q4_1) by tables of
+# subset sums (fp32_coded_lut.cpp): per 8 columns, 4 vector loads and 3 exact doublings stand in for
+# 8 FMAs (~11 512-bit loads and ~30 other instructions per feature, 16 rows and 16 columns, against
+# MKL's 16 512-bit FMAs), so the kernel beats MKL (at the FMA peak) where a core issues one 512-bit
+# FMA a cycle (AMD's Zen 4; expected ~1.4x), and loses where it issues two (Intel's Xeons). What a
+# core issues can not be read from its flags, so on CPUs with the blocked fp32 kernel and no AMX
+# (AMD's Zen 4; Intel's AVX-512 Xeons without AMX) it is measured at start-up (`measure_coded_lut`:
+# each build of the kernel against MKL on one weight of each shape, CODED_LUT_SAMPLE_ROWS rows, 7
+# alternated) and a shape takes the kernel where it ran CODED_LUT_MARGIN times faster than MKL or
+# more, by the least times and by the medians both (a process that took a core during the
+# median-only version made a 0.8x shape read 1.36x once), for products of CODED_LUT_ROWS rows or
+# more (the fidelity suite's 84-row batch stays on MKL, as for CODED_AMX: through the model the
+# kernel lands 1.4e-4 from transformers fp32, though 1.13e-4 from fp64 against transformers' own
+# 9.0e-5, mean 1.03e-5 against 1.13e-5). Intel Xeon (AVX-512, two 512-bit FMAs a cycle), 2 threads,
+# SmolLM2's 6 shapes of a layer, ms, medians of 7 alternated, MKL / 16 rows a vector in chunks of 2
+# groups (the best build there): 4.51 / 5.63 at 128 rows, 12.33 / 14.50 at 512, 23.63 / 28.92 at
+# 1,024 (0.82x; 1 group 0.77x, 4 groups 0.77x, 8 rows a vector 0.53-0.59x); a 2 x 512 prefill 875 vs
+# 1,087 ms (benchmarks/coded_lut_vs_mkl.py, raw
+# benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx.txt); its start-up measurement there 0.35 s,
+# 0.4-0.9x per shape: no shape takes it, and the AMX kernel is the one on AMX CPUs. Accuracy against
+# fp64 as MKL's (max |error| / max |output| 5.9e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its
+# start-up measurement decides there.
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
 CODED_LUT_MARGIN = 1.1
