@@ -335,9 +335,9 @@ CODED_AMX_ROWS = 128
 # 1,024 (0.82x; 1 group 0.77x, 4 groups 0.77x, 8 rows a vector 0.53-0.59x); a 2 x 512 prefill 875 vs
 # 1,087 ms (benchmarks/coded_lut_vs_mkl.py, raw
 # benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx.txt); its start-up measurement there 0.4 s,
-# 0.4-0.9x per shape: no shape takes it, and the AMX kernel is the one on AMX CPUs. Accuracy against
-# fp64 as MKL's (max |error| / max |output| 5.9e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its
-# start-up measurement decides there.
+# 0.65-0.97x per shape: no shape takes it, and the AMX kernel is the one on AMX CPUs. Accuracy
+# against fp64 as MKL's (max |error| / max |output| 5.9e-7 vs 5.2e-7). Unmeasured on AMD's
+# Zen 4: its start-up measurement decides there.
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
 CODED_LUT_MARGIN = 1.1
