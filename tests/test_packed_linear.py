@@ -468,13 +468,13 @@ def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transf
 @pytest.mark.parametrize("lanes", LUT_LANES)
 @pytest.mark.parametrize("chunk", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 130])
-@pytest.mark.parametrize(("n", "k"), [(16, 32), (64, 96), (192, 576)])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (20, 64), (64, 96), (192, 576)])
 def test_the_lookup_product_of_codes_is_as_accurate_as_mkls(lanes, chunk, rows, n, k):
     """A weight of Q4_1 codes by tables of subset sums of x (fp32_coded_lut.cpp): no
     product rounded, only sums of x, so against the product in fp64 it is off by about what
     MKL's fp32 product is (at most twice that plus 2^-21 of the output's scale; a wrong
-    lookup would be off by whole terms), with and without a bias, for row counts that are and
-    are not multiples of a vector's rows, each build and chunk of groups."""
+    lookup would be off by whole terms), with and without a bias, for row and feature counts
+    that are and are not multiples of a vector's rows, each build and chunk of groups."""
     kernel = coded_lut_linear(lanes, chunk)
     assert isinstance(kernel, CodedLutLinear)
     gen = torch.Generator().manual_seed(rows * n + k + lanes + chunk)

@@ -9,7 +9,7 @@
 // = sum over bits b of 2^b * T[i_b], where T[i] is the sum of the x[c] whose column is set in
 // the byte i, and i_b the byte of bit b of the 8 codes. So per group, rows of x and output
 // feature: 4 lookups and 3 multiply-adds by 2 (exact) instead of 8 FMAs, with the 256 sums T
-// built once per group and rows of x (255 adds) and read by every output feature. Vectors run
+// built once per group and rows of x (~290 adds) and read by every output feature. Vectors run
 // over rows of x (16 with AVX-512, 8 with AVX2): a lookup is one vector load at an offset
 // read from the packed codes. Nothing is rounded but sums of x (T's and the accumulators'):
 // fp32 arithmetic in another order, as near the exact product as MKL's (tests).
@@ -17,19 +17,20 @@
 // What it is worth depends on how many FMAs a core issues a cycle. Per feature, 16 rows and
 // 16 columns the kernel issues ~11 512-bit loads (8 lookups, the accumulator, d, m) and ~30
 // other instructions where MKL issues 16 512-bit FMAs. On an Intel Xeon, which issues two
-// 512-bit FMAs (8 cycles) and two 512-bit loads a cycle, it ran ~10 cycles: 0.8x MKL (SmolLM2's
-// shapes, 1,024 rows, 2 threads). A core that issues one 512-bit FMA a cycle (AMD's Zen 4:
-// 16 cycles for MKL) and one 512-bit load should run it in ~11: so the runner measures it
-// against MKL at start-up and uses it where it wins (radixserve/hardware.py CODED_LUT).
+// 512-bit FMAs (8 cycles) and two 512-bit loads a cycle, that loop runs as fast as MKL, and
+// with the tables and transposes the kernel 0.86-0.89x MKL (SmolLM2's shapes, 512-1,024 rows,
+// 2 threads). A core that issues one 512-bit FMA a cycle (AMD's Zen 4: 16 cycles for MKL) and
+// one 512-bit load should run it in ~11: so the runner measures it against MKL at start-up and
+// uses it where it wins (radixserve/hardware.py CODED_LUT).
 //
 // Layout (cpu_kernels.CodedLutLinear.pack): a product's columns in chunks of `chunk` groups
 // (1, 2 or 4: one chunk's tables, chunk * 256 vectors, stay in L1 while every feature reads
 // them); per chunk, feature, group and bit b the byte offset of T[i_b] in the chunk's tables
 // (uint16; (group * 256 + i_b) * lanes * 4); scales (2, runs, n): d then m per run and
-// feature. Per block of `lanes` rows a thread transposes x (columns as vectors of rows), sums
-// the runs (S), and per chunk builds its tables and adds each feature's part of the chunk into
-// an accumulator of the block's rows (y, feature-major), folding by d; m * S at a run's first
-// chunk.
+// feature. Per block of `lanes` rows a thread transposes x (columns as vectors of rows; by
+// lanes x lanes blocks in registers), sums the runs (S), and per chunk builds its tables and
+// adds each feature's part of the chunk into an accumulator of the block's rows (y,
+// feature-major), folding by d; m * S at a run's first chunk; then transposes y into out.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -45,10 +46,30 @@ struct Lanes8 {  // AVX2: 8 rows of x a vector
     static constexpr int64_t n = 8;
     static V zero() { return _mm256_setzero_ps(); }
     static V load(const float* p) { return _mm256_load_ps(p); }
+    static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+    static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
     static void store(float* p, V v) { _mm256_store_ps(p, v); }
     static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     static V set1(float v) { return _mm256_set1_ps(v); }
+    // r[i] = row i of an 8 x 8 block -> r[j] = its column j
+    static void transpose(V* r) {
+        V t[8], u[8];
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int g = 0; g < 8; g += 4)  // u[g + j], 128-bit lane h: column 4h + j of rows g..g+3
+            for (int j = 0; j < 2; j++) {
+                const __m256d a = _mm256_castps_pd(t[g + j]), b = _mm256_castps_pd(t[g + j + 2]);
+                u[g + 2 * j] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+                u[g + 2 * j + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+            }
+        for (int j = 0; j < 4; j++) {
+            r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+            r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+        }
+    }
 };
 
 #ifdef __AVX512F__
@@ -57,10 +78,36 @@ struct Lanes16 {  // AVX-512: 16 rows of x a vector
     static constexpr int64_t n = 16;
     static V zero() { return _mm512_setzero_ps(); }
     static V load(const float* p) { return _mm512_load_ps(p); }
+    static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+    static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
     static void store(float* p, V v) { _mm512_store_ps(p, v); }
     static V add(V a, V b) { return _mm512_add_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static V set1(float v) { return _mm512_set1_ps(v); }
+    // r[i] = row i of a 16 x 16 block -> r[j] = its column j
+    static void transpose(V* r) {
+        V t[16], u[16];
+        for (int i = 0; i < 16; i += 2) {
+            t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int g = 0; g < 16; g += 4)  // u[g + j], 128-bit lane h: column 4h + j of rows g..g+3
+            for (int j = 0; j < 2; j++) {
+                const __m512d a = _mm512_castps_pd(t[g + j]), b = _mm512_castps_pd(t[g + j + 2]);
+                u[g + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                u[g + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            }
+        for (int j = 0; j < 4; j++) {  // lanes h of u[j], u[4 + j], u[8 + j], u[12 + j]
+            const V lo_ab = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+            const V hi_ab = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+            const V lo_cd = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+            const V hi_cd = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+            r[j] = _mm512_shuffle_f32x4(lo_ab, lo_cd, 0x88);
+            r[4 + j] = _mm512_shuffle_f32x4(lo_ab, lo_cd, 0xDD);
+            r[8 + j] = _mm512_shuffle_f32x4(hi_ab, hi_cd, 0x88);
+            r[12 + j] = _mm512_shuffle_f32x4(hi_ab, hi_cd, 0xDD);
+        }
+    }
 };
 #endif
 
@@ -70,14 +117,29 @@ float* aligned_floats(int64_t count) {
 }
 
 // The 256 sums of the 8 column vectors xt[0..7] (each `L::n` rows) over every subset, the
-// subset i's sum at t + i * L::n: T[i | h] = T[i] + x[bit h] for i < h.
+// subset i's sum at t + i * L::n: T[i] = A[i's low bits] + B[its high bits], the sums over
+// subsets of the first kLow columns (A, kept in registers) and of the rest (B).
 template <typename L>
 inline void subset_sums(const float* xt, float* t) {
-    L::store(t, L::zero());
-    for (int bit = 0; bit < kGroup; bit++) {
+    constexpr int kLow = L::n == 16 ? 4 : 3;  // A: 16 vectors of 32 registers, or 8 of 16
+    constexpr int kLowSums = 1 << kLow, kHighSums = 256 >> kLow;
+    typename L::V a[kLowSums], b;
+    a[0] = L::zero();
+    for (int bit = 0; bit < kLow; bit++) {
         const typename L::V v = L::load(xt + bit * L::n);
-        const int64_t h = int64_t{1} << bit;
-        for (int64_t i = 0; i < h; i++) L::store(t + (h + i) * L::n, L::add(L::load(t + i * L::n), v));
+        for (int i = 0; i < 1 << bit; i++) a[(1 << bit) + i] = L::add(a[i], v);
+    }
+    alignas(64) float high[kHighSums * L::n];
+    L::store(high, L::zero());
+    for (int bit = 0; bit < 8 - kLow; bit++) {
+        const typename L::V v = L::load(xt + (kLow + bit) * L::n);
+        for (int i = 0; i < 1 << bit; i++)
+            L::store(high + ((1 << bit) + i) * L::n, L::add(L::load(high + i * L::n), v));
+    }
+    for (int h = 0; h < kHighSums; h++) {
+        b = L::load(high + h * L::n);
+        float* row = t + h * kLowSums * L::n;
+        for (int i = 0; i < kLowSums; i++) L::store(row + i * L::n, L::add(a[i], b));
     }
 }
 
@@ -99,8 +161,12 @@ void coded_lut(const float* x, const uint16_t* offsets, const float* scales, con
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t r0 = b * R, rows = m - r0 < R ? m - r0 : R;
-            for (int64_t c = 0; c < k; c++)
-                for (int64_t r = 0; r < R; r++) xt[c * R + r] = r < rows ? x[(r0 + r) * k + c] : 0.0f;
+            for (int64_t c = 0; c < k; c += R) {  // R x R blocks of x, as columns of R rows
+                typename L::V v[R];
+                for (int64_t r = 0; r < R; r++) v[r] = r < rows ? L::loadu(x + (r0 + r) * k + c) : L::zero();
+                L::transpose(v);
+                for (int64_t j = 0; j < R; j++) L::store(xt + (c + j) * R, v[j]);
+            }
             for (int64_t j = 0; j < runs; j++) {
                 typename L::V s = L::zero();
                 for (int64_t c = 0; c < kRun; c++) s = L::add(s, L::load(xt + (j * kRun + c) * R));
@@ -133,8 +199,15 @@ void coded_lut(const float* x, const uint16_t* offsets, const float* scales, con
                     L::store(y + f * R, yf);
                 }
             }
+            int64_t f0 = 0;
+            for (; f0 + R <= n; f0 += R) {  // R x R blocks of y, as rows of out
+                typename L::V v[R];
+                for (int64_t j = 0; j < R; j++) v[j] = L::load(y + (f0 + j) * R);
+                L::transpose(v);
+                for (int64_t r = 0; r < rows; r++) L::storeu(out + (r0 + r) * n + f0, v[r]);
+            }
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t f = 0; f < n; f++) out[(r0 + r) * n + f] = y[f * R + r];
+                for (int64_t f = f0; f < n; f++) out[(r0 + r) * n + f] = y[f * R + r];
         }
         free(xt);
         free(sums);
