@@ -1,8 +1,9 @@
 """fp32 products of 4-bit codes by tables of subset sums (fp32_coded_lut.cpp) against MKL on
 the default model's weights: each build of the kernel (16 or 8 rows a vector, chunks of 1, 2
-or 4 groups) on one layer's six products at several row counts, then a prefill forward
-through the runner with every linear layer on the best build against MKL, the two ways
-alternated in one process, medians; and how far each lands from the products in fp64.
+or 4 groups) on one layer's six products at several row counts (q, k and v in one call, as
+the model makes them), then a prefill forward through the runner with every linear layer on
+the best build against MKL, the two ways alternated in one process, medians; and how far
+each lands from the products in fp64.
 
     .venv/bin/python benchmarks/coded_lut_vs_mkl.py [--rows 128,512,1024] [--repeats 7]
 
@@ -44,13 +45,16 @@ def alternated(ways: dict, repeats: int) -> dict[str, float]:
 
 
 def products(layer, xs, kernel, packed) -> None:
-    """The layer's products of xs (by K): MKL's, or `kernel`'s on the `packed` weights."""
-    for i, (w, _) in enumerate(layer):
-        if kernel is None:
+    """The layer's products of xs (by K): MKL's, one by one, or `kernel`'s on the `packed`
+    weights, as the model calls it: q, k and v (the first three) in one call."""
+    if kernel is None:
+        for w, _ in layer:
             F.linear(xs[w.shape[1]], w)
-        else:
-            offsets, scales, has_min = packed[i]
-            kernel(xs[w.shape[1]], offsets, scales, w.shape[0], None, has_min)
+        return
+    parts = [(o, s, w.shape[0], None, m) for (w, _), (o, s, m) in zip(layer, packed)]
+    kernel.products(xs[layer[0][0].shape[1]], parts[:3])
+    for (w, _), part in zip(layer[3:], parts[3:]):
+        kernel(xs[w.shape[1]], *part)
 
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:

@@ -10,6 +10,8 @@ business; the ops alone: tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,7 @@ from radixserve.model.layers import (
     RowKernels,
     pack_weight,
     packed_linear,
+    product_shape,
 )
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
@@ -420,7 +423,9 @@ def test_only_weights_of_codes_go_to_the_amx_product():
 
 
 @pytest.mark.parametrize("kernel", ["amx", "lookup"])
-def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transformers(kernel):
+def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transformers(
+    kernel, monkeypatch
+):
     """SmolLM2 fp32 with products of many rows over the weights' codes: on AMX's tiles where
     the plan puts products of CODED_AMX_ROWS rows or more there, or by tables of subset sums
     (forced here for CODED_LUT_ROWS rows or more, as the plan does on CPUs without AMX where
@@ -429,7 +434,8 @@ def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transf
     logits are (measured on an Intel Xeon, max / mean: AMX 8.8e-5 / 8.7e-6, lookups 1.13e-4 /
     8.9e-6, transformers fp32 8.75e-5 / 9.3e-6; a part of x dropped or a wrong lookup would
     put it orders of magnitude off), and its greedy continuations are transformers' fp32
-    ones."""
+    ones. With lookups, each layer's q, k and v go in one call (their x's tables built once),
+    o, gate/up and down in one each."""
     from transformers import AutoModelForCausalLM
 
     from tests.reference import reference_greedy
@@ -446,10 +452,17 @@ def test_a_default_model_prefill_on_a_product_of_codes_is_as_near_fp64_as_transf
     else:
         rows, lut = CODED_LUT_ROWS, coded_lut_linear(max(LUT_LANES), 2)
         assert all(m.use_coded_prefill(lut, PackedRows(rows, None)) for m in linears)
+        calls: list[int] = []
+        products = lut.products
+        monkeypatch.setattr(
+            lut, "products", lambda x, parts: calls.append(len(parts)) or products(x, parts)
+        )
     assert len(linears) == 180
     prompts = [runner.tokenizer.encode(" ".join([t] * 4), add_special_tokens=False) for t in TEXTS]
     assert sum(map(len, prompts)) >= max(rows, 300)
     logits = prefill_logits(runner, prompts).double()
+    if kernel == "lookup":
+        assert calls == [3, 1, 1, 1] * 30, calls
     references = {}
     for dtype in (torch.float32, torch.float64):
         model = AutoModelForCausalLM.from_pretrained(runner.model_folder, dtype=dtype).eval()
@@ -488,6 +501,61 @@ def test_the_lookup_product_of_codes_is_as_accurate_as_mkls(lanes, chunk, rows, 
         exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
         mkl = relative_error(F.linear(x, weight, bias), exact)
         assert relative_error(out, exact) <= 2 * mkl + 2**-20
+
+
+def test_products_of_one_input_in_one_lookup_call_are_each_alone_bit_for_bit():
+    """Several products of one x in one call (q, k and v: x's tables built once, read by
+    every part's features) give each part's product as a call of its own does, bit for bit,
+    and as the product of the weights stacked into one: with and without biases and m * S
+    terms, feature counts no multiple of a vector's rows, each build."""
+    gen = torch.Generator().manual_seed(8)
+    weights = [as_codes(torch.randn(n, 96, generator=gen) / 24) for n in (48, 20, 20)]
+    biases = [torch.randn(48, generator=gen), None, torch.randn(20, generator=gen)]
+    q = torch.randint(0, 16, (20, 3, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # m = 0 in every run: no m * S term for this part
+    weights[1] = (torch.rand(20, 3, 1, generator=gen).half().float() * q).view(20, 96)
+    x = torch.randn(37, 96, generator=gen)
+    for lanes in LUT_LANES:
+        kernel = coded_lut_linear(lanes, 2)
+        packed = [kernel.pack(w) for w in weights]
+        assert [p[2] for p in packed] == [True, False, True]
+        parts = [(o, s, w.shape[0], b, m) for (o, s, m), w, b in zip(packed, weights, biases)]
+        together = kernel.products(x, parts)
+        alone = [kernel(x, *part) for part in parts]
+        assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+        stacked = torch.cat(weights)
+        o, s, m = kernel.pack(stacked)
+        no_bias = kernel.products(x, [(o, s, 88, None, m)])[0]
+        parts = [(o, s, n, None, m) for (o, s, m), n in zip(packed, (48, 20, 20))]
+        assert torch.equal(no_bias, torch.cat(kernel.products(x, parts), dim=1))
+
+
+def test_the_start_up_measurement_takes_each_layers_q_k_v_as_one_product(monkeypatch):
+    """On a plan with the lookup kernel and no AMX, the runner measures the default model's
+    linear units: each attention's q, k and v as the one 960 x 576 product they make in one
+    call, every other layer alone. At margin 0 every unit's shape takes the kernel and every
+    linear layer gets it; at an unreachable margin none."""
+    from radixserve.model import runner as runner_module
+
+    q4 = coded_linear(None, "q4_1")
+    if q4 is None:
+        pytest.skip("this CPU has no build of the blocked fp32 kernel over codes")
+    runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=4096), progress=False)
+    model = runner.model
+    units = model.linear_units()
+    assert sorted(map(len, units)) == [1] * 90 + [3] * 30
+    assert {u[0] for u in units if len(u) == 3} == {
+        m.self_attn.q_proj for m in model.modules() if hasattr(m, "self_attn")
+    }
+    shapes = {(960, 576), (576, 576), (3072, 576), (576, 1536)}
+    assert {product_shape(u) for u in units} == shapes
+    plan = dataclasses.replace(runner.kernels, coded_amx_rows=0, coded_lut_rows=CODED_LUT_ROWS)
+    monkeypatch.setattr(runner_module, "CODED_LUT_MARGIN", 0.0)
+    prefill, taken = runner_module.coded_prefill_kernel(model, plan, (q4,), None)
+    assert prefill is not None and isinstance(prefill[0], CodedLutLinear)
+    assert prefill[1].first == CODED_LUT_ROWS and taken == shapes
+    monkeypatch.setattr(runner_module, "CODED_LUT_MARGIN", float("inf"))
+    assert runner_module.coded_prefill_kernel(model, plan, (q4,), None) == (None, None)
 
 
 def test_only_weights_of_4_bit_codes_go_to_the_lookup_product():

@@ -29,6 +29,7 @@ from radixserve.model.layers import (
     VocabParallelEmbedding,
     logits_linear,
     pack_weight,
+    product_shape,
 )
 from radixserve.model.loader import CheckpointTensor
 from radixserve.model.parallel import SINGLE, TensorParallel
@@ -159,6 +160,20 @@ class CausalLM(nn.Module):
             elif isinstance(module, GatedMLP) and module.act is F.silu:
                 module.fused = ops
 
+    def linear_units(self) -> list[tuple[Linear, ...]]:
+        """Every linear layer, with those the forward gives one input together (a module's
+        `shared_input_linears`: an attention's q, k and v; see `shared_input_products`) as one
+        unit, each other alone."""
+        units, grouped = [], set()
+        for module in self.modules():
+            if hasattr(module, "shared_input_linears"):
+                unit = tuple(module.shared_input_linears())
+                units.append(unit)
+                grouped.update(unit)
+            elif isinstance(module, Linear) and module not in grouped:
+                units.append((module,))
+        return units
+
     def use_blocked_linears(
         self,
         kernel: BlockedLinear,
@@ -176,10 +191,10 @@ class CausalLM(nn.Module):
         instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the
         first of those kernels that reads it as its codes, for the same rows (`CodedLinear`:
         the blocked kernel's bits from a fraction of the bytes). With `coded_prefill` (kernel,
-        rows), a linear layer whose weight is such codes, of a shape (N, K) in
-        `coded_prefill_shapes` (None: any), takes those rows through that kernel on its codes
-        (`Linear.use_coded_prefill`: AMX's tiles or tables of subset sums), the codes found
-        once for all. Before `pack_linears`."""
+        rows), a linear layer whose weight is such codes takes those rows through that kernel
+        on its codes (`Linear.use_coded_prefill`: AMX's tiles or tables of subset sums), the
+        codes found once for all, where its unit's product shape (N, K) is in
+        `coded_prefill_shapes` (None: any; see `linear_units`). Before `pack_linears`."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
@@ -193,15 +208,15 @@ class CausalLM(nn.Module):
                     return form, form.pack(weight, found), found
             return kernel, None, None
 
+        found: dict[Linear, Codes | None] = {}
         for module in self.modules():
             if isinstance(module, Linear):
-                reader, codes, found = as_codes(module.weight)
+                reader, codes, found[module] = as_codes(module.weight)
                 module.use_blocked(reader, rows_for(module.weight), codes)
-                shape = tuple(module.weight.shape)
-                if coded_prefill is not None and (
-                    coded_prefill_shapes is None or shape in coded_prefill_shapes
-                ):
-                    module.use_coded_prefill(*coded_prefill, found)
+        for unit in self.linear_units() if coded_prefill is not None else ():
+            if coded_prefill_shapes is None or product_shape(unit) in coded_prefill_shapes:
+                for module in unit:
+                    module.use_coded_prefill(*coded_prefill, found[module])
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             reader, codes, _ = as_codes(self.embed_tokens.weight)
             packed = codes if codes is not None else kernel.pack(self.embed_tokens.weight)

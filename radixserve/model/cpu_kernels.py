@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -680,6 +681,12 @@ def coded_amx_linear(folder: Path | None = None) -> CodedAmxLinear | None:
     return None if library is None else CodedAmxLinear(library)
 
 
+# What a coded-prefill kernel (CodedAmxLinear, CodedLutLinear) takes after x for one product:
+# (codes, scales, n, bias or None, has_min), codes, scales and has_min as its `pack` gives them.
+CodedPart = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None, bool]
+PART_FIELDS = 6  # fp32_coded_lut.cpp's Part: a CodedPart's pointers, out's and the two ints
+
+
 class CodedLutLinear:
     """fp32 products of many rows for weights that are 4-bit GGUF codes dequantized (Q4_1,
     `coded_runs`) by tables of subset sums of x (fp32_coded_lut.cpp): per group of 8 columns
@@ -690,9 +697,9 @@ class CodedLutLinear:
 
     def __init__(self, library: ctypes.CDLL, lanes: int, chunk: int) -> None:
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._linear = library.fp32_lut_coded_linear
-        self._linear.argtypes = [p, p, p, p, p, i64, i64, i64, c_int, c_int, c_int, c_int]
-        self._linear.restype = c_int
+        self._linears = library.fp32_lut_coded_linears
+        self._linears.argtypes = [p, p, c_int, i64, i64, c_int, c_int, c_int]
+        self._linears.restype = c_int
         self.lanes, self.chunk = lanes, chunk
 
     def pack(
@@ -733,16 +740,26 @@ class CodedLutLinear:
         has_min: bool,
     ) -> torch.Tensor:
         """x (M, K) fp32 @ W.T + bias for W packed as (offsets, scales)."""
+        return self.products(x, [(offsets, scales, n, bias, has_min)])[0]
+
+    def products(self, x: torch.Tensor, parts: Sequence[CodedPart]) -> list[torch.Tensor]:
+        """x (M, K) fp32 @ W.T + bias for each part's W, packed as (offsets, scales), in one
+        call: x's tables built once for all (q, k and v of one input)."""
         x = x.contiguous()
         m, k = x.shape
-        out = torch.empty(m, n)
+        outs = [torch.empty(m, n) for _, _, n, _, _ in parts]
+        rows = []
+        for (offsets, scales, n, bias, has_min), out in zip(parts, outs, strict=True):
+            pointers = (offsets, scales, bias, out)
+            rows.append([0 if t is None else t.data_ptr() for t in pointers] + [n, int(has_min)])
+        fields = torch.tensor(rows, dtype=torch.int64)
+        assert fields.shape[1] == PART_FIELDS
         with profiled("kernel:linear"):
-            self._linear(
-                x.data_ptr(), offsets.data_ptr(), scales.data_ptr(),
-                None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
-                self.lanes, self.chunk, int(has_min), torch.get_num_threads(),
+            self._linears(
+                x.data_ptr(), fields.data_ptr(), len(parts), m, k, self.lanes, self.chunk,
+                torch.get_num_threads(),
             )  # fmt: skip
-        return out
+        return outs
 
 
 @functools.cache

@@ -143,19 +143,32 @@ inline void subset_sums(const float* xt, float* t) {
     }
 }
 
+// One product of a call (cpu_kernels.CodedLutLinear.products: PART_FIELDS int64 each): its
+// packed weight (offsets, scales), bias or null, out (m, n), n, and whether any m is nonzero.
+struct Part {
+    const uint16_t* offsets;
+    const float* scales;
+    const float* bias;
+    float* out;
+    int64_t n, has_min;
+};
+static_assert(sizeof(Part) == 6 * sizeof(int64_t), "cpu_kernels.py PART_FIELDS");
+
+// Every part's product of x: one pass over x's blocks of rows, each block's tables built once
+// and read by every part's features (q, k and v of one x: the tables of 960 features, not of
+// 576, 192 and 192).
 template <typename L, int Chunk>
-void coded_lut(const float* x, const uint16_t* offsets, const float* scales, const float* bias,
-               float* out, int64_t m, int64_t n, int64_t k, bool has_min, int threads) {
+void coded_lut(const float* x, const Part* parts, int count, int64_t m, int64_t k, int threads) {
     constexpr int64_t R = L::n;
     const int64_t blocks = (m + R - 1) / R, runs = k / kRun, chunks = k / kGroup / Chunk;
-    const float* d_all = scales;
-    const float* m_all = scales + runs * n;
+    int64_t features = 0;
+    for (int p = 0; p < count; p++) features += parts[p].n;
 #pragma omp parallel num_threads(threads)
     {
         float* xt = aligned_floats(k * R);
         float* sums = aligned_floats(runs * R);
         float* tables = aligned_floats(Chunk * 256 * R);
-        float* y = aligned_floats(n * R);
+        float* ys = aligned_floats(features * R);  // the parts' accumulators, one after another
         const char* tb = reinterpret_cast<const char*>(tables);
         const typename L::V two = L::set1(2.0f);
 #pragma omp for schedule(static)
@@ -172,73 +185,86 @@ void coded_lut(const float* x, const uint16_t* offsets, const float* scales, con
                 for (int64_t c = 0; c < kRun; c++) s = L::add(s, L::load(xt + (j * kRun + c) * R));
                 L::store(sums + j * R, s);
             }
-            for (int64_t f = 0; f < n; f++) L::store(y + f * R, L::set1(bias ? bias[f] : 0.0f));
+            for (int p = 0, at = 0; p < count; at += parts[p++].n * R)
+                for (int64_t f = 0; f < parts[p].n; f++)
+                    L::store(ys + at + f * R, L::set1(parts[p].bias ? parts[p].bias[f] : 0.0f));
             for (int64_t ch = 0; ch < chunks; ch++) {
                 for (int g = 0; g < Chunk; g++)
                     subset_sums<L>(xt + (ch * Chunk + g) * kGroup * R, tables + g * 256 * R);
                 const int64_t run = ch * Chunk * kGroup / kRun;
                 const bool run_starts = (ch * Chunk * kGroup) % kRun == 0;
-                const float* d = d_all + run * n;
-                const float* mins = m_all + run * n;
                 const typename L::V s = L::load(sums + run * R);
-                const uint16_t* o = offsets + ch * n * Chunk * 4;
-                for (int64_t f = 0; f < n; f++, o += Chunk * 4) {
-                    typename L::V acc;
-                    for (int g = 0; g < Chunk; g++) {
-                        auto at = [&](int bit) {
-                            return L::load(reinterpret_cast<const float*>(tb + o[4 * g + bit]));
-                        };
-                        typename L::V a = at(3);
-                        a = L::fmadd(a, two, at(2));
-                        a = L::fmadd(a, two, at(1));
-                        a = L::fmadd(a, two, at(0));
-                        acc = g == 0 ? a : L::add(acc, a);
+                float* y = ys;
+                for (int p = 0; p < count; y += parts[p++].n * R) {
+                    const int64_t n = parts[p].n;
+                    const float* d = parts[p].scales + run * n;
+                    const float* mins = parts[p].scales + (runs + run) * n;
+                    const bool with_min = parts[p].has_min && run_starts;
+                    const uint16_t* o = parts[p].offsets + ch * n * Chunk * 4;
+                    for (int64_t f = 0; f < n; f++, o += Chunk * 4) {
+                        typename L::V acc;
+                        for (int g = 0; g < Chunk; g++) {
+                            auto at = [&](int bit) {
+                                return L::load(reinterpret_cast<const float*>(tb + o[4 * g + bit]));
+                            };
+                            typename L::V a = at(3);
+                            a = L::fmadd(a, two, at(2));
+                            a = L::fmadd(a, two, at(1));
+                            a = L::fmadd(a, two, at(0));
+                            acc = g == 0 ? a : L::add(acc, a);
+                        }
+                        typename L::V yf = L::fmadd(L::set1(d[f]), acc, L::load(y + f * R));
+                        if (with_min) yf = L::fmadd(L::set1(mins[f]), s, yf);
+                        L::store(y + f * R, yf);
                     }
-                    typename L::V yf = L::fmadd(L::set1(d[f]), acc, L::load(y + f * R));
-                    if (has_min && run_starts) yf = L::fmadd(L::set1(mins[f]), s, yf);
-                    L::store(y + f * R, yf);
                 }
             }
-            int64_t f0 = 0;
-            for (; f0 + R <= n; f0 += R) {  // R x R blocks of y, as rows of out
-                typename L::V v[R];
-                for (int64_t j = 0; j < R; j++) v[j] = L::load(y + (f0 + j) * R);
-                L::transpose(v);
-                for (int64_t r = 0; r < rows; r++) L::storeu(out + (r0 + r) * n + f0, v[r]);
+            const float* y = ys;
+            for (int p = 0; p < count; y += parts[p++].n * R) {
+                const int64_t n = parts[p].n;
+                float* out = parts[p].out;
+                int64_t f0 = 0;
+                for (; f0 + R <= n; f0 += R) {  // R x R blocks of y, as rows of out
+                    typename L::V v[R];
+                    for (int64_t j = 0; j < R; j++) v[j] = L::load(y + (f0 + j) * R);
+                    L::transpose(v);
+                    for (int64_t r = 0; r < rows; r++) L::storeu(out + (r0 + r) * n + f0, v[r]);
+                }
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t f = f0; f < n; f++) out[(r0 + r) * n + f] = y[f * R + r];
             }
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t f = f0; f < n; f++) out[(r0 + r) * n + f] = y[f * R + r];
         }
         free(xt);
         free(sums);
         free(tables);
-        free(y);
+        free(ys);
     }
 }
 
 template <typename L>
-void coded_lut_chunk(const float* x, const uint16_t* offsets, const float* scales, const float* bias,
-                     float* out, int64_t m, int64_t n, int64_t k, int chunk, bool has_min, int threads) {
-    if (chunk == 1) coded_lut<L, 1>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
-    else if (chunk == 2) coded_lut<L, 2>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
-    else coded_lut<L, 4>(x, offsets, scales, bias, out, m, n, k, has_min, threads);
+void coded_lut_chunk(const float* x, const Part* parts, int count, int64_t m, int64_t k, int chunk,
+                     int threads) {
+    if (chunk == 1) coded_lut<L, 1>(x, parts, count, m, k, threads);
+    else if (chunk == 2) coded_lut<L, 2>(x, parts, count, m, k, threads);
+    else coded_lut<L, 4>(x, parts, count, m, k, threads);
 }
 
 }  // namespace
 
-// out (m, n) = x (m, k) @ W.T + bias (bias may be null) for W packed as above with `lanes`
-// rows a vector (8; 16 where built for AVX-512) and `chunk` groups (1, 2 or 4) a chunk; k a
-// multiple of 32. Returns 0, or -1 for lanes this build lacks (nothing written).
-extern "C" int fp32_lut_coded_linear(const float* x, const uint16_t* offsets, const float* scales,
-                                     const float* bias, float* out, int64_t m, int64_t n, int64_t k,
-                                     int lanes, int chunk, int has_min, int threads) {
+// For each of the `count` parts, out (m, n) = x (m, k) @ W.T + bias (bias may be null) for W
+// packed as above with `lanes` rows a vector (8; 16 where built for AVX-512) and `chunk`
+// groups (1, 2 or 4) a chunk; k a multiple of 32. Returns 0, or -1 for lanes this build lacks
+// (nothing written).
+extern "C" int fp32_lut_coded_linears(const float* x, const int64_t* parts, int count, int64_t m,
+                                      int64_t k, int lanes, int chunk, int threads) {
+    const Part* p = reinterpret_cast<const Part*>(parts);
     if (lanes == 8) {
-        coded_lut_chunk<Lanes8>(x, offsets, scales, bias, out, m, n, k, chunk, has_min, threads);
+        coded_lut_chunk<Lanes8>(x, p, count, m, k, chunk, threads);
         return 0;
     }
 #ifdef __AVX512F__
     if (lanes == 16) {
-        coded_lut_chunk<Lanes16>(x, offsets, scales, bias, out, m, n, k, chunk, has_min, threads);
+        coded_lut_chunk<Lanes16>(x, p, count, m, k, chunk, threads);
         return 0;
     }
 #endif

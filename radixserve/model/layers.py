@@ -6,7 +6,7 @@ operations, fp32 where it computes in fp32) so outputs match it to fp32 rounding
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixserve.model.cpu_kernels import BlockedLinear, CodedPrefill, Codes, FusedOps
+from radixserve.model.cpu_kernels import BlockedLinear, CodedPart, CodedPrefill, Codes, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 SMALL_BATCH_ROWS = 256  # below this many rows, the transposed product wins on CPU
@@ -132,6 +132,16 @@ class Linear(nn.Linear):
         self.blocked_bias = None if self.bias is None else self.bias.detach().float()
         return True
 
+    def coded_prefill_part(self) -> CodedPart:
+        """What the coded-prefill kernel takes after x: (codes, scales, N, bias, has_min)."""
+        return (
+            self.coded_prefill_codes,
+            self.coded_prefill_scales,
+            self.out_features,
+            self.blocked_bias,
+            self.coded_prefill_min,
+        )
+
     def uses_coded_prefill(self, x: torch.Tensor) -> bool:
         rows = self.coded_prefill_rows
         return rows is not None and x.dim() == 2 and rows.covers(x)
@@ -158,16 +168,31 @@ class Linear(nn.Linear):
         if self.uses_blocked(x):
             return self.blocked(x, self.blocked_weight, self.out_features, self.blocked_bias)
         if self.uses_coded_prefill(x):
-            return self.coded_prefill(
-                x, self.coded_prefill_codes, self.coded_prefill_scales, self.out_features,
-                self.blocked_bias, self.coded_prefill_min,
-            )  # fmt: skip
+            return self.coded_prefill(x, *self.coded_prefill_part())
         if self.packed_rows is not None and self.packed_rows.covers(x):
             return packed_linear(x, self.packed_weight, self.bias)
         kernel = self.kernels.pick(x)
         if kernel is not None:
             return kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def product_shape(linears: Sequence[Linear]) -> tuple[int, int]:
+    """(N, K) of linear layers of one input as one product (`shared_input_products`)."""
+    return sum(linear.out_features for linear in linears), linears[0].in_features
+
+
+def shared_input_products(linears: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each linear layer's product of the same x: in one call where they all take x's rows
+    through one kernel that computes several products of one input (the lookup kernel builds
+    x's tables once for all), else one by one."""
+    kernel = linears[0].coded_prefill
+    together = getattr(kernel, "products", None)
+    if together is None or not all(
+        linear.coded_prefill is kernel and linear.uses_coded_prefill(x) for linear in linears
+    ):
+        return [linear(x) for linear in linears]
+    return together(x, [linear.coded_prefill_part() for linear in linears])
 
 
 LOGITS_CHUNK = 2048  # vocabulary rows per product: 4.7 MB of fp32 weights, stays in L2/L3

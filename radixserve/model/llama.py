@@ -13,7 +13,14 @@ from transformers import PretrainedConfig
 
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
-from radixserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, RotaryTables
+from radixserve.model.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryTables,
+    shared_input_products,
+)
 from radixserve.model.parallel import SINGLE, TensorParallel
 
 __all__ = [
@@ -58,6 +65,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps)
 
+    def shared_input_linears(self) -> tuple[Linear, ...]:
+        """The linear layers whose products of one input `forward` computes together."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(
         self,
         x: torch.Tensor,  # (T, hidden)
@@ -68,10 +79,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (T, hidden); with `last`, of its rows alone
         """With `last` (the last layer), every row's K/V and only `last`'s rows' queries:
         all K/V go to the pool, then those rows attend as the narrowed batch's."""
-        queries = x if last is None else x[last[0].rows]
-        q = self.q_proj(queries).view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # (T, KH, D)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if last is None:
+            q, k, v = shared_input_products(self.shared_input_linears(), x)
+        else:
+            q, k, v = self.q_proj(x[last[0].rows]), self.k_proj(x), self.v_proj(x)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KH, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if last is None:

@@ -49,7 +49,7 @@ from radixserve.model.cpu_kernels import (
 )
 from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
-from radixserve.model.layers import Linear, PackedRows, RotaryEmbedding, RowKernels
+from radixserve.model.layers import Linear, PackedRows, RotaryEmbedding, RowKernels, product_shape
 from radixserve.model.loader import (
     ModelLoadError,
     iter_checkpoint,
@@ -519,9 +519,11 @@ def coded_prefill_kernel(
     kernel_dir: Path | None,
 ) -> tuple[tuple[CodedPrefill, PackedRows] | None, frozenset[tuple[int, int]] | None]:
     """The kernel (and the rows it takes) for fp32 products of many rows over the weights'
-    codes, and the weight shapes it takes (None: all): AMX's where the plan has it, else the
-    lookup kernel where the plan has it and it measures faster than MKL here, on the shapes
-    where it does (hardware.CODED_LUT); (None, None) where neither."""
+    codes, and the product shapes of the model's linear units it takes (None: all; see
+    `CausalLM.linear_units`): AMX's where the plan has it, else the lookup kernel where the
+    plan has it and it measures faster than MKL here, on the shapes where it does (q, k and
+    v measured as the one product they make; hardware.CODED_LUT); (None, None) where
+    neither."""
     if kernels.coded_amx_rows:
         amx = coded_amx_linear(kernel_dir)
         return ((amx, PackedRows(kernels.coded_amx_rows, None)) if amx else None), None
@@ -529,15 +531,16 @@ def coded_prefill_kernel(
     if not kernels.coded_lut_rows or q4 is None:
         return None, None
     samples: dict[tuple[int, int], tuple[torch.Tensor, Codes, int]] = {}
-    for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        shape = tuple(module.weight.shape)
+    for unit in model.linear_units():  # a unit of several linears (q, k, v) as one product
+        shape = product_shape(unit)
         if shape in samples:
-            weight, found, count = samples[shape]
-            samples[shape] = (weight, found, count + 1)
-        elif (found := q4.find(module.weight)) is not None:
-            samples[shape] = (module.weight.detach(), found, 1)
+            weight, codes, count = samples[shape]
+            samples[shape] = (weight, codes, count + 1)
+            continue
+        founds = [q4.find(m.weight) for m in unit]
+        if all(found is not None for found in founds):
+            weight = torch.cat([m.weight.detach() for m in unit])
+            samples[shape] = (weight, tuple(torch.cat(c) for c in zip(*founds)), 1)
     if not samples:
         return None, None
     start = time.perf_counter()
