@@ -329,17 +329,19 @@ CODED_AMX_ROWS = 128
 # median-only version made a 0.8x shape read 1.36x once), for products of CODED_LUT_ROWS rows or
 # more (the fidelity suite's 84-row batch stays on MKL, as for CODED_AMX: through the model the
 # kernel lands 1.4e-4 from transformers fp32, though 1.13e-4 from fp64 against transformers' own
-# 9.0e-5, mean 1.03e-5 against 1.13e-5). Intel Xeon (AVX-512, two 512-bit FMAs a cycle), 2 threads,
-# SmolLM2's 6 shapes of a layer, ms, medians of 7 alternated, MKL / 16 rows a vector in chunks of 2
-# groups (the best build there): 3.41 / 3.64 at 128 rows, 12.18 / 13.66 at 512, 23.73 / 27.24 at
-# 1,024 (0.87x; 1 group 0.84x, 4 groups 0.80x, 8 rows a vector 0.58-0.80x); a 2 x 512 prefill 880
-# vs 980 ms (benchmarks/coded_lut_vs_mkl.py, raw
-# benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx-session20.txt; the nineteenth session's build,
-# before x and the outputs were transposed by register blocks: 0.82x, 875 vs 1,087 ms); its start-up
-# measurement there 0.45 s, per shape 0.71-0.72x (192 x 576: the tables serve few features),
-# 0.82-0.83x (576 x 576), 0.87-0.91x (576 x 1,536), 1.03-1.04x (3,072 x 576): none reaches the
-# margin, and the AMX kernel is the one on AMX CPUs. Accuracy against fp64 as MKL's (max |error| /
-# max |output| 4.7e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its start-up measurement decides there.
+# 9.0e-5, mean 1.03e-5 against 1.13e-5). An attention's q, k and v take x's tables in one call
+# (`shared_input_products`), so they are measured and taken as the one product they make (960 x 576
+# for SmolLM2; alone, k's and v's 192 features ran 0.71x: too few to pay for the tables). Intel
+# Xeon (AVX-512, two 512-bit FMAs a cycle), 2 threads, a layer's products (q, k, v in one call),
+# ms, medians of 7 alternated, MKL / 16 rows a vector in chunks of 2 groups (the best build
+# there): 3.37 / 3.47 at 128 rows, 12.41 / 13.41 at 512, 23.78 / 26.75 at 1,024 (0.89x; 1 group
+# 0.84x, 4 groups 0.83x, 8 rows a vector 0.58-0.79x); a 2 x 512 prefill 877 vs 965 ms
+# (benchmarks/coded_lut_vs_mkl.py, raw benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx-session20.txt;
+# the nineteenth session's build, its transposes scalar and q, k, v called apart: 0.82x at 1,024
+# rows, 875 vs 1,087 ms); its start-up measurement there ~0.5 s, per shape 0.85-0.90x (960 x
+# 576), 0.81-0.86x (576 x 576), 0.85-0.86x (576 x 1,536), 1.00-1.12x (3,072 x 576; three runs):
+# the AMX kernel is the one on AMX CPUs anyway. Accuracy against fp64 as MKL's (max |error| / max
+# |output| 4.7e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its start-up measurement decides there.
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
 CODED_LUT_MARGIN = 1.1
