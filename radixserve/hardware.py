@@ -336,11 +336,12 @@ CODED_AMX_ROWS = 128
 # ms, medians of 7 alternated, MKL / 16 rows a vector in chunks of 2 groups (the best build
 # there): 3.37 / 3.47 at 128 rows, 12.41 / 13.41 at 512, 23.78 / 26.75 at 1,024 (0.89x; 1 group
 # 0.84x, 4 groups 0.83x, 8 rows a vector 0.58-0.79x); a 2 x 512 prefill 877 vs 965 ms
-# (benchmarks/coded_lut_vs_mkl.py, raw benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx-session20.txt;
-# the nineteenth session's build, its transposes scalar and q, k, v called apart: 0.82x at 1,024
-# rows, 875 vs 1,087 ms); its start-up measurement there ~0.5 s, per shape 0.85-0.90x (960 x
-# 576), 0.81-0.86x (576 x 576), 0.85-0.86x (576 x 1,536), 1.00-1.12x (3,072 x 576; three runs):
-# the AMX kernel is the one on AMX CPUs anyway. Accuracy against fp64 as MKL's (max |error| / max
+# (benchmarks/coded_lut_vs_mkl.py, raw
+# benchmarks/coded-lut-vs-mkl-2026-12-05-intel-amx-session20.txt; the nineteenth session's
+# build, its transposes scalar and q, k, v called apart: 0.82x at 1,024 rows, 875 vs 1,087 ms);
+# its start-up measurement there ~0.5 s, per shape 0.85-0.90x (960 x 576), 0.81-0.86x (576 x
+# 576), 0.85-0.86x (576 x 1,536), 1.00-1.12x (3,072 x 576; three runs): the AMX kernel is the
+# one on AMX CPUs anyway. Accuracy against fp64 as MKL's (max |error| / max
 # |output| 4.7e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its start-up measurement decides there.
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
