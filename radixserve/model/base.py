@@ -161,14 +161,14 @@ class CausalLM(nn.Module):
                 module.fused = ops
 
     def linear_units(self) -> list[tuple[Linear, ...]]:
-        """Every linear layer, with those the forward gives one input together (a module's
+        """Every `Linear`, with those the forward gives one input together (a module's
         `shared_input_linears`: an attention's q, k and v; see `shared_input_products`) as one
-        unit, each other alone."""
+        unit, each other alone (an int8 model's layers are no `Linear`s: none)."""
         units, grouped = [], set()
         for module in self.modules():
-            if hasattr(module, "shared_input_linears"):
-                unit = tuple(module.shared_input_linears())
-                units.append(unit)
+            unit = getattr(module, "shared_input_linears", tuple)()
+            if unit and all(isinstance(m, Linear) for m in unit):
+                units.append(tuple(unit))
                 grouped.update(unit)
             elif isinstance(module, Linear) and module not in grouped:
                 units.append((module,))

@@ -186,10 +186,13 @@ def shared_input_products(linears: Sequence[Linear], x: torch.Tensor) -> list[to
     """Each linear layer's product of the same x: in one call where they all take x's rows
     through one kernel that computes several products of one input (the lookup kernel builds
     x's tables once for all), else one by one."""
-    kernel = linears[0].coded_prefill
+    kernel = getattr(linears[0], "coded_prefill", None)  # None for other modules (int8)
     together = getattr(kernel, "products", None)
     if together is None or not all(
-        linear.coded_prefill is kernel and linear.uses_coded_prefill(x) for linear in linears
+        isinstance(linear, Linear)
+        and linear.coded_prefill is kernel
+        and linear.uses_coded_prefill(x)
+        for linear in linears
     ):
         return [linear(x) for linear in linears]
     return together(x, [linear.coded_prefill_part() for linear in linears])
