@@ -20,6 +20,7 @@ from radixserve.core.output import FinishReason, ModelInfo, ReqOutput, StrOut
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.output import Detokenizer, RequestState, ResultAccumulator
+from radixserve.scheduler.stop import OutputText, StopChecker
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import APIError
 from radixserve.server.messages import AbortReq, Ready, StrOutBatch, decode, encode
@@ -345,3 +346,52 @@ def test_a_control_request_the_scheduler_does_not_answer_is_a_503():
 def test_a_one_token_delta_is_a_few_dozen_bytes():
     delta = msgspec.msgpack.encode(StrOut("r", "x", [1234], None, 100, 0, 99))
     assert len(delta) < 32, delta  # an array: no field names on the wire
+
+
+# -- stop regexes: the scheduler's text of a request's output -------------------------------
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams())
+def test_the_stop_checkers_output_text_is_a_full_decode_at_every_step(case):
+    """The text stop regexes search (scheduler/stop.py OutputText), grown step by step, is
+    the full decode of the output so far, less a character still split across tokens."""
+    steps, params, _ = case
+    text, seen = OutputText(TOKENIZER, params.skip_special_tokens), []
+    for ids in steps:
+        seen += ids
+        full = TOKENIZER.decode(seen, skip_special_tokens=params.skip_special_tokens)
+        assert text.of(seen) == full.rstrip(REPLACEMENT)
+    first = TOKENIZER.decode(seen[:1], skip_special_tokens=params.skip_special_tokens)
+    assert text.of(seen[:1]) == first.rstrip(REPLACEMENT)  # fewer ids than before: begun again
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.decoded += len(ids)
+        return TOKENIZER.decode(ids, **kwargs)
+
+
+def test_a_stop_regex_costs_each_step_its_new_tokens_not_the_whole_output():
+    """A request with a stop regex is checked every step over its whole output's text, but
+    only the new tokens are decoded: 600 steps decode a few ids each (a full decode per step
+    would be 180,000 ids), and the pattern still ends the request where it first matches."""
+    counting = CountingTokenizer()
+    info = ModelInfo("m", 4096, 8, 4096, len(TOKENIZER), "float32", "float32", 0)
+    checker = StopChecker(counting, {EOS}, info, grammars=None)
+    ids = TOKENIZER.encode(" héllo wörld 😀" * 60)[:600]
+    tail = TOKENIZER.encode(" END-42")
+    params = SamplingParams(max_new_tokens=2000, stop_regex=[r"END-\d\d"])
+    req = Req("r", [1, 2, 3], params)
+    for i in ids:
+        req.output_ids.append(i)
+        assert checker.check(req) is None
+    assert counting.decoded < 10 * len(ids), counting.decoded
+    reasons = []
+    for i in tail:
+        req.output_ids.append(i)
+        reasons.append(checker.check(req))
+    assert reasons[-1] == FinishReason.stop("END-42") and not any(reasons[:-1])

@@ -31,6 +31,7 @@ class Req:
     spec: Any = None  # the speculator's state for this request (scheduler/speculative.py)
     embed: EmbedParams | None = None  # an embedding request: prefilled, pooled, never decoded
     pooled: Any = None  # its pooling so far across prefill chunks (scheduler/embedding.py)
+    stop_text: Any = None  # its output's text for stop regexes (scheduler/stop.py OutputText)
 
     # KV state, owned by the scheduler
     row: int | None = None  # request→token table row while it holds KV

@@ -5,7 +5,9 @@ min_new_tokens, a stop token (eos unless ignored, stop_token_ids), a stop string
 regex (for a constrained request only where the text before it is a complete document);
 else the length limit (max_new_tokens, or the context).
 
-Stop regexes run in the scheduler loop, over the whole output, every step: a pattern that
+Stop regexes run in the scheduler loop, over the whole output, every step (a match may span
+any length). The output's text is kept per request and grown by the new tokens' text alone
+(`OutputText`), so a step decodes a few tokens, not the whole output. A pattern that
 backtracks exponentially (`(a|a)+b` against "aaaa…") would stall every request. So they go
 through the `regex` package (the `re` syntax, plus a time limit): a search that takes
 longer than STOP_REGEX_TIMEOUT_S ends its request alone, with an abort naming the pattern.
@@ -20,6 +22,7 @@ import regex
 from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ModelInfo
 from radixserve.core.req import Req
+from radixserve.text_stream import IncrementalDecoder
 
 # One search of one request's output. A plain pattern searches 20k characters in ~0.1 ms.
 STOP_REGEX_TIMEOUT_S = 0.01
@@ -38,6 +41,24 @@ def search_stop_regex(pattern: str, text: str) -> regex.Match | None:
         return regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
     except TimeoutError:
         raise StopRegexTooSlow(pattern) from None
+
+
+class OutputText:
+    """A request's output text for its stop regexes, grown by each step's new tokens
+    (text_stream.IncrementalDecoder: a character split across tokens joins when complete)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        self.text = ""
+
+    def of(self, output_ids: list[int]) -> str:
+        """The text of `output_ids`, which extend the ids seen so far."""
+        if len(output_ids) < len(self.decoder.ids):  # not an extension: start again
+            self.decoder = IncrementalDecoder(self.tokenizer, self.skip_special_tokens)
+            self.text = ""
+        self.text += self.decoder.push(output_ids[len(self.decoder.ids) :])
+        return self.text
 
 
 class StopChecker:
@@ -68,6 +89,12 @@ class StopChecker:
             reason = FinishReason.of_length(n)
         return reason
 
+    def _output_text(self, req: Req) -> str:
+        """The request's output text, grown by the latest tokens' (`OutputText`)."""
+        if req.stop_text is None:
+            req.stop_text = OutputText(self.tokenizer, req.params.skip_special_tokens)
+        return req.stop_text.of(req.output_ids)
+
     def _decode(self, req: Req, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
@@ -85,7 +112,7 @@ class StopChecker:
                 if stop in tail:
                     return FinishReason.stop(stop)
         if p.stop_regex:  # a match may span any length: search the whole output
-            text = self._decode(req, req.output_ids)
+            text = self._output_text(req)
             for pattern in p.stop_regex:
                 match = search_stop_regex(pattern, text)
                 if match and match.group(0):
@@ -101,7 +128,7 @@ class StopChecker:
             text = self._decode(req, req.output_ids[:-1])
             at, matched = len(text), req.output_ids[-1]
         else:
-            text = self._decode(req, req.output_ids)
+            text = self._output_text(req)
             hits: list[tuple[int, str]] = [(text.find(s), s) for s in p.stop if s in text]
             for pattern in p.stop_regex:
                 match = search_stop_regex(pattern, text)
