@@ -119,6 +119,18 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(backend):
     assert 0 < sum(accepted) < VOCAB
 
 
+def test_a_matcher_that_faults_says_why_in_one_line(backend):
+    """A refused token is not consumed (no fault, nothing to say); a token forced into
+    llguidance's matcher past that check puts it in error, and `error` gives llguidance's
+    reason on one line (what the request's abort message carries)."""
+    matcher = backend.matcher(Constraint("regex", "ab"))
+    z = backend.tokenize_bytes(b"z")
+    assert not matcher.accept(z) and matcher.error == ""
+    assert matcher.accept(backend.tokenize_bytes(b"a"))
+    matcher.m.consume_tokens(z)
+    assert "doesn't satisfy the grammar" in matcher.error and "\n" not in matcher.error
+
+
 def test_jump_forward_appends_forced_text_as_the_tokenizer_writes_it(backend):
     matcher = backend.matcher(Constraint("json_schema", json.dumps(PERSON)))
     first = backend.tokenize_bytes(b"{")[0]

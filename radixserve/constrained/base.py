@@ -75,6 +75,11 @@ class GrammarMatcher(ABC):
     def is_accepting(self) -> bool:
         """The output so far is a complete document (it may still be extended)."""
 
+    @property
+    def error(self) -> str:
+        """What the backend says went wrong in this matcher, or "" (nothing, or not said)."""
+        return ""
+
 
 class GrammarBackend(ABC):
     """Compiles constraints and computes masks for a batch of matchers."""

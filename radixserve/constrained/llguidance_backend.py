@@ -51,6 +51,10 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_accepting(self) -> bool:
         return self.m.is_accepting()
 
+    @property
+    def error(self) -> str:
+        return _one_line(self.m.get_error()) if self.m.is_error() else ""
+
 
 class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:

@@ -164,8 +164,11 @@ class OutputProcessor:
         if req.grammar is None:
             return [token]
         new = self.grammars.accept(req, token, req.tokens_left(self.stops.context_len))
-        if new is None:  # only when every allowed token was banned (e.g. by logit_bias)
-            req.finish_reason = FinishReason.abort("no token the grammar allows")
+        if new is None:  # the mask allowed it: a matcher fault, or no allowed token was left
+            said = req.grammar.error
+            req.finish_reason = FinishReason.abort(
+                f"the grammar refused the sampled token {token}" + (f": {said}" if said else "")
+            )
             return []
         return new
 
