@@ -41,6 +41,9 @@ namespace {
 constexpr int64_t kRun = 32;   // columns per run of codes (one d, one m)
 constexpr int64_t kGroup = 8;  // columns per table: 256 subset sums
 
+// A lane type: its vector of `n` floats (rows of x) and the few operations the kernel uses.
+// lo32 / hi32 interleave floats, lo64 / hi64 pairs of floats, within each 128-bit lane;
+// join_lanes ends a transpose (see transpose).
 struct Lanes8 {  // AVX2: 8 rows of x a vector
     using V = __m256;
     static constexpr int64_t n = 8;
@@ -52,19 +55,16 @@ struct Lanes8 {  // AVX2: 8 rows of x a vector
     static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     static V set1(float v) { return _mm256_set1_ps(v); }
-    // r[i] = row i of an 8 x 8 block -> r[j] = its column j
-    static void transpose(V* r) {
-        V t[8], u[8];
-        for (int i = 0; i < 8; i += 2) {
-            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int g = 0; g < 8; g += 4)  // u[g + j], 128-bit lane h: column 4h + j of rows g..g+3
-            for (int j = 0; j < 2; j++) {
-                const __m256d a = _mm256_castps_pd(t[g + j]), b = _mm256_castps_pd(t[g + j + 2]);
-                u[g + 2 * j] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
-                u[g + 2 * j + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
-            }
+    static V lo32(V a, V b) { return _mm256_unpacklo_ps(a, b); }
+    static V hi32(V a, V b) { return _mm256_unpackhi_ps(a, b); }
+    static V lo64(V a, V b) {
+        return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+    }
+    static V hi64(V a, V b) {
+        return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+    }
+    // u[g + j]'s 128-bit lane h: column 4h + j of rows g..g+3 -> r[c]: column c
+    static void join_lanes(const V* u, V* r) {
         for (int j = 0; j < 4; j++) {
             r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
             r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
@@ -84,19 +84,16 @@ struct Lanes16 {  // AVX-512: 16 rows of x a vector
     static V add(V a, V b) { return _mm512_add_ps(a, b); }
     static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static V set1(float v) { return _mm512_set1_ps(v); }
-    // r[i] = row i of a 16 x 16 block -> r[j] = its column j
-    static void transpose(V* r) {
-        V t[16], u[16];
-        for (int i = 0; i < 16; i += 2) {
-            t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-            t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int g = 0; g < 16; g += 4)  // u[g + j], 128-bit lane h: column 4h + j of rows g..g+3
-            for (int j = 0; j < 2; j++) {
-                const __m512d a = _mm512_castps_pd(t[g + j]), b = _mm512_castps_pd(t[g + j + 2]);
-                u[g + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-                u[g + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-            }
+    static V lo32(V a, V b) { return _mm512_unpacklo_ps(a, b); }
+    static V hi32(V a, V b) { return _mm512_unpackhi_ps(a, b); }
+    static V lo64(V a, V b) {
+        return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+    }
+    static V hi64(V a, V b) {
+        return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+    }
+    // u[g + j]'s 128-bit lane h: column 4h + j of rows g..g+3 -> r[c]: column c
+    static void join_lanes(const V* u, V* r) {
         for (int j = 0; j < 4; j++) {  // lanes h of u[j], u[4 + j], u[8 + j], u[12 + j]
             const V lo_ab = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
             const V hi_ab = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
@@ -110,6 +107,23 @@ struct Lanes16 {  // AVX-512: 16 rows of x a vector
     }
 };
 #endif
+
+// r[i] = row i of an n x n block -> r[j] = its column j: floats, then pairs interleaved within
+// 128-bit lanes (u[g + j], lane h: column 4h + j of rows g..g+3), then the lanes joined.
+template <typename L>
+inline void transpose(typename L::V* r) {
+    typename L::V t[L::n], u[L::n];
+    for (int i = 0; i < L::n; i += 2) {
+        t[i] = L::lo32(r[i], r[i + 1]);
+        t[i + 1] = L::hi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < L::n; g += 4)
+        for (int j = 0; j < 2; j++) {
+            u[g + 2 * j] = L::lo64(t[g + j], t[g + j + 2]);
+            u[g + 2 * j + 1] = L::hi64(t[g + j], t[g + j + 2]);
+        }
+    L::join_lanes(u, r);
+}
 
 float* aligned_floats(int64_t count) {
     const size_t bytes = (count * sizeof(float) + 63) / 64 * 64;
@@ -177,7 +191,7 @@ void coded_lut(const float* x, const Part* parts, int count, int64_t m, int64_t 
             for (int64_t c = 0; c < k; c += R) {  // R x R blocks of x, as columns of R rows
                 typename L::V v[R];
                 for (int64_t r = 0; r < R; r++) v[r] = r < rows ? L::loadu(x + (r0 + r) * k + c) : L::zero();
-                L::transpose(v);
+                transpose<L>(v);
                 for (int64_t j = 0; j < R; j++) L::store(xt + (c + j) * R, v[j]);
             }
             for (int64_t j = 0; j < runs; j++) {
@@ -227,7 +241,7 @@ void coded_lut(const float* x, const Part* parts, int count, int64_t m, int64_t 
                 for (; f0 + R <= n; f0 += R) {  // R x R blocks of y, as rows of out
                     typename L::V v[R];
                     for (int64_t j = 0; j < R; j++) v[j] = L::load(y + (f0 + j) * R);
-                    L::transpose(v);
+                    transpose<L>(v);
                     for (int64_t r = 0; r < rows; r++) L::storeu(out + (r0 + r) * n + f0, v[r]);
                 }
                 for (int64_t r = 0; r < rows; r++)
