@@ -540,7 +540,8 @@ def coded_prefill_kernel(
         founds = [q4.find(m.weight) for m in unit]
         if all(found is not None for found in founds):
             weight = torch.cat([m.weight.detach() for m in unit])
-            samples[shape] = (weight, tuple(torch.cat(c) for c in zip(*founds)), 1)
+            d, m, q = (torch.cat(parts) for parts in zip(*founds))
+            samples[shape] = (weight, (d, m, q), 1)
     if not samples:
         return None, None
     start = time.perf_counter()
