@@ -7,6 +7,9 @@ each lands from the products in fp64.
 
     .venv/bin/python benchmarks/coded_lut_vs_mkl.py [--rows 128,512,1024] [--repeats 7]
 
+With MKL_ENABLE_INSTRUCTIONS=AVX2 in the environment MKL runs its AVX2 code: on an AVX-512
+CPU that issues two 512-bit FMAs a cycle, a stand-in for a core that issues one (Zen 4).
+
 (The runner makes the same comparison, coarser, at every start on CPUs without AMX and logs
 it: hardware.CODED_LUT.)
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -70,6 +74,8 @@ def main() -> None:
     cpu = cpu_info()
     print(f"CPU: {cpu.model_name} (AVX-512: {cpu.avx512}, AMX: {cpu.amx_bf16}), "
           f"{torch.get_num_threads()} threads")  # fmt: skip
+    if os.environ.get("MKL_ENABLE_INSTRUCTIONS"):  # e.g. AVX2: MKL held to half the FMAs
+        print(f"MKL_ENABLE_INSTRUCTIONS={os.environ['MKL_ENABLE_INSTRUCTIONS']}")
     runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=4096), progress=False)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     layer = [(m.weight.detach(), coded_runs(m.weight.detach())) for m in linears[:6]]
