@@ -18,8 +18,8 @@
 // 16 columns the kernel issues ~11 512-bit loads (8 lookups, the accumulator, d, m) and ~30
 // other instructions where MKL issues 16 512-bit FMAs. On an Intel Xeon, which issues two
 // 512-bit FMAs (8 cycles) and two 512-bit loads a cycle, that loop runs as fast as MKL, and
-// with the tables and transposes the kernel 0.86-0.89x MKL (SmolLM2's shapes, 512-1,024 rows,
-// 2 threads). A core that issues one 512-bit FMA a cycle (AMD's Zen 4: 16 cycles for MKL) and
+// with the tables and transposes the kernel 0.89-0.97x MKL (a SmolLM2 layer's products, q, k
+// and v in one call, 128-1,024 rows, 2 threads). A core that issues one 512-bit FMA a cycle (AMD's Zen 4: 16 cycles for MKL) and
 // one 512-bit load should run it in ~11: so the runner measures it against MKL at start-up and
 // uses it where it wins (radixserve/hardware.py CODED_LUT).
 //
@@ -29,8 +29,9 @@
 // (uint16; (group * 256 + i_b) * lanes * 4); scales (2, runs, n): d then m per run and
 // feature. Per block of `lanes` rows a thread transposes x (columns as vectors of rows; by
 // lanes x lanes blocks in registers), sums the runs (S), and per chunk builds its tables and
-// adds each feature's part of the chunk into an accumulator of the block's rows (y,
-// feature-major), folding by d; m * S at a run's first chunk; then transposes y into out.
+// adds each feature's part of the chunk, for every product of the call (`Part`), into an
+// accumulator of the block's rows (y, feature-major), folding by d; m * S at a run's first
+// chunk; then transposes y into each product's out.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
