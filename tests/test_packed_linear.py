@@ -11,6 +11,7 @@ business; the ops alone: tests/test_cpu_kernels.py)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from radixserve.model.cpu_kernels import (
     CodedAmxLinear,
     CodedLinear,
     CodedLutLinear,
+    LutSample,
     amx_linear,
     coded_amx_linear,
     coded_linear,
@@ -580,21 +582,77 @@ def test_only_weights_of_4_bit_codes_go_to_the_lookup_product():
     assert not has_min and relative_error(kernel(x, offsets, scales, 64, None, False), exact) < 1e-6
 
 
-def test_the_lookup_kernel_is_measured_against_mkl_per_shape():
-    """measure_coded_lut times its builds against MKL on one weight of each shape and keeps
-    the shapes where the fastest build beats MKL by the margin: every shape at margin 0, none
-    at an unreachable one; each measured shape has a positive ratio."""
+def test_the_lookup_kernel_is_measured_per_shape_against_what_makes_the_products_otherwise():
+    """measure_coded_lut times its builds on one weight of each shape against what makes its
+    products otherwise (MKL by default) and keeps the shapes where the fastest build beats
+    that by the margin: every shape at margin 0, none at an unreachable one; each measured
+    shape has a positive ratio. Given another way (the blocked kernel on a Zen 4), it times
+    that on the sampled rows instead: one much slower than the kernel makes the shape its
+    at a margin MKL's products do not reach."""
     gen = torch.Generator().manual_seed(6)
     samples = {}
     for n, k in [(64, 96), (32, 64)]:
         weight = as_codes(torch.randn(n, k, generator=gen) / 24)
-        samples[(n, k)] = (weight, coded_runs(weight), 3)
+        samples[(n, k)] = LutSample(weight, coded_runs(weight), 3)
     every = measure_coded_lut(samples, rows=32, margin=0.0, reps=1)
     assert every is not None and every.shapes == set(samples)
     assert set(every.speedups) == set(samples) and min(every.speedups.values()) > 0
     assert every.kernel.lanes in LUT_LANES
     none = measure_coded_lut(samples, rows=32, margin=float("inf"), reps=1)
     assert none is not None and not none.shapes
+
+    seen = []
+
+    def slow(x: torch.Tensor) -> None:  # 100 ms: far slower than 32 rows of lookups
+        seen.append(x.shape)
+        time.sleep(0.1)
+
+    slow_way = {(64, 96): dataclasses.replace(samples[(64, 96)], otherwise=slow)}
+    taken = measure_coded_lut(slow_way | {(32, 64): samples[(32, 64)]}, rows=32, margin=4.0)
+    assert taken is not None and taken.shapes == {(64, 96)}, taken.speedups
+    builds = 3 if cpu_runs("avx512") else 2
+    assert seen == [(32, 96)] * (7 + 1) * builds  # each build: 7 timed, one warm-up
+
+
+@needs_fp32_kernel
+def test_the_coded_prefill_kernels_rows_leave_the_blocked_kernel_that_takes_every_row_count(
+    tiny_model_dirs, model_cache_dir, monkeypatch
+):
+    """Where the blocked kernel takes every row count (its sums are torch's F.linear's: AMD's
+    Zen 4), a layer given the lookup kernel for CODED_LUT_ROWS rows or more sends those to
+    it, and fewer to the blocked kernel: a prefill of that many rows calls it for each
+    layer's q, k and v (one call), o, gate/up (no SiLU in the blocked kernel's product
+    then) and down, and for the untied head (every row's logits asked), and a prefill of
+    fewer rows never; the logits stay within fp32 rounding of torch's."""
+    plain = torch_runner(tiny_model_dirs["llama"], model_cache_dir)
+    runner = torch_runner(tiny_model_dirs["llama"], model_cache_dir)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    plain_linears = [m for m in plain.model.modules() if isinstance(m, Linear)]
+    for module, twin in zip(linears, plain_linears, strict=True):
+        module.weight.data = twin.weight.data = as_codes(module.weight)
+    found = runner.model.use_blocked_linears(FP32, PackedRows(1, None), coded=(CODED["q4_1"],))
+    assert set(found) == set(linears) and all(codes is not None for codes in found.values())
+    lut = coded_lut_linear(max(LUT_LANES), 2)
+    rows = PackedRows(CODED_LUT_ROWS, None)
+    assert runner.model.use_coded_prefill_linears(lut, rows, found) == len(linears)
+    width = linears[0].in_features
+    few, many = torch.empty(CODED_LUT_ROWS - 1, width), torch.empty(CODED_LUT_ROWS, width)
+    assert all(m.uses_blocked(few) and not m.uses_coded_prefill(few) for m in linears)
+    assert all(m.uses_coded_prefill(many) and not m.uses_blocked(many) for m in linears)
+    mlps = [m for m in runner.model.modules() if isinstance(m, GatedMLP)]
+    assert not any(mlp.act_in_product(many) for mlp in mlps)
+    calls: list[int] = []
+    products = lut.products
+    monkeypatch.setattr(lut, "products", lambda x, p: calls.append(len(p)) or products(x, p))
+    prompts = [list(range(5, 5 + CODED_LUT_ROWS)), [11] * 20]
+    logits = prefill_logits(runner, prompts)
+    assert runner.model.lm_head in linears
+    assert calls == [3, 1, 1, 1] * len(mlps) + [1], calls
+    expected = prefill_logits(plain, prompts)
+    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    calls.clear()
+    prefill_logits(runner, [[5, 6, 7]])
+    assert calls == []
 
 
 @needs_amx

@@ -7,7 +7,7 @@ requests; attention goes through the backend, which owns the KV pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -180,9 +180,7 @@ class CausalLM(nn.Module):
         rows: PackedRows,
         exact_rows: PackedRows | None = None,
         coded: tuple[CodedLinear, ...] = (),
-        coded_prefill: tuple[CodedPrefill, PackedRows] | None = None,
-        coded_prefill_shapes: Collection[tuple[int, int]] | None = None,
-    ) -> None:
+    ) -> dict[Linear, Codes | None]:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
         `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
@@ -190,11 +188,9 @@ class CausalLM(nn.Module):
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
         instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the
         first of those kernels that reads it as its codes, for the same rows (`CodedLinear`:
-        the blocked kernel's bits from a fraction of the bytes). With `coded_prefill` (kernel,
-        rows), a linear layer whose weight is such codes takes those rows through that kernel
-        on its codes (`Linear.use_coded_prefill`: AMX's tiles or tables of subset sums), the
-        codes found once for all, where its unit's product shape (N, K) is in
-        `coded_prefill_shapes` (None: any; see `linear_units`). Before `pack_linears`."""
+        the blocked kernel's bits from a fraction of the bytes). Before `pack_linears`.
+        Returns each linear layer's codes where it is such codes (for
+        `use_coded_prefill_linears`), else None."""
 
         def rows_for(weight: torch.Tensor) -> PackedRows:
             return exact_rows if exact_rows and kernel.same_as_torch(weight) else rows
@@ -213,16 +209,32 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 reader, codes, found[module] = as_codes(module.weight)
                 module.use_blocked(reader, rows_for(module.weight), codes)
-        for unit in self.linear_units() if coded_prefill is not None else ():
-            if coded_prefill_shapes is None or product_shape(unit) in coded_prefill_shapes:
-                for module in unit:
-                    module.use_coded_prefill(*coded_prefill, found[module])
         if self.lm_head is None and kernel.fits(self.embed_tokens.weight):
             reader, codes, _ = as_codes(self.embed_tokens.weight)
             packed = codes if codes is not None else kernel.pack(self.embed_tokens.weight)
             self.register_buffer("lm_blocked_weight", packed, persistent=False)
             self.lm_blocked = reader
             self.lm_blocked_rows = rows_for(self.embed_tokens.weight)
+        return found
+
+    def use_coded_prefill_linears(
+        self,
+        kernel: CodedPrefill,
+        rows: PackedRows,
+        found: Mapping[Linear, Codes | None],
+        shapes: Collection[tuple[int, int]] | None = None,
+    ) -> int:
+        """Products of `rows` rows of the linear layers whose weights are codes through
+        `kernel` on those codes (`Linear.use_coded_prefill`: AMX's tiles or tables of subset
+        sums; ahead of the blocked kernel's rows), where their unit's product shape (N, K) is
+        in `shapes` (None: any; see `linear_units`). `found`: the codes `use_blocked_linears`
+        found (the kernel looks for those of the others). Returns how many layers took it."""
+        taken = 0
+        for unit in self.linear_units():
+            if shapes is None or product_shape(unit) in shapes:
+                for module in unit:
+                    taken += module.use_coded_prefill(kernel, rows, found.get(module))
+        return taken
 
     def pack_linears(self, rows: PackedRows = EVERY_ROW) -> None:
         """Products of `rows` rows in every linear layer and the LM head with the weight in

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -773,10 +773,23 @@ def coded_lut_linear(
 
 
 @dataclass(frozen=True)
+class LutSample:
+    """A product shape of the model for `measure_coded_lut`: a weight of that shape, its Q4_1
+    codes, how many of the model's units have the shape, and what makes the product where
+    the lookup kernel does not (x -> the product(s); None: F.linear, i.e. MKL)."""
+
+    weight: torch.Tensor
+    codes: Codes
+    count: int
+    otherwise: Callable[[torch.Tensor], object] | None = None
+
+
+@dataclass(frozen=True)
 class LutChoice:
     """What `measure_coded_lut` found: the fastest build of the lookup kernel over the
-    sampled shapes (kernel), the weight shapes (N, K) where it beat MKL by the margin
-    (shapes; empty: none), and each shape's MKL / kernel time ratio (speedups)."""
+    sampled shapes (kernel), the weight shapes (N, K) where it beat what makes their
+    products otherwise by the margin (shapes; empty: none), and each shape's ratio of that
+    time to the kernel's (speedups)."""
 
     kernel: CodedLutLinear
     shapes: frozenset[tuple[int, int]]
@@ -784,19 +797,20 @@ class LutChoice:
 
 
 def measure_coded_lut(
-    samples: dict[tuple[int, int], tuple[torch.Tensor, Codes, int]],
+    samples: dict[tuple[int, int], LutSample],
     rows: int,
     margin: float,
     folder: Path | None = None,
     reps: int = 7,
 ) -> LutChoice | None:
     """Time the lookup kernel's builds (`coded_lut_linear`: 16 rows a vector where AVX-512
-    is there, 8 elsewhere; 1 or 2 groups a chunk) against MKL on one weight of each shape,
-    `samples`: (N, K) -> (weight, its Q4_1 codes, how many of the model's layers have that
-    shape), products of `rows` random rows, the two alternated `reps` times. The build with
-    the least time over the model's layers wins; the shapes where it takes at most 1 / margin
-    of MKL's time are its, by the least times and by the medians both (the ratio reported is
-    the smaller). None where no build loads or takes the codes."""
+    is there, 8 elsewhere; 1 or 2 groups a chunk) against what makes each shape's products
+    otherwise (`LutSample.otherwise`: the blocked kernel where it takes every row count,
+    else MKL) on one weight of each shape (N, K), products of `rows` random rows, the two
+    alternated `reps` times. The build with the least time over the model's layers wins;
+    the shapes where it takes at most 1 / margin of the other's time are its, by the least
+    times and by the medians both (the ratio reported is the smaller). None where no build
+    loads or takes the codes."""
     builds = [(16, 1), (16, 2), (8, 2)] if cpu_runs("avx512") else [(8, 1), (8, 2)]
     best: tuple[float, LutChoice] | None = None
     for lanes, chunk in builds:
@@ -804,27 +818,28 @@ def measure_coded_lut(
         if kernel is None:
             continue
         speedups, total = {}, 0.0
-        for shape, (weight, found, count) in samples.items():
-            packed = kernel.pack(weight, found)
+        for shape, sample in samples.items():
+            packed = kernel.pack(sample.weight, sample.codes)
             if packed is None:
                 return None
             x = torch.randn(rows, shape[1])
-            times: dict[str, list[float]] = {"mkl": [], "lut": []}
+            otherwise = sample.otherwise or functools.partial(F.linear, weight=sample.weight)
+            times: dict[str, list[float]] = {"otherwise": [], "lut": []}
             for rep in range(reps + 1):  # the first: warm-up
                 for name in times:
                     start = time.perf_counter()
-                    if name == "mkl":
-                        F.linear(x, weight)
+                    if name == "otherwise":
+                        otherwise(x)
                     else:
                         kernel(x, packed[0], packed[1], shape[0], None, packed[2])
                     if rep:
                         times[name].append(time.perf_counter() - start)
             # the least and the median time of each, so that a core taken by another
             # process for part of the run does not make a loser look a winner
-            mkl, lut = (min(times[name]) for name in ("mkl", "lut"))
-            typical = statistics.median(times["mkl"]) / statistics.median(times["lut"])
-            speedups[shape] = min(mkl / lut, typical)
-            total += count * lut
+            other, lut = (min(times[name]) for name in ("otherwise", "lut"))
+            typical = statistics.median(times["otherwise"]) / statistics.median(times["lut"])
+            speedups[shape] = min(other / lut, typical)
+            total += sample.count * lut
         shapes = frozenset(s for s, speedup in speedups.items() if speedup >= margin)
         if best is None or total < best[0]:
             best = (total, LutChoice(kernel, shapes, speedups))

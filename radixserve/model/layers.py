@@ -87,8 +87,9 @@ class Linear(nn.Linear):
     sgemv / sgemm do at those sizes, which is what decode steps are made of. After
     `use_blocked(kernel, rows)` products of those rows go to a kernel that reads its own
     copy of the weight (`BlockedLinear`); after `use_coded_prefill(kernel, rows)` products of
-    those rows (past the blocked kernel's) go to a kernel on the weight's codes
-    (`CodedPrefill`: AMX's tiles or tables of subset sums); after `pack(rows)` products of
+    those rows go to a kernel on the weight's codes (`CodedPrefill`: AMX's tiles or tables of
+    subset sums) instead, where the blocked kernel's rows take them too (on a CPU where its
+    sums are torch's it takes every row count: AMD's Zen 4); after `pack(rows)` products of
     those rows go to `packed_linear` with a copy of the weight in oneDNN's blocked layout."""
 
     kernels: RowKernels = NO_ROW_KERNELS
@@ -155,7 +156,11 @@ class Linear(nn.Linear):
         self.packed_weight, self.packed_rows = packed, rows
 
     def uses_blocked(self, x: torch.Tensor) -> bool:
-        return self.blocked_rows is not None and x.dim() == 2 and self.blocked_rows.covers(x)
+        """x's product goes to the blocked kernel: its rows, and not the coded-prefill
+        kernel's, which come first where both take them."""
+        if self.blocked_rows is None or x.dim() != 2 or not self.blocked_rows.covers(x):
+            return False
+        return not self.uses_coded_prefill(x)
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         """A product of x's rows reads a weight laid out at load (the blocked kernel's or

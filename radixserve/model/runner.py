@@ -6,6 +6,8 @@ The scheduler reaches the model only through `ModelRunner.forward`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -38,7 +40,7 @@ from radixserve.model.cpu_kernels import (
     CodedAmxLinear,
     CodedLinear,
     CodedPrefill,
-    Codes,
+    LutSample,
     blocked_linear,
     coded_amx_linear,
     coded_linear,
@@ -464,10 +466,10 @@ def build_model(
                 rows = PackedRows(1, kernels.blocked_rows)
                 forms = ("q4_1", "q8_0") if kernels.coded_linear else ()
                 coded = tuple(c for f in forms if (c := coded_linear(kernel_dir, f)) is not None)
+                found = model.use_blocked_linears(blocked, rows, PackedRows(1, None), coded)
                 prefill, shapes = coded_prefill_kernel(model, kernels, coded, kernel_dir)
-                model.use_blocked_linears(
-                    blocked, rows, PackedRows(1, None), coded, prefill, shapes
-                )
+                if prefill is not None:
+                    model.use_coded_prefill_linears(*prefill, found, shapes)
                 linears = [m for m in model.modules() if isinstance(m, Linear)]
                 if coded:
                     readers = [m.blocked for m in linears] + [model.lm_blocked]
@@ -521,44 +523,53 @@ def coded_prefill_kernel(
     """The kernel (and the rows it takes) for fp32 products of many rows over the weights'
     codes, and the product shapes of the model's linear units it takes (None: all; see
     `CausalLM.linear_units`): AMX's where the plan has it, else the lookup kernel where the
-    plan has it and it measures faster than MKL here, on the shapes where it does (q, k and
-    v measured as the one product they make; hardware.CODED_LUT); (None, None) where
-    neither."""
+    plan has it and it measures faster here than what makes those products otherwise (the
+    layers as they are: the blocked kernel where it takes every row count, else MKL), on
+    the shapes where it does (q, k and v measured as the one product they make;
+    hardware.CODED_LUT); (None, None) where neither. After `use_blocked_linears`."""
     if kernels.coded_amx_rows:
         amx = coded_amx_linear(kernel_dir)
         return ((amx, PackedRows(kernels.coded_amx_rows, None)) if amx else None), None
     q4 = next((c for c in coded if c.form == "q4_1"), None)
     if not kernels.coded_lut_rows or q4 is None:
         return None, None
-    samples: dict[tuple[int, int], tuple[torch.Tensor, Codes, int]] = {}
+    samples: dict[tuple[int, int], LutSample] = {}
+    rows = torch.empty(CODED_LUT_SAMPLE_ROWS, 0, device="meta")
+    otherwise = set()  # what makes the sampled products now, for the log
     for unit in model.linear_units():  # a unit of several linears (q, k, v) as one product
         shape = product_shape(unit)
         if shape in samples:
-            weight, codes, count = samples[shape]
-            samples[shape] = (weight, codes, count + 1)
+            samples[shape] = dataclasses.replace(samples[shape], count=samples[shape].count + 1)
             continue
         founds = [q4.find(m.weight) for m in unit]
         if all(found is not None for found in founds):
             weight = torch.cat([m.weight.detach() for m in unit])
-            d, m, q = (torch.cat(parts) for parts in zip(*founds))
-            samples[shape] = (weight, (d, m, q), 1)
+            codes = tuple(torch.cat(parts) for parts in zip(*founds))
+            samples[shape] = LutSample(weight, codes, 1, functools.partial(unit_products, unit))
+            otherwise.add("the blocked kernel" if unit[0].uses_blocked(rows) else "MKL")
     if not samples:
         return None, None
     start = time.perf_counter()
-    choice = measure_coded_lut(samples, CODED_LUT_SAMPLE_ROWS, CODED_LUT_MARGIN, kernel_dir)
+    with torch.inference_mode():
+        choice = measure_coded_lut(samples, CODED_LUT_SAMPLE_ROWS, CODED_LUT_MARGIN, kernel_dir)
     if choice is None:
         return None, None
     logger.info(
         "fp32 products by tables of subset sums (%d rows a vector, chunks of %d groups) "
-        "against MKL at %d rows, measured in %.2f s: %s; taken where %.2fx or more",
-        choice.kernel.lanes, choice.kernel.chunk, CODED_LUT_SAMPLE_ROWS,
-        time.perf_counter() - start,
+        "against %s at %d rows, measured in %.2f s: %s; taken where %.2fx or more",
+        choice.kernel.lanes, choice.kernel.chunk, " and ".join(sorted(otherwise)),
+        CODED_LUT_SAMPLE_ROWS, time.perf_counter() - start,
         ", ".join(f"{n}x{k} {speedup:.2f}x" for (n, k), speedup in choice.speedups.items()),
         CODED_LUT_MARGIN,
     )  # fmt: skip
     if not choice.shapes:
         return None, None
     return (choice.kernel, PackedRows(kernels.coded_lut_rows, None)), choice.shapes
+
+
+def unit_products(unit: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's product of x, one by one, as the layers make them."""
+    return [linear(x) for linear in unit]
 
 
 def model_bytes(model: CausalLM) -> int:
