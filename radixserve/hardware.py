@@ -343,6 +343,14 @@ CODED_AMX_ROWS = 128
 # 576), 0.85-0.86x (576 x 1,536), 1.00-1.12x (3,072 x 576; three runs): the AMX kernel is the
 # one on AMX CPUs anyway. Accuracy against fp64 as MKL's (max |error| / max
 # |output| 4.7e-7 vs 5.2e-7). Unmeasured on AMD's Zen 4: its start-up measurement decides there.
+# On a Zen 4 the blocked kernel over codes takes every row count (its sums are MKL's there, see
+# FP32_LINEAR; ~1.25x MKL at 544 rows), so that is what the lookup kernel must beat there, and
+# it is measured against it (the layers as they run without it); its rows come before the
+# blocked kernel's (`Linear.uses_blocked`). Until the twenty-first session the kernel was
+# measured against MKL and, once chosen, never ran there (the blocked kernel came first). On
+# the Intel Xeon with the blocked kernel forced to every row count (`coded_lut_vs_mkl.py
+# --blocked-prefill`, 2 threads, noisy): a layer's products 0.86-0.92x the blocked kernel's at
+# 256 and 1,024 rows; a 2 x 512 prefill 1.01x.
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
 CODED_LUT_MARGIN = 1.1
