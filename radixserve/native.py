@@ -20,11 +20,13 @@ SEED_MASK = 2**63 - 1  # sample j of a seeded prompt draws with seed + j, kept n
 
 
 class InvalidRequest(ValueError):
-    """A call that cannot run; `param` names the field at fault (text, input_ids, rid...)."""
+    """A call that cannot run; `param` names the field at fault (text, input_ids, rid...),
+    `code` the kind of fault where an API has a code for it (context_length_exceeded)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass

@@ -73,8 +73,7 @@ class RequestState:
         last = self.last
         assert last is not None, "take_delta before any output"
         text = self.text.advance(self.new_ids, last.finish_reason)
-        delta = self._counts(last, text.text, self.new_ids)
-        delta.text_cut = text.cut
+        delta = self._counts(last, text, self.new_ids)
         if self.return_logprob:
             self._add_logprobs(delta)
         self.new_ids, self.new_logprobs, self.new_top_logprobs = [], [], []
@@ -167,8 +166,8 @@ class Detokenizer:
 
 class ResultAccumulator:
     """One request's cumulative native result, grown from its StrOut deltas. Its lists only
-    grow (a rare text cut starts a new list of pieces), so the result as of one delta is
-    fixed by a few lengths: `add` returns those, and the dict is built only when asked."""
+    grow (the text too: what was shown is never cut), so the result as of one delta is fixed
+    by a few lengths: `add` returns those, and the dict is built only when asked."""
 
     def __init__(self, rid: str, return_logprob: bool, top_logprobs_num: int) -> None:
         self.rid = rid
@@ -184,8 +183,6 @@ class ResultAccumulator:
 
     def add(self, delta: StrOut, e2e_latency: float | None = None) -> ResultUpdate:
         """Apply one delta; `e2e_latency` goes into the final result's meta_info."""
-        if delta.text_cut is not None:
-            self.pieces = ["".join(self.pieces)[: delta.text_cut]]
         if delta.text_delta:
             self.pieces.append(delta.text_delta)
         self.ids += delta.new_ids
@@ -200,7 +197,6 @@ class ResultAccumulator:
             delta,
             e2e_latency,
             self,
-            self.pieces,
             len(self.pieces),
             len(self.ids),
             len(self.logprobs),
@@ -230,7 +226,7 @@ class ResultAccumulator:
                 meta["output_top_logprobs"] = self.top_logprobs[: update.num_logprobs]
         if self.embedding is not None:  # an embedding request: /encode's shape
             return {"embedding": self.embedding, "meta_info": meta}
-        text = "".join(update.pieces[: update.num_pieces])
+        text = "".join(self.pieces[: update.num_pieces])
         return {"text": text, "output_ids": self.ids[: update.num_ids], "meta_info": meta}
 
 
@@ -243,7 +239,6 @@ class ResultUpdate:
     delta: StrOut
     e2e_latency: float | None
     accumulator: ResultAccumulator = field(repr=False)
-    pieces: list[str] = field(repr=False)  # the accumulator's text pieces at the time
     num_pieces: int
     num_ids: int
     num_logprobs: int

@@ -88,6 +88,11 @@ def greedy(max_new_tokens: int = 96, **extra) -> dict:
         ("json_schema", '{"type": "string", "format": "no-such-format"}', "no-such-format"),
         ("regex", "((", "unclosed group"),
         ("ebnf", "root ::= missing", "missing"),
+        # valid, but nothing can be generated: caught by computing the first mask
+        ("regex", r"[^\s\S]", "invalid regex: no text satisfies it"),
+        ("json_schema", '{"$ref": "#"}', "invalid json_schema: no text satisfies it"),
+        # the lexer gives up on the first token of the forced text
+        ("regex", "a{1000000}", "too many expressions constructed"),
     ],
 )
 def test_invalid_constraints_name_the_problem(backend, kind, spec, message):
@@ -129,6 +134,22 @@ def test_a_matcher_that_faults_says_why_in_one_line(backend):
     assert matcher.accept(backend.tokenize_bytes(b"a"))
     matcher.m.consume_tokens(z)
     assert "doesn't satisfy the grammar" in matcher.error and "\n" not in matcher.error
+    assert "<" not in matcher.error, matcher.error  # no <state> dump, no <non-verbose/>
+
+
+def test_a_grammar_that_fails_mid_output_aborts_with_one_clean_line(engine):
+    """`x|a{1000000}` is admitted (it can start: with `x`), but once the output is an `a`
+    llguidance's lexer gives up at the next token: the request ends in an abort whose
+    message is llguidance's reason alone, not its parser state."""
+    a = AutoTokenizer.from_pretrained(TINY_TOKENIZER).encode("a", add_special_tokens=False)
+    params = greedy(8, regex="x|a{1000000}", logit_bias={str(a[0]): 100.0})
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason == {
+        "type": "abort",
+        "message": "the grammar cannot continue: lexer error: too many expressions constructed",
+    }, reason
+    assert out["text"] == "a"
 
 
 def test_jump_forward_appends_forced_text_as_the_tokenizer_writes_it(backend):

@@ -1,17 +1,21 @@
 """The incremental detokenizer (radixserve/text_stream.py, radixserve/output.py) against a
 full decode of every id at every step, which is what radixserve did before: the text shown
-while running (incomplete characters and partial stop strings held back) and the final text
-(a stop token left out, a stop string trimmed at its first occurrence) must be the same.
+while running (incomplete characters held back, and the text from a stop string or one
+beginning at the end) and the final text (a stop token left out, a stop string trimmed at its
+first occurrence) must be the same.
 Also: logprob triples, the deltas' wire size, and a detokenization fault confined to one
 request, in the detokenizer and in the main process."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
+import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -26,7 +30,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.messages import AbortReq, Ready, StrOutBatch, decode, encode
 from radixserve.server.metrics import Metrics
 from radixserve.server.tokenizer_manager import TokenizerManager
-from radixserve.text_stream import REPLACEMENT, partial_stop_len
+from radixserve.text_stream import REPLACEMENT, STOP_REGEX_TIMEOUT_S, partial_stop_len
 from tests.conftest import TINY_TOKENIZER
 
 TOKENIZER = AutoTokenizer.from_pretrained(TINY_TOKENIZER)  # byte-level BPE, 512 ids
@@ -46,9 +50,10 @@ def full_text(ids: list[int], params: SamplingParams, reason: FinishReason | Non
         if not params.no_stop_trim and matched in text:
             text = text[: text.find(matched)]
         return text
-    if reason is None:
+    if reason is None:  # held back: from a stop string, or one beginning at the end
         text = text.rstrip(REPLACEMENT)
-        text = text[: len(text) - partial_stop_len(text, params.stop)]
+        begun = len(text) - partial_stop_len(text, params.stop)
+        text = text[: min([text.find(s) for s in params.stop if s in text] + [begun])]
     return text
 
 
@@ -152,12 +157,46 @@ def test_a_stop_string_spanning_tokens_is_trimmed_or_kept():
         assert all(got == want for got, want in pairs)
 
 
-def test_a_stop_string_already_shown_is_cut_back_at_the_end():
-    """min_new_tokens lets a stop string pass; the final text ends before its first use."""
+def shown_texts(steps: list[list[int]], params: SamplingParams, reason: FinishReason) -> list[str]:
+    """The cumulative text after every step, each a prefix of the final one."""
+    texts = [got for got, _ in run(steps, params, reason)]
+    assert all(texts[-1].startswith(text) for text in texts), texts
+    return texts
+
+
+def test_min_new_tokens_trims_at_the_stop_string_that_ended_the_request():
+    """A stop string within the first min_new_tokens tokens does not apply (it is shown);
+    the text ends before the occurrence that ended the request, not before the first."""
     steps = one_id_per_step("a STOP b STOP")
-    pairs = run(steps, SamplingParams(stop=["STOP"]), FinishReason.stop("STOP"))
-    assert "STOP" in pairs[-2][0]  # shown while running
-    assert pairs[-1] == ("a ", "a ")
+    min_new_tokens = len(TOKENIZER.encode("a STOP b"))
+    params = SamplingParams(stop=["STOP"], min_new_tokens=min_new_tokens)
+    texts = shown_texts(steps, params, FinishReason.stop("STOP"))
+    assert texts[min_new_tokens - 1] == "a STOP b"
+    assert texts[-1] == "a STOP b "
+
+
+def test_a_stop_regex_holds_back_the_text_from_where_a_match_could_begin():
+    """`5.*8` could match from the "5" on: nothing after it is shown, then the text is
+    trimmed there when it does match."""
+    steps = one_id_per_step(" 4, 5, 6, 7, 8")
+    params = SamplingParams(stop_regex=["5.*8"])
+    texts = shown_texts(steps, params, FinishReason.stop("5, 6, 7, 8"))
+    assert texts == [" 4", " 4,", *[" 4, "] * 7]
+
+
+def test_a_partial_stop_regex_match_is_held_back_then_released():
+    steps = one_id_per_step("a END-4x")
+    params = SamplingParams(stop_regex=[r"END-\d\d"])
+    texts = shown_texts(steps, params, FinishReason.of_length(8))
+    assert texts == ["a", "a ", "a ", "a ", "a ", "a ", "a ", "a END-4x"]
+
+
+def test_a_stop_regex_with_an_empty_match_holds_back_all_it_could_still_cut():
+    """`END|$` matches empty at the end of any text, and that complete match may hide a
+    partial "EN" before it: everything waits for the end."""
+    steps = one_id_per_step("a END")
+    texts = shown_texts(steps, SamplingParams(stop_regex=["END|$"]), FinishReason.stop("END"))
+    assert texts == ["", "", "", "", "a "]
 
 
 @pytest.mark.parametrize("no_stop_trim", [False, True])
@@ -355,7 +394,7 @@ def test_the_stop_checkers_output_text_is_a_full_decode_at_every_step(case):
     """The text stop regexes search (scheduler/stop.py OutputText), grown step by step, is
     the full decode of the output so far, less a character still split across tokens."""
     steps, params, _ = case
-    text, seen = OutputText(TOKENIZER, params.skip_special_tokens), []
+    text, seen = OutputText(TOKENIZER, params), []
     for ids in steps:
         seen += ids
         full = TOKENIZER.decode(seen, skip_special_tokens=params.skip_special_tokens)
@@ -395,3 +434,81 @@ def test_a_stop_regex_costs_each_step_its_new_tokens_not_the_whole_output():
         req.output_ids.append(i)
         reasons.append(checker.check(req))
     assert reasons[-1] == FinishReason.stop("END-42") and not any(reasons[:-1])
+
+
+def test_a_requests_stop_regexes_share_one_time_limit_per_step():
+    """64 patterns that each search this output in ~1 ms, under the time limit alone, end
+    the request once one step's search with them all has taken STOP_REGEX_TIMEOUT_S, rather
+    than cost every step ~64 ms. (`(?:x|y)+\\d` backtracks quadratically over "xyxy...".)"""
+    pattern = r"(?:x|y)+\d"
+    info = ModelInfo("m", 4096, 8, 4096, len(TOKENIZER), "float32", "float32", 0)
+    checker = StopChecker(TOKENIZER, {EOS}, info, grammars=None)
+    req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=2000, stop_regex=[pattern] * 64))
+    req.output_ids.extend(TOKENIZER.encode("xy" * 200))
+    text, compiled = TOKENIZER.decode(req.output_ids), regex.compile(pattern)
+    one = min(timed(lambda: compiled.search(text)) for _ in range(5))
+    assert STOP_REGEX_TIMEOUT_S / 64 < one < STOP_REGEX_TIMEOUT_S / 2, one
+    reason = checker.check(req)
+    assert reason is not None and reason.type == "abort", reason
+    assert repr(pattern) in reason.message and "took over" in reason.message, reason
+
+
+def timed(work: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+# -- the scheduler's stop decision and the text shown, together -----------------------------
+WORDS = [" 1", ",", " 5", "5", " 8", "8", " STOP", "ST", "OP", " é", "😀", "a", "b"]
+STOP_STRINGS = [",", " STOP", "5,", "8", "😀"]
+STOP_REGEXES = ["5.*8", r"\d,", "S.?O", "(?<=a)b", "8|$", r"é\W"]
+
+
+@st.composite
+def checked_requests(draw: st.DrawFn) -> tuple[list[int], SamplingParams, list[int]]:
+    """A request's possible output ids, its stops, and where the detokenizer's steps end."""
+    words = draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=16))
+    ids = [i for word in words for i in TOKENIZER.encode(word)]
+    params = SamplingParams(
+        max_new_tokens=len(ids),
+        min_new_tokens=draw(st.integers(0, len(ids))),
+        stop=draw(st.lists(st.sampled_from(STOP_STRINGS), max_size=2)),
+        stop_regex=draw(st.lists(st.sampled_from(STOP_REGEXES), max_size=2)),
+        no_stop_trim=draw(st.booleans()),
+    )
+    cuts = sorted(draw(st.sets(st.integers(1, len(ids)), max_size=len(ids))))
+    return ids, params, cuts
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(checked_requests())
+def test_the_text_shown_only_grows_and_ends_where_the_stop_that_fired_begins(case):
+    """The StopChecker ends the request; the text shown at every step is a prefix of the
+    final text, which (trimmed) is followed in the output by the matched stop, holds no
+    stop string after the first min_new_tokens tokens' text, and holds all of that text."""
+    ids, params, cuts = case
+    info = ModelInfo("m", 4096, 8, 4096, len(TOKENIZER), "float32", "float32", 0)
+    checker = StopChecker(TOKENIZER, {EOS}, info, grammars=None)
+    req = Req("r", [1, 2, 3], params)
+    reason = None
+    for token in ids:
+        req.output_ids.append(token)
+        if reason := checker.check(req):
+            break
+    assert reason is not None  # max_new_tokens at the latest
+    out = req.output_ids
+    ends = sorted({c for c in cuts if c < len(out)} | {len(out)})
+    steps = [out[a:b] for a, b in zip([0, *ends], ends)]
+    texts = [got for got, _ in run(steps, params, reason)]
+    final = texts[-1]
+    assert all(final.startswith(text) for text in texts), texts
+    full = TOKENIZER.decode(out)
+    assert full.startswith(final)
+    if not isinstance(reason.matched, str) or params.no_stop_trim:
+        assert final == full
+        return
+    stops_from = len(TOKENIZER.decode(out[: params.min_new_tokens]).rstrip(REPLACEMENT))
+    assert full.startswith(final + reason.matched)
+    assert len(final) >= stops_from
+    assert not any(stop in final[stops_from:] for stop in params.stop)

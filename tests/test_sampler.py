@@ -10,6 +10,7 @@ validation. Expected values are computed independently in float64.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -18,7 +19,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.regex_cost import unrolled_size
+from radixserve.core.sampling_params import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_REGEX_ITEMS,
+    MAX_STOP_REGEX_LENGTH,
+    MAX_STOP_REGEXES,
+    MAX_STOPS,
+    SamplingParams,
+    SamplingParamsError,
+)
 from radixserve.model.sampler import (
     SampleOutput,
     Sampler,
@@ -577,6 +587,60 @@ def test_from_dict_treats_none_as_default():
     assert SamplingParams.from_dict(nulls) == SamplingParams()
     parsed = SamplingParams.from_dict({"temperature": 0.5, "top_k": None})
     assert parsed == SamplingParams(temperature=0.5)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "size"),
+    [
+        (r"END-\d\d", 6),
+        (r"\d{4}-\d{2}-\d{2}", 10),
+        ("a{1000}b{1000}", 2000),
+        ("(?:a{1000}){1000}", 1001 * 1000),  # "?:" counts as an item: an upper bound
+        ("(?:x|a{1000000})", 1000003),
+        ("a{0,1000000}", 1),  # an upper bound unrolls nothing
+        ("a{4294967294}", 4294967294),
+        ("[{1000}]{3}", 3),  # a class is one item, whatever it holds
+        (r"\{1000\}", 6),  # escaped braces are no repeat
+    ],
+)
+def test_unrolled_size_counts_what_counted_repeats_make_compiling_copy(pattern, size):
+    assert unrolled_size(pattern) == size
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "words"),
+    [
+        ({"stop": ["x"] * (MAX_STOPS + 1)}, "stop", f"at most {MAX_STOPS}"),
+        ({"stop": "x" * (MAX_STOP_LENGTH + 1)}, "stop", f"at most {MAX_STOP_LENGTH}"),
+        ({"stop_regex": ["x"] * (MAX_STOP_REGEXES + 1)}, "stop_regex", f"{MAX_STOP_REGEXES} are"),
+        ({"stop_regex": ["x" * (MAX_STOP_REGEX_LENGTH + 1)]}, "stop_regex", "characters"),
+        ({"stop_regex": ["a{4294967294}"]}, "stop_regex", "unroll to 4294967294 items"),
+        ({"stop_regex": ["a{3000}", "b{3000}"]}, "stop_regex", "unroll to 6000 items"),
+        ({"stop_regex": ["ok", ""]}, "stop_regex", "non-empty"),
+        ({"regex": 0}, "regex", "Expected `str | null`, got `int`"),
+        ({"json_schema": []}, "json_schema", "got `array`"),
+        ({"ebnf": False}, "ebnf", "got `bool`"),
+    ],
+)
+def test_stops_within_their_limits_and_constraints_that_are_strings(params, field, words):
+    """The stop caps bound what checking a request's stops costs each step (and what its
+    regexes cost to compile, refused before compiling: `a{4294967294}` would take 18 GB);
+    a constraint is a string (or a JSON schema object), an empty one meaning none."""
+    with pytest.raises(SamplingParamsError, match=re.escape(words)) as error:
+        SamplingParams.from_dict(params)
+    assert error.value.field == field
+
+
+def test_stops_at_their_limits_and_empty_constraints_are_accepted():
+    longest = ["y" * MAX_STOP_REGEX_LENGTH] * (MAX_STOP_REGEX_ITEMS // MAX_STOP_REGEX_LENGTH)
+    most = [r"\d{64}"] * MAX_STOP_REGEXES  # 64 items apiece
+    assert sum(map(unrolled_size, most)) == MAX_STOP_REGEX_ITEMS
+    for patterns in (longest, most):
+        stops = ["x" * MAX_STOP_LENGTH] * MAX_STOPS
+        params = SamplingParams.from_dict({"stop": stops, "stop_regex": patterns, "regex": ""})
+        assert params.regex is None and len(params.stop_patterns) == len(patterns)
+        assert params.stop_patterns is params.stop_patterns  # compiled once
+    assert SamplingParams.from_dict({"json_schema": {}}).json_schema == "{}"
 
 
 def test_greedy_threshold():

@@ -275,6 +275,12 @@ def detokenize(server: ServerProcess, ids: list[int]) -> str:
     return r.json()["prompt"]
 
 
+def tokenize(server: ServerProcess, text: str) -> list[int]:
+    r = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 @pytest.fixture(scope="module")
 def chat_greedy(client) -> dict[str, Any]:
     """Every schema through /v1/chat/completions, greedy, all at once."""
@@ -442,6 +448,16 @@ INVALID = [
     ("/generate", _native(ebnf="root ::= undefined_rule"), ["ebnf", "undefined_rule"]),
     ("/generate", _native(ebnf='root ::= "a" ('), ["ebnf"]),
     ("/generate", _native(regex="a+", ebnf='root ::= "a"'), ["regex", "ebnf"]),
+    # valid, but nothing can be generated: refused at admission, not aborted at the first token
+    ("/generate", _native(regex=r"[^\s\S]"), ["regex", "no text satisfies it"]),
+    ("/generate", _native(json_schema='{"$ref": "#"}'), ["json_schema", "no text satisfies it"]),
+    ("/generate", _native(regex="a{1000000}"), ["regex", "too many expressions constructed"]),
+    ("/v1/chat/completions", _chat(regex=r"[^\s\S]"), ["regex", "no text satisfies it"]),
+    (
+        "/v1/chat/completions",
+        _chat(regex=r"[^\s\S]", stream=True),
+        ["regex", "no text satisfies it"],
+    ),
     (
         "/v1/completions",
         {"model": "m", "prompt": "hi", "json_schema": "{not json"},
@@ -487,6 +503,7 @@ def test_invalid_constraints_are_400_before_any_work(server, client):
         message = error["error"]["message"]
         for word in words:
             assert word in message, (body, message)
+        assert "\n" not in message and "<state>" not in message, message
     # the official client sees the same thing as an exception
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="m", prompt="hi", max_tokens=4, extra_body={"regex": "(("})
@@ -500,6 +517,25 @@ def test_invalid_constraints_are_400_before_any_work(server, client):
     out = generate(server, _native(regex=DATE, temperature=0, max_new_tokens=16))
     assert re.fullmatch(DATE, out["text"]), out
     assert generate(server, _native(temperature=0))["meta_info"]["completion_tokens"] == 4
+    assert_kv_clean(server)
+
+
+def test_a_grammar_failing_mid_output_is_an_abort_that_says_why(server, client):
+    """`x|a{1000000}` can start (with `x`), so it is admitted; pushed to `a`, llguidance's
+    lexer gives up at the next token. The request ends as SGLang and vLLM end it, with
+    finish_reason "abort"; the OpenAI routes add the reason in `abort_message`, one line."""
+    why = "the grammar cannot continue: lexer error: too many expressions constructed"
+    a = tokenize(server, "a")
+    assert len(a) == 1
+    extra = {"regex": "x|a{1000000}", "logit_bias": {str(a[0]): 100}}
+    kw = dict(model="m", prompt="Say a:", max_tokens=8, temperature=0, extra_body=extra)
+    choice = client.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "abort" and choice.text == "a", choice
+    assert choice.model_extra["abort_message"] == why
+    last = [c.choices[0] for c in client.completions.create(**kw, stream=True)][-1]
+    assert last.finish_reason == "abort" and last.model_extra["abort_message"] == why
+    native = generate(server, {"text": "Say a:", "sampling_params": {**extra, "temperature": 0}})
+    assert native["meta_info"]["finish_reason"] == {"type": "abort", "message": why}
     assert_kv_clean(server)
 
 

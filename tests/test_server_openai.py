@@ -543,6 +543,79 @@ def test_chat_stream_logprobs_cover_held_back_tokens(client, model_id):
         assert tokens == expected, f"stop={stops!r}: streamed logprob tokens {tokens}"
 
 
+JAPANESE = "日本語のテキストを少し書きます。"  # SmolLM2 splits most of these characters' bytes
+
+
+def token_bytes(token: str) -> bytes:
+    """A completion logprobs token's bytes: one that is not UTF-8 on its own is written
+    `bytes:\\xe6\\x97` (OpenAI's convention)."""
+    if token.startswith("bytes:"):
+        return bytes.fromhex(token.removeprefix("bytes:").replace("\\x", ""))
+    return token.encode()
+
+
+def test_completion_logprobs_of_tokens_that_split_characters(client, model_id):
+    """Tokens holding part of a character are written as their bytes, so they join back to
+    the text and keep distinct top_logprobs keys (decoded, they would all be U+FFFD)."""
+    out = client.completions.create(
+        model=model_id, prompt=JAPANESE, max_tokens=8, temperature=0, logprobs=5, echo=True
+    )
+    choice, prompt_tokens = out.choices[0], out.usage.prompt_tokens
+    lp = choice.logprobs
+    assert b"".join(map(token_bytes, lp.tokens[:prompt_tokens])) == JAPANESE.encode()
+    assert any(t.startswith("bytes:") for t in lp.tokens[:prompt_tokens]), lp.tokens
+    assert all("\ufffd" not in t for t in lp.tokens), lp.tokens
+    assert all(len(top) == 5 for top in lp.top_logprobs[1:]), lp.top_logprobs
+    partial = [sum(key.startswith("bytes:") for key in top) for top in lp.top_logprobs[1:]]
+    assert max(partial) >= 2, lp.top_logprobs  # keys that decoded would collide
+    # text_offset indexes the text; a token ending inside a character starts at it
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if not token.startswith("bytes:"):
+            assert choice.text[offset : offset + len(token)] == token, (token, offset)
+
+
+def test_streamed_text_offsets_continue_over_the_chunks(client, model_id):
+    """A stream's text_offsets count over the whole text (prompt included when echoed), as
+    the non-streamed response's do, not from 0 in each chunk."""
+    kw = dict(model=model_id, prompt=JAPANESE, max_tokens=8, temperature=0, logprobs=1)
+    whole = client.completions.create(**kw, echo=True).choices[0].logprobs
+    tokens, offsets, chunks = [], [], 0
+    for chunk in client.completions.create(**kw, echo=True, stream=True):
+        piece = chunk.choices[0]
+        if piece.logprobs is not None and piece.logprobs.tokens:
+            chunks += 1
+            tokens += piece.logprobs.tokens
+            offsets += piece.logprobs.text_offset
+    assert chunks > 1
+    assert offsets == whole.text_offset
+    assert tokens == whole.tokens
+
+
+def test_chat_logprobs_bytes_join_to_the_content(client, model_id):
+    """Each token's `bytes` are its own (not those of U+FFFD where it holds part of a
+    character): together they are the content's UTF-8. The regex makes the content
+    Japanese whatever the small model would write."""
+    text = "日本語のテキスト"
+    out = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": f"Write {text}"}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"regex": text},
+    )
+    choice = out.choices[0]
+    assert choice.message.content == text
+    content = choice.logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content) == text.encode()
+    assert any(e.token.startswith("bytes:") for e in content), [e.token for e in content]
+    for entry in content:
+        assert bytes(entry.bytes) == token_bytes(entry.token)
+        assert all(bytes(t.bytes) == token_bytes(t.token) for t in entry.top_logprobs)
+
+
 # -- 6. prefix cache --------------------------------------------------------------------------
 def test_cached_tokens_on_a_repeated_prompt(client, model_id):
     prompt = "A lighthouse keeper counts the ships that pass the rocky northern cape. " * 20

@@ -207,6 +207,8 @@ def test_call_then_tool_result_then_answer(client, smol):
     assert_kv_clean(smol)
 
 
+FOO_PARAMETERS = {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
+STRING = {"type": "string"}
 BAD = [
     ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
     (
@@ -221,6 +223,20 @@ BAD = [
         {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
         "tool_choice",
         "cannot be combined",
+    ),
+    # as OpenAI: the parameters are checked whatever tool_choice is, and named as such
+    *(
+        (
+            {"tools": [WEATHER, FOO_PARAMETERS], **choice},
+            "tools[1].function.parameters",
+            "Invalid schema for function 'f':",
+        )
+        for choice in ({}, {"tool_choice": "required"})
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": STRING}}]},
+        "tools[0].function.parameters",
+        'of type "object", got type "string"',
     ),
 ]
 

@@ -222,6 +222,45 @@ def test_tool_mode_checks_the_fields_together():
         tool_mode([TOOLS[0], TOOLS[0]], "auto")
 
 
+def function(parameters: dict) -> Tool:
+    return Tool(type="function", function={"name": "f", "parameters": parameters})
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required", None])
+@pytest.mark.parametrize(
+    ("parameters", "words"),
+    [
+        ({"type": "foo"}, 'of type "object", got type "foo"'),
+        ({"type": "string"}, 'of type "object", got type "string"'),
+        ({"properties": {"x": {"type": "integer"}}}, 'of type "object", got type null'),
+        ({"type": "object", "properties": {"x": {"type": "foo"}}}, "Invalid type: foo"),
+        ({"type": "object", "required": "x"}, "Expected array for 'required'"),
+    ],
+)
+def test_invalid_parameters_are_refused_whatever_tool_choice_is(parameters, words, choice):
+    """As OpenAI: the function's parameters must be a valid object schema, whether or not
+    the output is constrained to them, and the error names them, not json_schema."""
+    with pytest.raises(ToolFieldError) as e:
+        tool_mode([TOOLS[0], function(parameters)], choice)
+    assert e.value.param == "tools[1].function.parameters"
+    assert str(e.value).startswith("Invalid schema for function 'f': "), str(e.value)
+    assert words in str(e.value)
+
+
+def test_a_schema_constrained_decoding_cannot_follow_is_refused_only_where_it_constrains():
+    """`not` is valid JSON Schema that llguidance does not compile: fine in the prompt
+    (auto, or another function named), a 400 where the output must follow it."""
+    unsupported = function({"type": "object", "not": {"required": ["x"]}})
+    tools = [TOOLS[0], unsupported]
+    assert tool_mode(tools, "auto") == "auto"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_mode(tools, NamedToolChoice(**named)) == "named"
+    for choice in ("required", NamedToolChoice(type="function", function={"name": "f"})):
+        with pytest.raises(ToolFieldError, match="Unimplemented keys") as e:
+            tool_mode(tools, choice)
+        assert e.value.param == "tools[1].function.parameters"
+
+
 def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
     schema = json.loads(ToolPlan("required", TOOLS).constraint())
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Paris"}}], schema)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -21,6 +23,11 @@ COMPILED_CACHE_SIZE = 1024  # distinct constraints kept compiled
 # at once; a schema's own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MASK_THREADS = 2
+# llguidance's own limits, but errors without the parser's state and the grammar appended:
+# a matcher's error reaches the client, in the abort message of its request.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# the error llguidance reports when a mask came out empty: no token can extend the output
+EMPTY_MASK = "NoExtensionBias"
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -53,7 +60,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     @property
     def error(self) -> str:
-        return _one_line(self.m.get_error()) if self.m.is_error() else ""
+        return _reason(self.m.get_error()) if self.m.is_error() else ""
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -83,10 +90,11 @@ class LLGuidanceBackend(GrammarBackend):
         if is_error:
             message = _one_line(messages[0])
             raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            message = _one_line(matcher.get_error())
+            message = _reason(matcher.get_error())
             raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
+        _check_it_can_start(matcher, constraint.kind)
         return matcher
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
@@ -98,6 +106,57 @@ class LLGuidanceBackend(GrammarBackend):
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
         return self.tokenizer.tokenize_bytes(data)
+
+
+@dataclass(frozen=True)
+class SchemaProblem:
+    message: str  # llguidance's reason, on one line
+    unsupported: bool  # a valid schema that constrained decoding cannot follow, not an invalid one
+
+
+# how llguidance's JSON-schema compiler words a valid schema it does not compile
+UNSUPPORTED_SCHEMA = ("Unimplemented keys", "Unknown format")
+
+
+def json_schema_problem(schema: dict[str, Any]) -> SchemaProblem | None:
+    """What llguidance's JSON-schema compiler finds wrong with `schema`, or None. It needs no
+    tokenizer, so the HTTP edge can check a schema the output may never be constrained to (a
+    tool's parameters); `_compiled` still checks what only the tokenizer shows."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if not is_error:
+        return None
+    message = _one_line(messages[0])
+    return SchemaProblem(message, unsupported=message.startswith(UNSUPPORTED_SCHEMA))
+
+
+def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
+    """Raise GrammarError if the grammar fails at its first step, which validation does not
+    see: it matches no text at all (the regex `[^\\s\\S]`, a schema that only refers to
+    itself), or following the text it forces exceeds llguidance's limits (`a{1000000}`).
+    Admitted, such a request would only end in an abort at its first token.
+
+    The probe runs on a copy, so the matcher stays at the start; the lexer states it builds
+    are shared with the copies requests get, so their first mask is mostly computed already
+    (a grammar that takes 0.3 s to mask once costs that here, in the scheduler's thread)."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()  # an empty mask puts the probe in error
+    forced = probe.compute_ff_tokens()[:1]
+    if forced:
+        probe.consume_tokens(forced)
+    if not probe.is_error():
+        return
+    said = probe.get_error().split("\n", 1)[0]
+    if said == EMPTY_MASK:
+        raise GrammarError(f"invalid {kind}: no text satisfies it", kind)
+    raise GrammarError(f"invalid {kind}: constrained decoding cannot follow it: {said}", kind)
+
+
+def _reason(error: str) -> str:
+    """A matcher's error as a client can read it: llguidance's first line (what went wrong;
+    the `<non-verbose/>` line after it stands for the state dump that LIMITS turns off)."""
+    said = error.split("\n", 1)[0]
+    return "no token can extend the output" if said == EMPTY_MASK else said
 
 
 def _one_line(message: str, limit: int = 300) -> str:

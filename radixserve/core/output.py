@@ -111,9 +111,10 @@ LogprobTriple = tuple[float | None, int, str | None]  # (logprob, token id, its 
 
 class StrOut(msgspec.Struct, tag=True, array_like=True):
     """What one request's native result gained since the previous StrOut for it: its new
-    text (stop strings trimmed, partial stops and incomplete characters held back), new token
-    ids and logprob triples, the counts so far, and on the last one the finish reason.
-    Sent once per stream and step, so encoded as an array: no field names on the wire."""
+    text (stops trimmed; what a stop could still cut and incomplete characters held back, so
+    the text only grows), new token ids and logprob triples, the counts so far, and on the
+    last one the finish reason. Sent once per stream and step, so encoded as an array: no
+    field names on the wire."""
 
     rid: str
     text_delta: str
@@ -126,8 +127,6 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     new_top_logprobs: list[list[LogprobTriple]] = msgspec.field(default_factory=list)
     input_logprobs: list[LogprobTriple] | None = None  # once, with the first delta
     input_top_logprobs: list[list[LogprobTriple]] | None = None
-    text_cut: int | None = None  # the text so far is first cut to this length (rare: a stop
-    # string's first occurrence in text already sent, see text_stream.TextStream._trim_at)
     spec: SpecCounts | None = None
     cached_tiers: CachedTiers | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its last one

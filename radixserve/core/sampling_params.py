@@ -11,16 +11,28 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgspec
 import regex
+
+from radixserve.core.regex_cost import unrolled_size
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
 CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
 MAX_N = 128  # samples per prompt (OpenAI's cap on n)
 MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range, [-100, 100])
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
+# Stop strings and regexes are checked against the output every step, so what one request
+# may ask bounds what every step costs (OpenAI allows 4 stop strings; SGLang sets no cap):
+MAX_STOPS = 1024  # stop strings, each looked for in the output's tail every step
+MAX_STOP_LENGTH = 1024  # characters of one: that tail is as many tokens as it has bytes
+MAX_STOP_REGEXES = 64  # stop regexes, each searched over the whole output every step
+# characters of one: the first search of a pattern holding a long literal builds a table in
+# time cubic in its length, beyond the search's time limit (2.7 ms at 256, 9 s at 4096)
+MAX_STOP_REGEX_LENGTH = 256
+MAX_STOP_REGEX_ITEMS = 4096  # all of them unrolled (core/regex_cost.py): ~1 ms to compile
 
 
 class SamplingParamsError(ValueError):
@@ -86,8 +98,8 @@ class SamplingParams:
             kind = type(params).__name__
             raise SamplingParamsError(f"sampling_params must be an object, got {kind}")
         params = {k: v for k, v in params.items() if v is not None}
-        for key in set(CONSTRAINTS) & set(params):  # empty means "no constraint"
-            if not params[key]:
+        for key in set(CONSTRAINTS) & set(params):  # an empty string means "no constraint"
+            if params[key] == "":
                 del params[key]
         if isinstance(params.get("json_schema"), dict):  # a schema object: accept it as is
             params["json_schema"] = json.dumps(params["json_schema"])
@@ -109,6 +121,13 @@ class SamplingParams:
             field = _msgspec_field(str(e))
             message = str(e).replace("`$.", "`sampling_params.")
             raise SamplingParamsError(f"invalid sampling parameter: {message}", field) from None
+
+    @cached_property
+    def stop_patterns(self) -> list[regex.Pattern]:
+        """The stop regexes, compiled once for the request: the `regex` package's own cache
+        holds 500 patterns, which the requests running at once may outnumber between them
+        (each step would then compile every pattern again, ~0.1 ms apiece)."""
+        return [regex.compile(pattern) for pattern in self.stop_regex]
 
     @property
     def is_greedy(self) -> bool:
@@ -160,8 +179,23 @@ class SamplingParams:
         )
 
     def _verify_stops(self) -> None:
+        """Stop strings and regexes: non-empty, and few and short enough for every step's
+        check to stay cheap (the MAX_STOP* limits); the regexes within MAX_STOP_REGEX_ITEMS
+        unrolled, then compiled (in that order: compiling is what that limit bounds)."""
         check = self._check
+        _check_count(self.stop, MAX_STOPS, "stop", "strings")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check_longest(self.stop, MAX_STOP_LENGTH, "stop")
+        _check_count(self.stop_regex, MAX_STOP_REGEXES, "stop_regex", "patterns")
+        check(all(self.stop_regex), "stop_regex", "must be non-empty patterns")
+        _check_longest(self.stop_regex, MAX_STOP_REGEX_LENGTH, "stop_regex")
+        items = sum(map(unrolled_size, self.stop_regex))
+        if items > MAX_STOP_REGEX_ITEMS:
+            raise SamplingParamsError(
+                f"stop_regex: the patterns unroll to {items} items when compiled (x{{m}} is m "
+                f"copies of x); at most {MAX_STOP_REGEX_ITEMS} are allowed",
+                "stop_regex",
+            )
         for pattern in self.stop_regex:
             try:
                 regex.compile(pattern)  # the engine the stop check searches with
@@ -184,3 +218,16 @@ class SamplingParams:
                     f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}",
                     name,
                 )
+
+
+def _check_count(values: list[str], limit: int, name: str, kind: str) -> None:
+    if len(values) > limit:
+        message = f"{name} has {len(values)} {kind}; at most {limit} are allowed"
+        raise SamplingParamsError(message, name)
+
+
+def _check_longest(values: list[str], limit: int, name: str) -> None:
+    longest = max(values, key=len, default="")
+    if len(longest) > limit:
+        message = f"{name}: {longest[:24]!r}... has {len(longest)} characters; at most {limit}"
+        raise SamplingParamsError(message + " are allowed", name)

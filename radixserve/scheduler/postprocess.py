@@ -165,9 +165,10 @@ class OutputProcessor:
             return [token]
         new = self.grammars.accept(req, token, req.tokens_left(self.stops.context_len))
         if new is None:  # the mask allowed it: a matcher fault, or no allowed token was left
-            said = req.grammar.error
+            said = req.grammar.error  # the matcher's own reason (its mask then allowed only EOS)
+            message = f"the grammar cannot continue: {said}" if said else None
             req.finish_reason = FinishReason.abort(
-                f"the grammar refused the sampled token {token}" + (f": {said}" if said else "")
+                message or f"the grammar refused the sampled token {token}"
             )
             return []
         return new

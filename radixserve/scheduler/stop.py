@@ -3,62 +3,57 @@
 Order: a grammar whose document is complete ends the request; else, once past
 min_new_tokens, a stop token (eos unless ignored, stop_token_ids), a stop string or a stop
 regex (for a constrained request only where the text before it is a complete document);
-else the length limit (max_new_tokens, or the context).
+else the length limit (max_new_tokens, or the context). Stop strings and regexes match only
+in the text after the first min_new_tokens tokens' (text_stream.OutputDecoder.stops_from),
+so that the detokenizer trims the text where the stop that fired begins.
 
 Stop regexes run in the scheduler loop, over the whole output, every step (a match may span
 any length). The output's text is kept per request and grown by the new tokens' text alone
 (`OutputText`), so a step decodes a few tokens, not the whole output. A pattern that
-backtracks exponentially (`(a|a)+b` against "aaaa…") would stall every request. So they go
-through the `regex` package (the `re` syntax, plus a time limit): a search that takes
-longer than STOP_REGEX_TIMEOUT_S ends its request alone, with an abort naming the pattern.
+backtracks exponentially would stall every request, so a step's search with all of a
+request's patterns that takes longer than text_stream.STOP_REGEX_TIMEOUT_S ends that
+request alone, with an abort naming the pattern it had reached.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import regex
-
 from radixserve.constrained import Grammars
 from radixserve.core.output import FinishReason, ModelInfo
 from radixserve.core.req import Req
-from radixserve.text_stream import IncrementalDecoder
-
-# One search of one request's output. A plain pattern searches 20k characters in ~0.1 ms.
-STOP_REGEX_TIMEOUT_S = 0.01
-
-
-class StopRegexTooSlow(Exception):
-    def __init__(self, pattern: str) -> None:
-        super().__init__(
-            f"stop_regex {pattern!r} took over {STOP_REGEX_TIMEOUT_S * 1000:g} ms to search the "
-            "output (the pattern backtracks too much), so the request was ended"
-        )
-
-
-def search_stop_regex(pattern: str, text: str) -> regex.Match | None:
-    try:
-        return regex.search(pattern, text, timeout=STOP_REGEX_TIMEOUT_S)
-    except TimeoutError:
-        raise StopRegexTooSlow(pattern) from None
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.text_stream import (
+    REPLACEMENT,
+    OutputDecoder,
+    StopRegexTooSlow,
+    search_stop_regexes,
+)
 
 
 class OutputText:
     """A request's output text for its stop regexes, grown by each step's new tokens
-    (text_stream.IncrementalDecoder: a character split across tokens joins when complete)."""
+    (text_stream.OutputDecoder: a character split across tokens joins when complete), and
+    where its stops begin to apply (`stops_from`)."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.tokenizer, self.params = tokenizer, params
+        self.decoder = OutputDecoder(tokenizer, params)
         self.text = ""
 
     def of(self, output_ids: list[int]) -> str:
         """The text of `output_ids`, which extend the ids seen so far."""
-        if len(output_ids) < len(self.decoder.ids):  # not an extension: start again
-            self.decoder = IncrementalDecoder(self.tokenizer, self.skip_special_tokens)
+        if len(output_ids) < self.decoder.num_ids:  # not an extension: start again
+            self.decoder = OutputDecoder(self.tokenizer, self.params)
             self.text = ""
-        self.text += self.decoder.push(output_ids[len(self.decoder.ids) :])
+        self.text += self.decoder.push(output_ids[self.decoder.num_ids :])
         return self.text
+
+    @property
+    def stops_from(self) -> int:
+        """Where stops apply in the text (asked once min_new_tokens tokens are all here)."""
+        assert self.decoder.stops_from is not None, "fewer than min_new_tokens tokens"
+        return self.decoder.stops_from
 
 
 class StopChecker:
@@ -89,32 +84,38 @@ class StopChecker:
             reason = FinishReason.of_length(n)
         return reason
 
-    def _output_text(self, req: Req) -> str:
+    def _output_text(self, req: Req) -> OutputText:
         """The request's output text, grown by the latest tokens' (`OutputText`)."""
         if req.stop_text is None:
-            req.stop_text = OutputText(self.tokenizer, req.params.skip_special_tokens)
-        return req.stop_text.of(req.output_ids)
+            req.stop_text = OutputText(self.tokenizer, req.params)
+        req.stop_text.of(req.output_ids)
+        return req.stop_text
 
     def _decode(self, req: Req, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def _stop_hit(self, req: Req, num_new: int) -> FinishReason | None:
         """A stop token last, or a stop string brought by the latest tokens, or a stop regex
-        match anywhere in the output."""
+        match anywhere in the output (strings and regexes after the first min_new_tokens
+        tokens' text)."""
         p = req.params
         token = req.output_ids[-1]
         if token in req.stop_ids(self.eos_ids):
             return FinishReason.stop(token)
         if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it
             longest = max(len(s.encode()) for s in p.stop)
-            tail = self._decode(req, req.output_ids[-(longest + num_new) :])
+            start = max(len(req.output_ids) - longest - num_new, 0)
+            tail = self._decode(req, req.output_ids[start:])
+            skip = 0  # the tail's text within the first min_new_tokens tokens: no stop there
+            if start < p.min_new_tokens:
+                first = self._decode(req, req.output_ids[start : p.min_new_tokens])
+                skip = len(first.rstrip(REPLACEMENT))
             for stop in p.stop:
-                if stop in tail:
+                if tail.find(stop, skip) >= 0:
                     return FinishReason.stop(stop)
         if p.stop_regex:  # a match may span any length: search the whole output
-            text = self._output_text(req)
-            for pattern in p.stop_regex:
-                match = search_stop_regex(pattern, text)
+            output = self._output_text(req)
+            for match in search_stop_regexes(p.stop_patterns, output.text, output.stops_from):
                 if match and match.group(0):
                     return FinishReason.stop(match.group(0))
         return None
@@ -128,10 +129,11 @@ class StopChecker:
             text = self._decode(req, req.output_ids[:-1])
             at, matched = len(text), req.output_ids[-1]
         else:
-            text = self._output_text(req)
-            hits: list[tuple[int, str]] = [(text.find(s), s) for s in p.stop if s in text]
-            for pattern in p.stop_regex:
-                match = search_stop_regex(pattern, text)
+            output = self._output_text(req)
+            text, stops_from = output.text, output.stops_from
+            found = [(text.find(s, stops_from), s) for s in p.stop]
+            hits: list[tuple[int, str]] = [(at, s) for at, s in found if at >= 0]
+            for match in search_stop_regexes(p.stop_patterns, text, stops_from):
                 if match and match.group(0):
                     hits.append((match.start(), match.group(0)))
             if not hits:

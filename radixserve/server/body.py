@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import ClientDisconnect
 
 from radixserve.server.errors import APIError, bad_request
@@ -30,15 +31,26 @@ MAX_BODY_BYTES = 64 << 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer of a body fits in 64 bits
 _SURROGATE = re.compile("[\ud800-\udfff]")  # only lone ones survive json.loads
 
-# A body past this size is expanded into requests (tokenized) on a worker thread: tokenizing
-# takes ~0.5-1 us a character, so a 1 MB prompt done inline would hold up every other request
-# for ~1 s (the tokenizers library lets go of the GIL while it works).
+# A body past this size is parsed and checked (`load_body`: ~0.25 s for a million token ids,
+# ~5 s at MAX_BODY_BYTES) and expanded into requests (tokenized) on a worker thread:
+# tokenizing takes ~0.5-1 us a character, so a 1 MB prompt done inline would hold up every
+# other request for ~1 s (the tokenizers library lets go of the GIL while it works; pure
+# Python work gives the event loop its turn every few ms).
 THREAD_BODY_BYTES = 64 << 10
 
 T = TypeVar("T")
 Path = Sequence[str | int]
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number"}
-_JSON_KINDS |= {bool: "a boolean", type(None): "null"}
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
+_JSON_KINDS |= {float: "a decimal number", bool: "a boolean", type(None): "null"}
+
+
+class StrictBody(BaseModel):
+    """A request body's model, or a part of one: a field takes a value of its own JSON type
+    only, as OpenAI's API checks (`true` is not an integer, `"2"` is not a number, `"yes"`
+    is not a boolean, `1.0` is not an integer); a JSON integer is still a number where a
+    float is expected. A model's own `model_config` adds to this one."""
+
+    model_config = ConfigDict(strict=True)
 
 
 def field_name(path: Path) -> str | None:
@@ -112,19 +124,51 @@ def _union_member(part: str | int) -> bool:
     return isinstance(part, str) and _TYPE_TAG.fullmatch(part) is not None
 
 
+# pydantic's error types for a value of the wrong JSON type, and the type it expected
+_EXPECTED_KINDS = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
 def validation_error(e: RequestValidationError) -> APIError:
-    """FastAPI's 422 as the project's 400, naming the first field that failed."""
-    first = e.errors()[0]
-    loc = list(first["loc"])
-    if loc[:1] == ["body"]:
-        loc = loc[1:]
-    field = field_name([part for part in loc if not _union_member(part)])
+    """FastAPI's 422 as the project's 400, naming the first field that failed. A value of
+    the wrong type is said as OpenAI says it: "Invalid type for 'n': expected an integer,
+    but got a string instead", with every type its field's union would take."""
+    errors = e.errors()
+    first = errors[0]
+    if first["type"] in _EXPECTED_KINDS:  # where a union's members got furthest into it
+        same_field = [err for err in errors if err["loc"][:2] == first["loc"][:2]]
+        first = max(same_field, key=lambda err: len(err["loc"]))
+    field = _error_field(first)
     if first["type"] == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {field}"
+    elif first["type"] in _EXPECTED_KINDS:
+        kinds = [
+            _EXPECTED_KINDS[err["type"]]
+            for err in errors
+            if err["type"] in _EXPECTED_KINDS and _error_field(err) == field
+        ]
+        expected = " or ".join(dict.fromkeys(kinds))
+        got = _JSON_KINDS.get(type(first["input"]), type(first["input"]).__name__)
+        message = f"Invalid type for '{field}': expected {expected}, but got {got} instead"
     else:
         reason = first["msg"].removeprefix("Value error, ")  # pydantic's wording for a ValueError
         message = f"{field}: {reason}" if field else reason
     return bad_request(message, param=field)
+
+
+def _error_field(error: dict[str, Any]) -> str | None:
+    """The field a pydantic error is about, as the client named it (no union tags)."""
+    loc = list(error["loc"])
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    return field_name([part for part in loc if not _union_member(part)])
 
 
 class JSONBodyRoute(APIRoute):
@@ -139,7 +183,11 @@ class JSONBodyRoute(APIRoute):
 
         async def parse_then_handle(request: Request) -> Response:
             raw = await read_bounded(request)
-            return await handler(_ParsedRequest(request, raw, load_body(raw)))
+            if len(raw) > THREAD_BODY_BYTES:
+                data = await asyncio.to_thread(load_body, raw)
+            else:
+                data = load_body(raw)
+            return await handler(_ParsedRequest(request, raw, data))
 
         return parse_then_handle
 

@@ -62,21 +62,25 @@ CHAT_FIELDS = Fields(
 def call_error(e: ValueError, fields: Fields) -> APIError:
     """A ValueError from expanding a call (SamplingParams, expand_request, Req) as a 400
     whose message starts with the field's name when it does not name it already."""
+    code = None
     if isinstance(e, SamplingParamsError):
         param = fields.name(e.field, sampling=True)
     elif isinstance(e, InvalidRequest):
-        param = fields.name(e.param)
+        param, code = fields.name(e.param), e.code
     else:
         param = None
     message = fields.message(str(e))
     if param is not None and param.rpartition(".")[2] not in message:
         message = f"{param}: {message}"
-    return bad_request(message, param=param)
+    return bad_request(message, param=param, code=code)
 
 
 def check_sequences(reqs: list[Req], state: ServerState, fields: Fields) -> None:
-    """What expand_request cannot know: the served model's vocabulary and context."""
+    """What expand_request cannot know: the served model's vocabulary and context (the
+    context first: it bounds how many ids the vocabulary check then scans)."""
     model = state.model
+    for req in reqs:
+        _check_context(req, state, fields)
     for req in {id(r.input_ids): r for r in reqs}.values():  # the n samples share a prompt
         bad = [t for t in req.input_ids if not 0 <= t < model.vocab_size]
         if bad:
@@ -94,7 +98,6 @@ def check_sequences(reqs: list[Req], state: ServerState, fields: Fields) -> None
         if req.top_logprobs_num > MAX_TOP_LOGPROBS:
             name = fields.name("top_logprobs_num")
             raise bad_request(f"{name} must be at most {MAX_TOP_LOGPROBS}", param=name)
-        _check_context(req, state, fields)
 
 
 def _check_context(req: Req, state: ServerState, fields: Fields) -> None:

@@ -13,12 +13,13 @@ import base64
 import struct
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from radixserve.config import EmbeddingConfig
 from radixserve.core.embedding import EmbedParams
 from radixserve.core.req import Req
 from radixserve.native import Expanded, expand_embedding
+from radixserve.server.body import StrictBody
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
     Fields,
@@ -33,7 +34,7 @@ EMBEDDING_FIELDS = Fields("input")
 INPUT_KINDS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 
-class EncodeRequest(BaseModel):
+class EncodeRequest(StrictBody):
     """The native /encode body (SGLang's): exactly one of text and input_ids; a list is a
     batch. Unknown top-level fields are ignored, as /generate does."""
 
@@ -43,7 +44,7 @@ class EncodeRequest(BaseModel):
     rid: str | list[str] | None = None
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(StrictBody):
     """OpenAI's /v1/embeddings body (unknown fields refused, as OpenAI does)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -13,13 +13,13 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, WithJsonSchema
+from pydantic import ConfigDict, WithJsonSchema
 
 from radixserve import __version__
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
-from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
+from radixserve.server.body import JSONBodyRoute, StrictBody, off_the_loop_if_large
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
     call_error,
@@ -47,7 +47,7 @@ def _sampling_params_schema() -> dict[str, Any]:
 SamplingParamsBody = Annotated[dict[str, Any], WithJsonSchema(_sampling_params_schema())]
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(StrictBody):
     """The native /generate body (unknown top-level fields are ignored, as SGLang does)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -81,18 +81,18 @@ UNSUPPORTED = {
 }
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictBody):
     model_config = ConfigDict(extra="ignore")
     prompt: str | list[str]
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictBody):
     model_config = ConfigDict(extra="ignore")
     tokens: list[int]
 
 
-class ScoreContinuationsRequest(BaseModel):
+class ScoreContinuationsRequest(StrictBody):
     """The /score_continuations body: a prefix (text or input_ids) and its continuations."""
 
     model_config = ConfigDict(extra="forbid")
@@ -103,7 +103,7 @@ class ScoreContinuationsRequest(BaseModel):
     rid: str | None = None
 
 
-class AbortRequest(BaseModel):
+class AbortRequest(StrictBody):
     model_config = ConfigDict(extra="forbid")
     rid: str | None = None
     abort_all: bool = False
@@ -186,22 +186,45 @@ async def metrics(state: State) -> Response:
 
 # -- tokenizer ------------------------------------------------------------------------------
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
-    encode = state.manager.tokenizer.encode
+async def tokenize(body: TokenizeRequest, request: Request, state: State) -> Response:
+    """Each prompt's tokens. A prompt is held to what /generate takes (no more characters
+    than the context's tokens could stand for), a batch to MAX_SEQUENCES_PER_REQUEST
+    prompts; a long body is tokenized, and its answer written, off the event loop."""
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    tokens = [encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
-    out = tokens[0] if isinstance(body.prompt, str) else tokens
-    return {"tokens": out, "count": sum(map(len, tokens)), "max_model_len": state.model.max_seq_len}
+    if len(prompts) > MAX_SEQUENCES_PER_REQUEST:
+        message = f"prompt has {len(prompts)} texts; at most {MAX_SEQUENCES_PER_REQUEST} at once"
+        raise bad_request(message, param="prompt")
+
+    def answer() -> JSONResponse:
+        tokens = [state.manager.encode(p, body.add_special_tokens) for p in prompts]
+        out = tokens[0] if isinstance(body.prompt, str) else tokens
+        count, context = sum(map(len, tokens)), state.model.max_seq_len
+        return JSONResponse({"tokens": out, "count": count, "max_model_len": context})
+
+    try:
+        return await off_the_loop_if_large(request, answer)
+    except ValueError as e:
+        raise call_error(e, native_fields("prompt")) from None
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, request: Request, state: State) -> dict[str, Any]:
+    """The tokens' text. At most the model's context length of them (no prompt or output
+    is longer); a long body is decoded off the event loop."""
+    context = state.model.max_seq_len
+    if len(body.tokens) > context:
+        message = (
+            f"tokens has {len(body.tokens)} ids; at most the model's context length "
+            f"({context}) may be detokenized at once"
+        )
+        raise bad_request(message, param="tokens")
     vocab = state.model.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         message = f"tokens outside the vocabulary [0, {vocab}): {bad[:8]}"
         raise bad_request(message, param="tokens")
-    return {"prompt": state.manager.tokenizer.decode(body.tokens)}
+    decode = state.manager.tokenizer.decode
+    return {"prompt": await off_the_loop_if_large(request, lambda: decode(body.tokens))}
 
 
 @router.get("/tokenizer_info")
@@ -266,16 +289,20 @@ async def score_continuations(
     body: ScoreContinuationsRequest, request: Request, state: State
 ) -> dict[str, Any]:
     """Each continuation's token logprobs after the prefix, token healing included (see
-    radixserve/scoring.py), from one batch of prefill-only requests."""
+    radixserve/scoring.py), from one batch of prefill-only requests. Texts are held to what
+    /generate takes, and a long body is tokenized off the event loop."""
     state.manager.check_available()
     prompt_field = "input_ids" if body.input_ids is not None else "text"
     try:
-        plan = plan_scoring(
-            state.manager.tokenizer,
-            body.continuations,
-            body.text,
-            body.input_ids,
-            body.unconditional,
+        plan = await off_the_loop_if_large(
+            request,
+            lambda: plan_scoring(
+                state.manager,
+                body.continuations,
+                body.text,
+                body.input_ids,
+                body.unconditional,
+            ),
         )
         check_fits(plan, state.model.vocab_size, state.model.max_seq_len, prompt_field)
         reqs = plan.requests(body.rid)

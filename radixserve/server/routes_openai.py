@@ -7,6 +7,7 @@ shape of a choice, is one small `_Shape` per endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -60,7 +61,9 @@ async def completions(body: oai.CompletionRequest, request: Request, state: Stat
         request, lambda: oai.completion_reqs(body, state.manager.encode)
     )
     check_sequences(reqs, state, COMPLETION_FIELDS)
-    return await _serve(request, state, body, reqs, _Completion(body, _decoder(state)))
+    token_bytes = await _token_bytes(request, state) if body.logprobs is not None else None
+    shape = _Completion(body, state.manager.tokenizer.decode, token_bytes)
+    return await _serve(request, state, body, reqs, shape)
 
 
 @router.post("/v1/chat/completions")
@@ -68,12 +71,16 @@ async def chat_completions(
     body: oai.ChatCompletionRequest, request: Request, state: State
 ) -> Response:
     tokenizer = state.manager.tokenizer
-    plan = body.tool_plan(state.config.server.tool_call_parser, oai.template_source(tokenizer))
+    parser_flag = state.config.server.tool_call_parser
+    plan = await off_the_loop_if_large(  # compiles each tool's parameters to check them
+        request, lambda: body.tool_plan(parser_flag, oai.template_source(tokenizer))
+    )
     reqs = await off_the_loop_if_large(
         request, lambda: oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
     )
     check_sequences(reqs, state, CHAT_FIELDS)
-    return await _serve(request, state, body, reqs, _Chat(body, _decoder(state), plan))
+    token_bytes = await _token_bytes(request, state) if body.logprobs else None
+    return await _serve(request, state, body, reqs, _Chat(body, token_bytes, plan))
 
 
 @router.post("/v1/embeddings")
@@ -85,8 +92,15 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> 
     return JSONResponse(embedding_response(results, body.encoding_format, model))
 
 
-def _decoder(state: ServerState) -> Callable[[list[int]], str]:
-    return state.manager.tokenizer.decode
+async def _token_bytes(request: Request, state: ServerState) -> oai.TokenBytes:
+    """The tokens' raw bytes for logprobs, built once per server process on first use, on a
+    worker thread (it takes about 0.4 s); shielded, so a client that leaves while it is
+    built does not cancel it for the others."""
+    app = request.app.state
+    if getattr(app, "token_bytes", None) is None:
+        build = asyncio.to_thread(oai.TokenBytes, state.manager.tokenizer)
+        app.token_bytes = asyncio.ensure_future(build)
+    return await asyncio.shield(app.token_bytes)
 
 
 async def _serve(
@@ -167,13 +181,21 @@ class _Shape(Protocol):
 class _Completion:
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, body: oai.CompletionRequest, decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        body: oai.CompletionRequest,
+        decode: Callable[[list[int]], str],
+        token_bytes: oai.TokenBytes | None,  # given when logprobs are asked for
+    ):
         self.decode = decode
-        self.wants_logprobs = body.logprobs is not None
+        self.token_bytes = token_bytes
+        self.wants_logprobs = token_bytes is not None
         self.echo = body.echo
+        self.offsets: dict[int, oai.TextOffsets] = {}  # a stream's, per sequence
 
     def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
-        return self._fields(req, result["text"], result["meta_info"], self.echo, 0)
+        meta = result["meta_info"]
+        return self._fields(req, result["text"], meta, self.echo, 0, oai.TextOffsets())
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         return []
@@ -182,16 +204,23 @@ class _Completion:
         self, index: int, req: Req, delta: _Delta, meta: dict[str, Any]
     ) -> dict[str, Any] | None:
         echo = self.echo and delta.first
-        return self._fields(req, delta.text, meta, echo, delta.logprob_start)
+        offsets = self.offsets.setdefault(index, oai.TextOffsets())
+        return self._fields(req, delta.text, meta, echo, delta.logprob_start, offsets)
 
     def _fields(
-        self, req: Req, text: str, meta: dict[str, Any], echo: bool, start: int
+        self,
+        req: Req,
+        text: str,
+        meta: dict[str, Any],
+        echo: bool,
+        start: int,
+        offsets: oai.TextOffsets,
     ) -> dict[str, Any]:
         if echo:
             text = self.decode(req.input_ids) + text
         logprobs = None
-        if self.wants_logprobs:
-            logprobs = oai.completion_logprobs(meta, self.decode, echo, start)
+        if self.token_bytes is not None:
+            logprobs = oai.completion_logprobs(meta, self.token_bytes, echo, offsets, start)
         return {"text": text, "logprobs": logprobs}
 
 
@@ -205,11 +234,11 @@ class _Chat:
     def __init__(
         self,
         body: oai.ChatCompletionRequest,
-        decode: Callable[[list[int]], str],
+        token_bytes: oai.TokenBytes | None,  # given when logprobs are asked for
         plan: tool_calls.ToolPlan,
     ):
-        self.decode = decode
-        self.wants_logprobs = body.logprobs
+        self.token_bytes = token_bytes
+        self.wants_logprobs = token_bytes is not None
         self.plan = plan
         self.streams: dict[int, tool_calls.ToolStream] = {}
 
@@ -245,7 +274,9 @@ class _Chat:
         return {"delta": news, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
-        return oai.chat_logprobs(meta, self.decode, start) if self.wants_logprobs else None
+        if self.token_bytes is None:
+            return None
+        return oai.chat_logprobs(meta, self.token_bytes, start)
 
 
 class _Sent:

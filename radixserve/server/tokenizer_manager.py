@@ -24,6 +24,7 @@ import msgspec
 from radixserve.chat_roles import ChatRoles
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
+from radixserve.native import InvalidRequest
 from radixserve.output import ResultAccumulator, ResultUpdate
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
@@ -145,19 +146,21 @@ class TokenizerManager:
         self.starting.discard(msg.role)
 
     # -- requests -------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s tokens; a text with more characters than the context's tokens could stand
-        for is refused before it is tokenized (which takes ~0.5-1 us a character)."""
+        for is refused before it is tokenized (which takes ~0.5-1 us a character): an
+        InvalidRequest about the field `text`, whatever the API calls it."""
         # twice the bound: a normalizer may merge characters (NFC composes accents)
         longest = self.longest_token
         if longest is not None and len(text) > self.context_len * longest * 2:
-            raise bad_request(
+            raise InvalidRequest(
                 f"This model's maximum context length is {self.context_len} tokens. However, "
                 f"a text of {len(text)} characters is more than that many tokens of at most "
                 f"{longest} characters can hold. Please reduce the prompt.",
+                "text",
                 code="context_length_exceeded",
             )
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_context(self, req: Req) -> None:
         prompt, new = len(req.input_ids), req.params.max_new_tokens

@@ -26,14 +26,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from radixserve.constrained.llguidance_backend import json_schema_problem
+from radixserve.server.body import StrictBody
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function name
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 # -- the request's fields -------------------------------------------------------------------
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(StrictBody):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -41,7 +44,7 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(StrictBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionDefinition
@@ -56,12 +59,12 @@ class Tool(BaseModel):
         return schema
 
 
-class FunctionName(BaseModel):
+class FunctionName(StrictBody):
     model_config = ConfigDict(extra="forbid")
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionName
@@ -70,13 +73,13 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(StrictBody):
     model_config = ConfigDict(extra="forbid")
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class AssistantToolCall(BaseModel):
+class AssistantToolCall(StrictBody):
     """A tool call of an earlier assistant turn, sent back in `messages`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -102,12 +105,32 @@ def tool_mode(
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ToolFieldError("tools: two functions have the same name", "tools")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            message = f"tool_choice names {choice.function.name!r}, which is not in tools"
-            raise ToolFieldError(message, "tool_choice")
-        return "named"
-    return choice or "auto"
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if named is not None and named not in names:
+        raise ToolFieldError(f"tool_choice names {named!r}, which is not in tools", "tool_choice")
+    for i, tool in enumerate(tools):
+        _check_parameters(tool, i, constrained=choice == "required" or tool.function.name == named)
+    return "named" if named is not None else choice or "auto"
+
+
+def _check_parameters(tool: Tool, index: int, constrained: bool) -> None:
+    """Refuse a function's parameters as OpenAI does, whatever tool_choice is: not an object
+    schema, or not a valid JSON schema. A valid schema that constrained decoding cannot
+    follow is refused only where the output is `constrained` to it."""
+    parameters = tool.function.parameters
+    if parameters is None:
+        return
+    param = f"tools[{index}].function.parameters"
+    prefix = f"Invalid schema for function {tool.function.name!r}"
+    if parameters.get("type") != "object":
+        got = json.dumps(parameters.get("type"))
+        message = f'{prefix}: it must be a JSON schema of type "object", got type {got}'
+        raise ToolFieldError(message, param)
+    problem = json_schema_problem(tool.schema())
+    if problem is None or (problem.unsupported and not constrained):
+        return
+    reason = " (tool_choice constrains the arguments to it)" if problem.unsupported else ""
+    raise ToolFieldError(f"{prefix}: {problem.message}{reason}", param)
 
 
 # -- what the request does with them --------------------------------------------------------
