@@ -349,8 +349,8 @@ CODED_AMX_ROWS = 128
 # blocked kernel's (`Linear.uses_blocked`). Until the twenty-first session the kernel was
 # measured against MKL and, once chosen, never ran there (the blocked kernel came first). On
 # the Intel Xeon with the blocked kernel forced to every row count (`coded_lut_vs_mkl.py
-# --blocked-prefill`, 2 threads, noisy): a layer's products 0.86-0.92x the blocked kernel's at
-# 256 and 1,024 rows; a 2 x 512 prefill 1.01x.
+# --blocked-prefill`, 2 threads, medians of 7): a layer's products on the best build 0.94x /
+# 0.97x the blocked kernel's at 256 / 1,024 rows; a 2 x 512 prefill 924 vs 920 ms (1.00x).
 CODED_LUT_ROWS = 128
 CODED_LUT_SAMPLE_ROWS = 256
 CODED_LUT_MARGIN = 1.1
