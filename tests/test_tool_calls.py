@@ -247,6 +247,15 @@ def test_invalid_parameters_are_refused_whatever_tool_choice_is(parameters, word
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_empty_parameters_declare_a_function_of_no_arguments(choice):
+    """`parameters: {}`, as clients write a function of no arguments, is no schema error: it
+    reads as the empty object schema, as leaving parameters out does."""
+    tool = function({})
+    assert tool_mode([TOOLS[0], tool], choice) == choice
+    assert tool.schema() == function(None).schema()
+
+
 def test_a_schema_constrained_decoding_cannot_follow_is_refused_only_where_it_constrains():
     """`not` is valid JSON Schema that llguidance does not compile: fine in the prompt
     (auto, or another function named), a 400 where the output must follow it."""

@@ -116,9 +116,10 @@ def tool_mode(
 def _check_parameters(tool: Tool, index: int, constrained: bool) -> None:
     """Refuse a function's parameters as OpenAI does, whatever tool_choice is: not an object
     schema, or not a valid JSON schema. A valid schema that constrained decoding cannot
-    follow is refused only where the output is `constrained` to it."""
+    follow is refused only where the output is `constrained` to it. None or {} declare no
+    parameters (`Tool.schema` reads both as an empty object)."""
     parameters = tool.function.parameters
-    if parameters is None:
+    if not parameters:
         return
     param = f"tools[{index}].function.parameters"
     prefix = f"Invalid schema for function {tool.function.name!r}"
