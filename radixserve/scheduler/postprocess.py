@@ -127,7 +127,7 @@ class OutputProcessor:
         update.new_ids = new
         if new:
             update.new_logprobs, update.new_top_logprobs = record_output_logprobs(req, out, row)
-            req.finish_reason = self.stops.check(req, len(new))
+            req.finish_reason = self.stops.check(req)
 
     def _sample(
         self, reqs: list[Req], logits: torch.Tensor, masks: MaskJob

@@ -7,9 +7,10 @@ else the length limit (max_new_tokens, or the context). Stop strings and regexes
 in the text after the first min_new_tokens tokens' (text_stream.OutputDecoder.stops_from),
 so that the detokenizer trims the text where the stop that fired begins.
 
-Stop regexes run in the scheduler loop, over the whole output, every step (a match may span
-any length). The output's text is kept per request and grown by the new tokens' text alone
-(`OutputText`), so a step decodes a few tokens, not the whole output. A pattern that
+The output's text is kept per request and grown by the new tokens' text alone (`OutputText`,
+the detokenizer's decoding), so a step decodes a few tokens, not the whole output. Stop
+strings are looked for where that text grew (one brought by the step ends there); stop
+regexes over the whole output, every step (a match may span any length). A pattern that
 backtracks exponentially would stall every request, so a step's search with all of a
 request's patterns that takes longer than text_stream.STOP_REGEX_TIMEOUT_S ends that
 request alone, with an abort naming the pattern it had reached.
@@ -24,7 +25,6 @@ from radixserve.core.output import FinishReason, ModelInfo
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.text_stream import (
-    REPLACEMENT,
     OutputDecoder,
     StopRegexTooSlow,
     search_stop_regexes,
@@ -40,12 +40,14 @@ class OutputText:
         self.tokenizer, self.params = tokenizer, params
         self.decoder = OutputDecoder(tokenizer, params)
         self.text = ""
+        self.grown_from = 0  # the text's length before the latest call's ids added to it
 
     def of(self, output_ids: list[int]) -> str:
         """The text of `output_ids`, which extend the ids seen so far."""
         if len(output_ids) < self.decoder.num_ids:  # not an extension: start again
             self.decoder = OutputDecoder(self.tokenizer, self.params)
             self.text = ""
+        self.grown_from = len(self.text)
         self.text += self.decoder.push(output_ids[self.decoder.num_ids :])
         return self.text
 
@@ -63,8 +65,8 @@ class StopChecker:
         self.context_len = info.context_length
         self.grammars = grammars
 
-    def check(self, req: Req, num_new: int = 1) -> FinishReason | None:
-        """Why `req` ends after its latest `num_new` tokens, or None if it goes on."""
+    def check(self, req: Req) -> FinishReason | None:
+        """Why `req` ends after its latest tokens, or None if it goes on."""
         p = req.params
         n = len(req.output_ids)
         grammar = req.grammar
@@ -75,7 +77,7 @@ class StopChecker:
         if n >= p.min_new_tokens:
             try:
                 if grammar is None:
-                    reason = self._stop_hit(req, num_new)
+                    reason = self._stop_hit(req)
                 elif grammar.is_accepting:
                     reason = self._grammar_stop_hit(req)
             except StopRegexTooSlow as e:
@@ -94,7 +96,7 @@ class StopChecker:
     def _decode(self, req: Req, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
-    def _stop_hit(self, req: Req, num_new: int) -> FinishReason | None:
+    def _stop_hit(self, req: Req) -> FinishReason | None:
         """A stop token last, or a stop string brought by the latest tokens, or a stop regex
         match anywhere in the output (strings and regexes after the first min_new_tokens
         tokens' text)."""
@@ -102,19 +104,15 @@ class StopChecker:
         token = req.output_ids[-1]
         if token in req.stop_ids(self.eos_ids):
             return FinishReason.stop(token)
-        if p.stop:  # a character is at most 4 byte-level tokens: this tail must hold it
-            longest = max(len(s.encode()) for s in p.stop)
-            start = max(len(req.output_ids) - longest - num_new, 0)
-            tail = self._decode(req, req.output_ids[start:])
-            skip = 0  # the tail's text within the first min_new_tokens tokens: no stop there
-            if start < p.min_new_tokens:
-                first = self._decode(req, req.output_ids[start : p.min_new_tokens])
-                skip = len(first.rstrip(REPLACEMENT))
+        if not (p.stop or p.stop_regex):
+            return None
+        output = self._output_text(req)  # the text the detokenizer trims, grown by the step
+        if p.stop:  # one the latest tokens brought ends in the text they added
+            start = max(output.stops_from, output.grown_from - max(map(len, p.stop)) + 1)
             for stop in p.stop:
-                if tail.find(stop, skip) >= 0:
+                if output.text.find(stop, start) >= 0:
                     return FinishReason.stop(stop)
         if p.stop_regex:  # a match may span any length: search the whole output
-            output = self._output_text(req)
             for match in search_stop_regexes(p.stop_patterns, output.text, output.stops_from):
                 if match and match.group(0):
                     return FinishReason.stop(match.group(0))
