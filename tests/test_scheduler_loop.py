@@ -53,10 +53,10 @@ def test_a_stop_check_fault_fails_that_request_only(tiny_model_dirs):
     stops = engine.scheduler.post.stops
     real_check = stops.check
 
-    def check(req, num_new=1):
+    def check(req):
         if req.rid == "victim":
             raise KeyError("injected stop-check fault")
-        return real_check(req, num_new)
+        return real_check(req)
 
     stops.check = check
     victim = threading.Thread(
