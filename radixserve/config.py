@@ -406,7 +406,9 @@ class ServerConfig:
         f"(env {API_KEY_ENV}).",
     )
     served_model_name: str | None = _opt(
-        None, "The model id reported by /v1/models. Default: the model's file or folder name."
+        None,
+        "The model id reported by /v1/models. Default: --model-path as given (as SGLang and "
+        "vLLM report it), or SmolLM2-135M-Instruct for the default model.",
     )
     max_queued_requests: int = _opt(
         2048, "Most requests waiting for admission; past it new requests get 503 at once."

@@ -36,6 +36,12 @@ def model_id(client) -> str:
     return client.models.list().data[0].id
 
 
+def test_the_model_id_is_the_model_path_as_given(client, model_id, tiny_model_dirs):
+    # as SGLang and vLLM report it: SGLang's bench_serving loads its tokenizer from this id
+    assert model_id == str(tiny_model_dirs["llama"])
+    assert client.models.retrieve(model_id).id == model_id  # a path, slashes and all
+
+
 @pytest.fixture(scope="module")
 def completion(server, model_id):
     backend = sgl.OpenAI(

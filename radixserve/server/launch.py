@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import psutil
 import uvicorn
@@ -94,7 +93,9 @@ def served_model_name(config: Config) -> str:
         return config.server.served_model_name
     if config.model.model_path is None:
         return "SmolLM2-135M-Instruct"
-    return Path(config.model.model_path).name.removesuffix(".gguf")
+    # As given, as SGLang and vLLM report it: clients such as SGLang's bench_serving load
+    # the tokenizer from this id when they are not given one.
+    return str(config.model.model_path)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
