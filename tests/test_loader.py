@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -322,6 +323,21 @@ def test_changed_gguf_is_converted_again(tmp_path, tiny_gguf, count_conversions)
     os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     second = convert_gguf(gguf_path, cache, progress=False)
     assert second != first and len(count_conversions) == 2
+    assert cache_entries(cache) == [second.name]  # the stale conversion was removed
+
+
+def test_a_conversion_removes_those_of_deleted_ggufs_and_nothing_else(tmp_path, tiny_gguf):
+    cache = tmp_path / "cache"
+    gone = convert_gguf(shutil.copy(tiny_gguf, tmp_path / "gone.gguf"), cache, progress=False)
+    kept = convert_gguf(shutil.copy(tiny_gguf, tmp_path / "kept.gguf"), cache, progress=False)
+    (cache / "notes").mkdir()  # not a conversion: left alone
+    (cache / "kept-0123456789abcdef").mkdir()  # named like one, but no manifest
+    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache))  # another's, in progress
+    (tmp_path / "gone.gguf").unlink()
+    others = ["notes", "kept-0123456789abcdef", partial.name]
+    assert cache_entries(cache) == sorted([gone.name, kept.name, *others])
+    newest = convert_gguf(tiny_gguf, cache, progress=False)
+    assert cache_entries(cache) == sorted([kept.name, newest.name, *others])
 
 
 # --- 2. the real SmolLM2 GGUF against transformers' GGUF loader -----------------------------------

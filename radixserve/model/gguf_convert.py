@@ -5,6 +5,8 @@ template, manifest.json) lives in the model cache, keyed by the GGUF's path, siz
 modification time, so later starts read safetensors in about a second. The manifest is
 written last and the folder is renamed into place atomically: a folder without a valid
 manifest, or whose files do not match it, is a partial or corrupt conversion and is rebuilt.
+Each new conversion removes the stale ones (of a GGUF since deleted, or changed, as a
+reinstalled package's is), which would otherwise fill the disk by ~4x the GGUF each time.
 """
 
 from __future__ import annotations
@@ -85,7 +87,42 @@ def convert_gguf(gguf_path: Path, cache_dir: Path, progress: bool = True) -> Pat
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_conversions(cache_dir)
     return target
+
+
+def remove_stale_conversions(cache_dir: Path) -> list[Path]:
+    """Remove the conversions whose GGUF is gone or is no longer the file they were made from.
+
+    Only folders this converter made (named by `_cache_key` of the source their manifest
+    records) are touched; partial conversions in progress and anything else are left alone.
+    """
+    removed = []
+    for folder in sorted(cache_dir.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            source = json.loads((folder / MANIFEST).read_bytes())["source"]
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if not isinstance(source, str):
+            continue
+        source_path = Path(source)
+        if not folder.name.startswith(source_path.stem + "-"):
+            continue
+        try:
+            current = _cache_key(source_path)
+        except OSError:  # the GGUF is gone
+            current = None
+        if current == folder.name:
+            continue
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.info(
+            "removed %s (%.0f MB): its GGUF %s is gone or changed", folder, size / 1e6, source
+        )
+        removed.append(folder)
+    return removed
 
 
 def validate_converted(folder: Path) -> str | None:
