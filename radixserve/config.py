@@ -394,6 +394,7 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3")
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking", "kimi")  # server/reasoning.py
 
 
 @dataclass(frozen=True)
@@ -422,6 +423,15 @@ class ServerConfig:
         "hermes (= qwen25: <tool_call>{json}</tool_call>) or llama3 (bare JSON calls). "
         "Default: llama3 for a Llama 3 template, else hermes.",
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = _opt(
+        None,
+        "How /v1/chat/completions splits a thinking model's reasoning out of its text into "
+        "reasoning_content (as SGLang's flag): qwen3 (<think>...</think>, Qwen3 with "
+        "enable_thinking), qwen3-thinking and deepseek-r1 (the output starts in the "
+        "reasoning), kimi (◁think▷...◁/think▷). A request's separate_reasoning false turns "
+        "it off, stream_reasoning false sends the reasoning in one chunk. Default: none.",
+        choices=REASONING_PARSERS,
     )
 
     def __post_init__(self) -> None:

@@ -4,7 +4,9 @@ choices give arguments valid by their schema every time, and the whole flow (cal
 result → answer) runs; on a tiny model whose template renders tools Hermes-style, the
 prompt is what transformers' apply_chat_template(tools=...) renders and the `auto` parser
 reads the model's <tool_call> blocks (the output forced by a regex, since a random-weight
-model writes none on its own). Streams reassemble to the non-streamed messages."""
+model writes none on its own); with --reasoning-parser qwen3 the same server splits a forced
+<think> block out into reasoning_content, before any tool call is read from the rest.
+Streams reassemble to the non-streamed messages."""
 
 from __future__ import annotations
 
@@ -260,6 +262,8 @@ def test_tool_messages_need_their_call_id(client):
 
 
 # -- a tiny model with a template that renders tools ------------------------------------------
+# (and thinks as Qwen3's does: enable_thinking false closes an empty block in the prompt;
+# open_thinking, as Qwen3-Thinking's and DeepSeek-R1's, opens one)
 HERMES_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -281,7 +285,12 @@ Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% elif open_thinking is defined and open_thinking %}<think>
+{% endif %}{% endif %}"""
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +302,7 @@ def hermes(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
     flags = ("--model-path", str(folder), "--max-total-tokens", "4000")
+    flags += ("--reasoning-parser", "qwen3")
     proc = ServerProcess(*flags, log=root / "log")
     try:
         yield proc.wait_ready(), folder
@@ -361,3 +371,76 @@ def test_the_auto_parser_reads_hermes_blocks_out_of_the_output(hermes):
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>" in plain.choices[0].message.content
     assert_kv_clean(hermes[0])
+
+
+# -- reasoning (the server runs with --reasoning-parser qwen3) ---------------------------------
+THOUGHT = r"<think>\nThe user asks about (Rome|Oslo)\.\n</think>\n\nIt is sunny\."
+
+
+def stream_reasoning(client: openai.OpenAI, **kwargs) -> tuple[list[str], str, str | None]:
+    """A stream's reasoning pieces, its content, and its finish reason."""
+    thoughts, content, reason = [], "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        if (delta.model_extra or {}).get("reasoning_content"):
+            assert not content, "the reasoning comes before the content"
+            thoughts.append(delta.model_extra["reasoning_content"])
+        content += delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return thoughts, content, reason
+
+
+def test_reasoning_is_split_out_of_the_content(hermes):
+    client = hermes_client(hermes)
+    kwargs = dict(
+        model="m",
+        messages=ask("Weather in Rome?"),
+        max_tokens=60,
+        temperature=0,
+        extra_body={"regex": THOUGHT},
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.content == "It is sunny."
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning in ("The user asks about Rome.", "The user asks about Oslo.")
+    thoughts, content, reason = stream_reasoning(client, **kwargs)
+    assert "".join(thoughts) == reasoning and content == message.content and reason == "stop"
+
+    # stream_reasoning false: the reasoning comes in one piece once its block has ended
+    one = {**kwargs, "extra_body": {**kwargs["extra_body"], "stream_reasoning": False}}
+    assert stream_reasoning(client, **one)[:2] == ([reasoning], message.content)
+
+    # separate_reasoning false, or thinking off in the template: all of it is content
+    raw = {**kwargs, "extra_body": {**kwargs["extra_body"], "separate_reasoning": False}}
+    whole = client.chat.completions.create(**raw).choices[0].message
+    assert whole.content.startswith("<think>") and "reasoning_content" not in whole.model_extra
+    plain = {"regex": "It is sunny\\.", "chat_template_kwargs": {"enable_thinking": False}}
+    message = client.chat.completions.create(**{**kwargs, "extra_body": plain}).choices[0].message
+    assert message.content == "It is sunny." and message.model_extra["reasoning_content"] is None
+
+    # cut short by max_tokens inside the block: reasoning only
+    short = client.chat.completions.create(**{**kwargs, "max_tokens": 8}).choices[0]
+    assert short.finish_reason == "length" and short.message.content == ""
+    assert reasoning.startswith(short.message.model_extra["reasoning_content"])
+    assert_kv_clean(hermes[0])
+
+
+def test_a_block_the_prompt_opens_and_a_tool_call_after_the_reasoning(hermes):
+    client = hermes_client(hermes)
+    forced = r"Rome has no tool\.\n</think>\n\n" + FORCED
+    kwargs = dict(
+        model="m",
+        messages=ask("Weather in Rome?"),
+        tools=TOOLS,
+        max_tokens=160,
+        temperature=0,
+        extra_body={"regex": forced, "chat_template_kwargs": {"open_thinking": True}},
+    )
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.model_extra["reasoning_content"] == "Rome has no tool."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    thoughts, content, reason = stream_reasoning(client, **kwargs)
+    assert "".join(thoughts) == "Rome has no tool." and content == "Checking."
+    assert reason == "tool_calls"

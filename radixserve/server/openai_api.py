@@ -10,6 +10,7 @@ import time
 import typing
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import llguidance.hf
@@ -255,8 +256,8 @@ class ChatCompletionRequest(_SamplingFields):
     store: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
-    # SGLang's reasoning extras (sglang-router sends them): no reasoning parser runs here, so
-    # the reasoning, if any, stays in the content
+    # SGLang's reasoning fields: with --reasoning-parser, split the reasoning out of the
+    # content (else it stays in the content); stream it as it comes, or in one piece
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
@@ -318,7 +319,7 @@ def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]])
         raise call_error(e, COMPLETION_FIELDS) from None
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> list[int]:
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> str:
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as e:
@@ -338,7 +339,7 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan)
         )
     except (TemplateError, ValueError) as e:  # e.g. roles out of the template's order
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 # apply_chat_template's own parameters (transformers 5.24), and what templates are given
@@ -369,19 +370,26 @@ def template_source(tokenizer: Any) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def chat_reqs(
+@dataclass(frozen=True)
+class ChatCall:
+    prompt: str  # the rendered chat template
+    reqs: list[Req]
+
+
+def chat_call(
     body: ChatCompletionRequest, tokenizer: Any, max_context: int, plan: ToolPlan
-) -> list[Req]:
+) -> ChatCall:
     if body.top_logprobs and not body.logprobs:  # as OpenAI: refused, not ignored
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    ids = chat_prompt_ids(body, tokenizer, plan)
+    prompt = chat_prompt(body, tokenizer, plan)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context leaves
         max_tokens = max(max_context - len(ids), 0)
     try:
-        return expand_request(
+        reqs = expand_request(
             tokenizer.encode,
             None,
             {**body.sampling_params(max_tokens), **_tool_constraint(plan)},
@@ -394,6 +402,7 @@ def chat_reqs(
         ).reqs
     except ValueError as e:
         raise call_error(e, CHAT_FIELDS) from None
+    return ChatCall(prompt, reqs)
 
 
 def _tool_constraint(plan: ToolPlan) -> dict[str, Any]:

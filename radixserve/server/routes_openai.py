@@ -22,6 +22,7 @@ from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
 from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
 from radixserve.server.embeddings import EmbeddingRequest, embedding_reqs, embedding_response
 from radixserve.server.errors import ERROR_RESPONSES, APIError
+from radixserve.server.reasoning import ReasoningPlan, ReasoningStream, reasoning_plan
 from radixserve.server.state import ServerState, State
 from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
@@ -75,12 +76,19 @@ async def chat_completions(
     plan = await off_the_loop_if_large(  # compiles each tool's parameters to check them
         request, lambda: body.tool_plan(parser_flag, oai.template_source(tokenizer))
     )
-    reqs = await off_the_loop_if_large(
-        request, lambda: oai.chat_reqs(body, tokenizer, state.model.max_seq_len, plan)
+    chat = await off_the_loop_if_large(
+        request, lambda: oai.chat_call(body, tokenizer, state.model.max_seq_len, plan)
     )
-    check_sequences(reqs, state, CHAT_FIELDS)
+    check_sequences(chat.reqs, state, CHAT_FIELDS)
     token_bytes = await _token_bytes(request, state) if body.logprobs else None
-    return await _serve(request, state, body, reqs, _Chat(body, token_bytes, plan))
+    thinking = reasoning_plan(
+        state.config.server.reasoning_parser,
+        body.separate_reasoning,
+        body.stream_reasoning,
+        chat.prompt,
+    )
+    shape = _Chat(token_bytes, plan, thinking)
+    return await _serve(request, state, body, chat.reqs, shape)
 
 
 @router.post("/v1/embeddings")
@@ -225,32 +233,39 @@ class _Completion:
 
 
 class _Chat:
-    """A chat choice; with tools, its text goes through the plan's parser (whole, or a
-    `ToolStream` per sequence when streaming)."""
+    """A chat choice; with a reasoning plan, its text is first split into reasoning and
+    content; with tools, the content goes through the plan's parser (whole, or a stream per
+    sequence when streaming)."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     echo = False
 
     def __init__(
         self,
-        body: oai.ChatCompletionRequest,
         token_bytes: oai.TokenBytes | None,  # given when logprobs are asked for
         plan: tool_calls.ToolPlan,
+        thinking: ReasoningPlan | None,
     ):
         self.token_bytes = token_bytes
         self.wants_logprobs = token_bytes is not None
         self.plan = plan
+        self.thinking = thinking
         self.streams: dict[int, tool_calls.ToolStream] = {}
+        self.thoughts: dict[int, ReasoningStream] = {}
 
     def choice(self, req: Req, result: dict[str, Any]) -> dict[str, Any]:
         meta = result["meta_info"]
         fields: dict[str, Any] = {"logprobs": self._logprobs(meta, 0)}
+        text, reasoning = result["text"], {}
+        if self.thinking is not None:
+            part = self.thinking.split(text)
+            text, reasoning = part.content, {"reasoning_content": part.reasoning}
         if not self.plan.active:
-            return {"message": {"role": "assistant", "content": result["text"]}, **fields}
-        message = tool_calls.message(self.plan.parser(), result["text"])
+            return {"message": {"role": "assistant", "content": text, **reasoning}, **fields}
+        message = tool_calls.message(self.plan.parser(), text)
         reason = oai.finish_fields(meta)["finish_reason"]
         reason = tool_calls.finish_reason(reason, "tool_calls" in message)
-        return {"message": message, **fields, "finish_reason": reason}
+        return {"message": {**message, **reasoning}, **fields, "finish_reason": reason}
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
@@ -262,15 +277,21 @@ class _Chat:
         self, index: int, req: Req, delta: _Delta, meta: dict[str, Any]
     ) -> dict[str, Any] | None:
         logprobs = self._logprobs(meta, delta.logprob_start)
-        if not self.plan.active:
-            content = {"content": delta.text} if delta.text else {}
-            return {"delta": content, "logprobs": logprobs}
-        stream = self.streams.setdefault(index, tool_calls.ToolStream(self.plan.parser()))
         reason = oai.finish_fields(meta)["finish_reason"]
-        news = stream.feed(delta.text, final=reason is not None)
+        text, news = delta.text, {}
+        if self.thinking is not None:
+            thought = self.thoughts.setdefault(index, self.thinking.stream())
+            reasoning, text = thought.feed(text, final=reason is not None)
+            if reasoning:
+                news["reasoning_content"] = reasoning
+        if not self.plan.active:
+            news |= {"content": text} if text else {}
+        else:
+            stream = self.streams.setdefault(index, tool_calls.ToolStream(self.plan.parser()))
+            news |= stream.feed(text, final=reason is not None)
+            reason = tool_calls.finish_reason(reason, stream.has_calls)
         if not news and reason is None and logprobs is None:
-            return None  # the parser holds the text back for now
-        reason = tool_calls.finish_reason(reason, stream.has_calls)
+            return None  # a parser holds the text back for now
         return {"delta": news, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
