@@ -26,9 +26,11 @@ $(STAMP): requirements.txt pyproject.toml
 serve: $(STAMP)
 	$(BIN)/radixserve serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
-	$(BIN)/ruff check radixserve tests scripts
+test: lint
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check radixserve tests scripts
 
 bench: $(STAMP)
 	$(BIN)/radixserve bench one-batch --baseline transformers

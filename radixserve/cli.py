@@ -34,18 +34,22 @@ SERVER_PARTS = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    log_help = "debug, info, warning, error (default: info for serve, warning otherwise)"
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        help="debug, info, warning, error (default: info for serve, warning otherwise)",
-    )
+    parser.add_argument("--log-level", default=None, help=log_help)
+    # also after the command (`radixserve serve --log-level debug`, as SGLang's flag is given)
+    logs = argparse.ArgumentParser(add_help=False)
+    logs.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="serve a model over HTTP (native + OpenAI API)")
+    serve = commands.add_parser(
+        "serve", parents=[logs], help="serve a model over HTTP (native + OpenAI API)"
+    )
     add_config_args(serve, SERVER_PARTS)
 
-    gen = commands.add_parser("generate", help="generate a completion for one prompt")
+    gen = commands.add_parser(
+        "generate", parents=[logs], help="generate a completion for one prompt"
+    )
     gen.add_argument("--prompt", required=True, help="the prompt (a user message for chat models)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(gen, RUNNER_PARTS)
 
     argv = sys.argv[1:] if argv is None else argv
-    bench = commands.add_parser("bench", help="benchmarks (radixserve bench --help lists them)")
+    bench = commands.add_parser(
+        "bench", parents=[logs], help="benchmarks (radixserve bench --help lists them)"
+    )
     # the benchmark modules import torch: only a bench command loads them, so that
     # `radixserve --help` and `radixserve serve --help` answer at once
     benches = _add_bench_parsers(bench) if "bench" in argv else {}

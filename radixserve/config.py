@@ -46,8 +46,9 @@ class ModelConfig:
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     dtype: str = _opt(
         "auto",
-        "float32, bfloat16, float16, or auto: bfloat16 on CUDA and on CPUs whose matrix "
-        "units make it faster than float32 (AMX), float32 elsewhere (see radixserve/hardware.py).",
+        "float32, bfloat16, float16, or auto: bfloat16 on CUDA and on CPUs whose bf16 "
+        "matmuls are faster than float32 (AMX, or AVX-512 with AVX512-BF16), float32 elsewhere "
+        "(see radixserve/hardware.py).",
         choices=("auto", *DTYPES),
     )
     model_cache_dir: str | None = _opt(
@@ -469,15 +470,15 @@ class ParallelConfig:
     cpu_threads: int = _opt(
         0,
         "Threads of each scheduler process (torch and the CPU kernels). 0: the cores this "
-        "process may use, divided among the replicas.",
+        "process may use, divided among the replicas' ranks (dp-size x tp-size processes).",
     )
 
     tp_size: int = _opt(
         1,
         "Tensor-parallel ranks per replica: each rank holds 1/N of every layer's heads and "
         "MLP columns, of the vocabulary and of the KV heads (replicated where there are fewer "
-        "KV heads than ranks), one process each, on torch.distributed (gloo on CPU, NCCL on "
-        "CUDA).",
+        "KV heads than ranks), one process each, on torch.distributed (on CPU sums through "
+        "shared memory between the ranks of one machine, else gloo; NCCL on CUDA).",
     )
     nnodes: int = _opt(
         1,

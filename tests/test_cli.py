@@ -37,9 +37,12 @@ def test_generate_raw_text_with_a_tiny_model(tiny_model_dirs):
         "--no-chat-template",
         "--max-new-tokens",
         "5",
+        "--log-level",  # after the command as well as before it (default: warning)
+        "info",
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
+    assert " INFO radixserve." in proc.stderr
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
