@@ -354,6 +354,29 @@ def test_response_format_json_object(client):
     assert isinstance(json.loads(choice.message.content), dict), choice.message.content
 
 
+def test_strict_json_schema_allows_no_undeclared_keys(client):
+    """OpenAI's strict mode: a schema that leaves its objects open is read closed (SmolLM2
+    adds keys of its own to an open one: location, skills, ... until max_tokens)."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Give a person as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "p", "schema": schema, "strict": True},
+        },
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert set(json.loads(choice.message.content)) == {"name", "age"}, choice.message.content
+
+
 # -- 3. regexes -----------------------------------------------------------------------------------
 def test_regex_outputs_fully_match(client, server):
     def completion() -> str:

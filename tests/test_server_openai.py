@@ -245,6 +245,11 @@ def test_completion_echo_logprobs_lm_eval_style(client, model_id, server):
         assert lp.token_logprobs[0] is None
         assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
         assert all(isinstance(t, dict) and len(t) >= 1 for t in lp.top_logprobs[1:])
+        # as OpenAI's: the chosen token is always among them (up to logprobs + 1 entries),
+        # likely or not (lm-eval reads top_logprobs[i][tokens[i]])
+        for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) <= 2 and top[token] == logprob, (token, top)
+        assert any(len(top) == 2 for top in lp.top_logprobs[1:])  # unlikely prompt tokens
         prompt_text = "".join(lp.tokens[: len(ids)])
         assert choice.text.startswith(prompt_text)
     assert out.choices[0].text.startswith(FRANCE + " Paris")
@@ -432,6 +437,34 @@ def test_null_fields_mean_their_defaults(client, model_id):
     assert not completion.choices[0].text.startswith("The capital")
 
 
+def test_a_developer_message_is_a_system_message_to_a_template_without_that_role(
+    client, model_id, server
+):
+    """OpenAI's newer name of the system role; SmolLM2's ChatML template knows only system
+    (given a `developer` turn, it would add its default system prompt before it)."""
+    question = {"role": "user", "content": "Say hi in two words."}
+    outs = [
+        client.chat.completions.create(
+            model=model_id,
+            messages=[{"role": role, "content": "Be brief."}, question],
+            max_tokens=6,
+            temperature=0,
+        )
+        for role in ("developer", "system")
+    ]
+    assert outs[0].usage.prompt_tokens == outs[1].usage.prompt_tokens
+    assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+    # vLLM's add_generation_prompt false: the prompt ends after the user's turn
+    bare = client.chat.completions.create(
+        model=model_id,
+        messages=[question],
+        max_tokens=1,
+        extra_body={"add_generation_prompt": False},
+    )
+    full = client.chat.completions.create(model=model_id, messages=[question], max_tokens=1)
+    assert bare.usage.prompt_tokens < full.usage.prompt_tokens
+
+
 # -- 5. stop strings --------------------------------------------------------------------------
 def test_stop_string_across_a_token_boundary(client, model_id):
     free = greedy(client, model_id, STORY, logprobs=1)
@@ -565,7 +598,7 @@ def test_completion_logprobs_of_tokens_that_split_characters(client, model_id):
     assert b"".join(map(token_bytes, lp.tokens[:prompt_tokens])) == JAPANESE.encode()
     assert any(t.startswith("bytes:") for t in lp.tokens[:prompt_tokens]), lp.tokens
     assert all("\ufffd" not in t for t in lp.tokens), lp.tokens
-    assert all(len(top) == 5 for top in lp.top_logprobs[1:]), lp.top_logprobs
+    assert all(len(top) in (5, 6) for top in lp.top_logprobs[1:]), lp.top_logprobs
     partial = [sum(key.startswith("bytes:") for key in top) for top in lp.top_logprobs[1:]]
     assert max(partial) >= 2, lp.top_logprobs  # keys that decoded would collide
     # text_offset indexes the text; a token ending inside a character starts at it

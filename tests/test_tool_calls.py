@@ -21,6 +21,7 @@ from radixserve.server.tool_calls import (
     ToolFieldError,
     ToolPlan,
     ToolStream,
+    closed_objects,
     message,
     parser_family,
     template_messages,
@@ -288,6 +289,36 @@ def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
     named = json.loads(ToolPlan("named", TOOLS, named="get_weather").constraint())
     assert named["required"] == ["city"] and named["additionalProperties"] is False
     assert ToolPlan("auto", TOOLS).constraint() is None
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "pets": {"type": "array", "items": {"type": "object", "properties": {"kind": {}}}},
+        "home": {"anyOf": [{"$ref": "#/$defs/address"}, {"type": "null"}]},
+        "tags": {"type": "object", "additionalProperties": {"type": "string"}},  # kept open
+    },
+    "$defs": {"address": {"properties": {"city": {"type": "string"}}}},
+}
+
+
+def test_strict_mode_closes_every_object_schema_that_leaves_keys_open():
+    closed = closed_objects(PERSON)
+    good = {"name": "A", "pets": [{"kind": "cat"}], "home": {"city": "Rome"}, "tags": {"x": "y"}}
+    jsonschema.validate(good, closed)
+    for bad in (
+        {**good, "age": 3},
+        {**good, "pets": [{"kind": "cat", "age": 2}]},
+        {**good, "home": {"city": "Rome", "zip": "00100"}},
+    ):
+        jsonschema.validate(bad, PERSON)  # the schema as written allows them
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, closed)
+    assert closed["properties"]["tags"] == PERSON["properties"]["tags"]
+    assert "additionalProperties" not in PERSON  # the request's own schema is not changed
+    strict = Tool(**{**WEATHER, "function": {**WEATHER["function"], "strict": True}})
+    assert strict.schema()["additionalProperties"] is False
 
 
 def test_the_parser_family_comes_from_the_flag_or_the_template():

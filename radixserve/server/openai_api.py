@@ -34,6 +34,7 @@ from radixserve.server.tool_calls import (
     ToolChoice,
     ToolFieldError,
     ToolPlan,
+    closed_objects,
     parser_family,
     template_messages,
     tool_mode,
@@ -71,7 +72,10 @@ class ResponseFormat(StrictBody):
             return json.dumps({"type": "object"})
         if self.type == "json_schema":
             assert self.json_schema is not None
-            return json.dumps(self.json_schema.schema_ or {})
+            schema = self.json_schema.schema_ or {}
+            if self.json_schema.strict:  # OpenAI's strict mode: no undeclared keys
+                schema = closed_objects(schema)
+            return json.dumps(schema)
         return None
 
 
@@ -255,6 +259,7 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     continue_final_message: bool = False
+    add_generation_prompt: bool = True  # vLLM's; continuing the final message leaves it out
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     # SGLang's reasoning fields: with --reasoning-parser, split the reasoning out of the
     # content (else it stays in the content); stream it as it comes, or in one piece
@@ -326,14 +331,17 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> 
         raise bad_request(str(e), param="messages") from None
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions")
-    messages, tools = template_messages(messages, plan, template_source(tokenizer))
+    source = template_source(tokenizer)
+    if "developer" not in (source or ""):  # OpenAI's newer name of the system role
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    messages, tools = template_messages(messages, plan, source)
     last_is_assistant = messages[-1]["role"] == "assistant" and body.continue_final_message
     try:
         text = tokenizer.apply_chat_template(
             messages,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=not last_is_assistant,
+            add_generation_prompt=body.add_generation_prompt and not last_is_assistant,
             continue_final_message=last_is_assistant,
             **_template_kwargs(body.chat_template_kwargs),
         )
@@ -497,12 +505,15 @@ def completion_logprobs(
         entries = prompt + entries
         tops = (meta.get("input_top_logprobs") or [[]] * len(prompt)) + tops
     raw = [token_bytes(tid) for _, tid, _ in entries]
+    tokens = [token_text(b) for b in raw]
     return {
-        "tokens": [token_text(b) for b in raw],
+        "tokens": tokens,
         "token_logprobs": [lp for lp, _, _ in entries],
-        "top_logprobs": [  # the first prompt token has no logprob and no alternatives
-            None if e[0] is None else {token_text(token_bytes(x[1])): x[0] for x in t}
-            for e, t in zip(entries, tops)
+        # as OpenAI's: the chosen token's logprob and then its alternatives' (up to
+        # logprobs + 1 entries); the first prompt token has no logprob and no alternatives
+        "top_logprobs": [
+            None if lp is None else {text: lp} | {token_text(token_bytes(x[1])): x[0] for x in t}
+            for (lp, _, _), text, t in zip(entries, tokens, tops)
         ],
         "text_offset": offsets.take(raw),
     }

@@ -52,8 +52,11 @@ class Tool(StrictBody):
     def schema(self) -> dict[str, Any]:
         """The arguments' schema as the output is constrained to it. A function takes no
         argument it does not declare: an object schema that leaves additionalProperties
-        open gets it closed (as OpenAI's strict mode asks clients to write)."""
+        open gets it closed (as OpenAI's strict mode asks clients to write); with `strict`,
+        every object schema in it (OpenAI's strict mode)."""
         schema = self.function.parameters or EMPTY_PARAMETERS
+        if self.function.strict:
+            return closed_objects(schema)
         if schema.get("type") == "object" and "additionalProperties" not in schema:
             schema = {**schema, "additionalProperties": False}
         return schema
@@ -86,6 +89,33 @@ class AssistantToolCall(StrictBody):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object schema in it that leaves additionalProperties open closed,
+    as OpenAI's strict mode reads a schema (keys it does not declare are not allowed)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in (*_SCHEMA_VALUES, "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    kinds = out.get("type")
+    is_object = kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    if (is_object or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class ToolFieldError(ValueError):
