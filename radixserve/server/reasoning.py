@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.text_stream import partial_stop_len
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -57,17 +59,6 @@ class Split:
     closed: bool  # the block has ended (or there is none): no more reasoning can come
 
 
-def _partial_len(text: str, markers: tuple[str, ...]) -> int:
-    """The length of `text`'s longest end that is a proper start of one of `markers`."""
-    longest = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:n]):
-                longest = n
-                break
-    return longest
-
-
 def split(fmt: ReasoningFormat, text: str, inside: bool, final: bool) -> Split:
     """What is certain of `text`'s reasoning and content; `inside`: the output starts in a
     block. Before the output is `final`, text that may yet turn out to be a marker is held
@@ -90,7 +81,7 @@ def split(fmt: ReasoningFormat, text: str, inside: bool, final: bool) -> Split:
         return Split(text.strip(), "", closed=True)
     if fmt.start.startswith(text):  # the tag written again may be coming
         return Split("", "", closed=False)
-    held = _partial_len(text, (fmt.end, *fmt.closed_by))
+    held = partial_stop_len(text, [fmt.end, *fmt.closed_by])
     # trailing whitespace is held too: it is sent once more reasoning follows it
     return Split(text[: len(text) - held].strip(), "", closed=False)
 
