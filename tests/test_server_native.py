@@ -835,6 +835,32 @@ def test_abort_request_by_rid(url):
     assert state["kv_held_by_requests"] == 0, state
 
 
+def test_abort_by_the_rid_the_client_gave_ends_every_sequence_of_the_request(url):
+    """n > 1 names the sequences `{rid}_{j}`, a batch `{rid}_{i}`: aborting the request's own
+    rid ends all of them (as SGLang's abort does), and another request whose rid merely
+    starts the same way is left running."""
+    rid = f"par-{uuid.uuid4().hex[:8]}"
+    both = long_body(rid, False)
+    both["sampling_params"]["n"] = 2
+    other = long_body(rid + "_x", False)  # named like a sequence of `rid`, but its own
+    other["sampling_params"]["max_new_tokens"] = 40
+    thread, box = run_in_thread(lambda: generate(url, both))
+    neighbour, its_box = run_in_thread(lambda: generate(url, other))
+    deadline = time.monotonic() + 60
+    while server_state(url)["num_running"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r = post(url, "/abort_request", {"rid": rid})
+    assert r.status_code == 200, r.text
+    results = joined(thread, box)
+    assert [out["meta_info"]["id"] for out in results] == [f"{rid}_0", f"{rid}_1"]
+    for out in results:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+    survivor = joined(neighbour, its_box)
+    assert survivor["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    state = wait_idle(url)
+    assert state["num_running"] == 0 and state["kv_held_by_requests"] == 0, state
+
+
 def test_abort_all(url):
     rid = f"abort-all-{uuid.uuid4().hex[:8]}"
     thread, box = run_in_thread(lambda: generate(url, long_body(rid, False)))

@@ -172,9 +172,12 @@ async def flush_cache(state: State) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, state: State) -> Response:
-    if not body.abort_all and body.rid is None:
+    if body.abort_all:
+        state.manager.send_abort(None)
+    elif body.rid is None:
         raise bad_request("give rid or abort_all: true", param="rid")
-    state.manager.send_abort(None if body.abort_all else body.rid)
+    else:
+        state.manager.abort_request(body.rid)
     return Response(status_code=200)
 
 
@@ -267,7 +270,9 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     except ValueError as e:
         raise call_error(e, fields) from None
     check_sequences(expanded.reqs, state, fields)
-    call = state.manager.submit(expanded.reqs, body.return_text_in_logprobs, body.stream)
+    call = state.manager.submit(
+        expanded.reqs, body.return_text_in_logprobs, body.stream, rid=body.rid
+    )
     if body.stream:
         return await sse(request, _native_chunks(call, batch=not expanded.single), call)
     results = await until_disconnect(request, call, call.results())

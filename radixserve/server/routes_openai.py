@@ -114,7 +114,7 @@ async def _token_bytes(request: Request, state: ServerState) -> oai.TokenBytes:
 async def _serve(
     request: Request, state: ServerState, body: Any, reqs: list[Req], shape: _Shape
 ) -> Response:
-    call = state.manager.submit(reqs, return_text_in_logprobs=False, stream=body.stream)
+    call = state.manager.submit(reqs, stream=body.stream, rid=body.rid)
     head = {"id": oai.new_id(shape.id_prefix), "object": shape.object, "created": oai.now()}
     head["model"] = body.model or state.model_name
     if body.stream:

@@ -64,9 +64,10 @@ class Call:
     """The sequences of one HTTP request; results arrive on one queue as (index, update):
     each update carries its `text_delta` and the cumulative native `result` as of it."""
 
-    def __init__(self, manager: TokenizerManager, reqs: list[Req]) -> None:
+    def __init__(self, manager: TokenizerManager, reqs: list[Req], names: set[str]) -> None:
         self.manager = manager
         self.reqs = reqs
+        self.names = names  # the rids the client gave (its sequences' are derived from them)
         self.queue: asyncio.Queue[tuple[int, ResultUpdate] | APIError] = asyncio.Queue()
         self.unfinished = {req.rid for req in reqs}
 
@@ -173,9 +174,15 @@ class TokenizerManager:
             )
 
     def submit(
-        self, reqs: list[Req], return_text_in_logprobs: bool = False, stream: bool = False
+        self,
+        reqs: list[Req],
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
     ) -> Call:
-        """Send the sequences to the scheduler; the caller must `close()` the call."""
+        """Send the sequences to the scheduler; the caller must `close()` the call. `rid`:
+        what the client named the request (n > 1 and a batch name their sequences
+        `{rid}_{i}`), for `abort_request`."""
         self.check_available()
         for req in reqs:
             self.check_context(req)
@@ -183,7 +190,8 @@ class TokenizerManager:
             if track is not None:
                 state = "still being aborted" if track.abandoned else "already running"
                 raise bad_request(f"a request with rid {req.rid!r} is {state}", "rid")
-        call = Call(self, reqs)
+        names = {rid} if isinstance(rid, str) else set(rid or ())
+        call = Call(self, reqs, names)
         for index, req in enumerate(reqs):
             results = ResultAccumulator(req.rid, req.return_logprob, req.top_logprobs_num)
             self.pending[req.rid] = _Track(call, index, results)
@@ -197,6 +205,17 @@ class TokenizerManager:
             raise EngineUnavailable(f"the engine is not running: {self.dead}")
         if self.draining:
             raise EngineUnavailable("the server is shutting down and takes no new requests")
+
+    def abort_request(self, rid: str) -> None:
+        """Abort what the client named `rid`: the sequence of that rid, or every sequence of
+        the request it gave that rid (`{rid}_{i}`, as SGLang aborts them)."""
+        named = [
+            seq
+            for seq, track in self.pending.items()
+            if seq == rid or (rid in track.call.names and seq.startswith(rid + "_"))
+        ]
+        for seq in named or [rid]:  # not here (yet): the scheduler drops it if it comes
+            self.send_abort(seq)
 
     def send_abort(self, rid: str | None, message: str = "aborted by the client") -> None:
         if self.dead is None:
