@@ -13,8 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from radixserve import Engine
-from radixserve.constrained import Constraint, GrammarError
-from radixserve.constrained.base import unpack_bitmask
+from radixserve.constrained.base import Constraint, GrammarError, unpack_bitmask
 from radixserve.constrained.grammars import jump_forward
 from radixserve.constrained.llguidance_backend import LLGuidanceBackend
 from radixserve.core.sampling_params import SamplingParams

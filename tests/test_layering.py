@@ -120,12 +120,13 @@ def test_root_modules_import_only_what_they_may(name):
 
 
 def loaded_after_import(*modules: str) -> set[str]:
-    """The radixserve modules and torch that importing `modules` loads, in a fresh
-    interpreter."""
+    """The radixserve modules, torch and its compiler (torch._dynamo) that importing
+    `modules` loads, in a fresh interpreter."""
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in modules)
-        + "print(' '.join(m for m in sys.modules if m.startswith('radixserve') or m == 'torch'))"
+        + "print(' '.join(m for m in sys.modules if m.startswith('radixserve')"
+        " or m in ('torch', 'torch._dynamo')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
@@ -141,6 +142,10 @@ def test_the_http_and_detokenizer_processes_load_no_model_or_scheduler_code():
     )
     heavy = sorted(m for m in loaded if m.startswith(("radixserve.model", "radixserve.scheduler")))
     assert not heavy, heavy
+    # transformers' tokenizers bring torch itself, but nothing loads its compiler (~2 s and
+    # ~120 MB: llguidance's torch helpers, which only the scheduler's masks use, would)
+    assert "torch._dynamo" not in loaded
+    assert not {"radixserve.core.batch", "radixserve.constrained.base"} & loaded
 
 
 def test_the_frontend_language_loads_no_engine_code():

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
-import torch
-from transformers import PreTrainedTokenizerBase
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
+from radixserve.constrained.schema import JSON_DEFAULTS, one_line
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 COMPILED_CACHE_SIZE = 1024  # distinct constraints kept compiled
-# JSON is written as json.dumps writes it: one space after ":" and ",", no other whitespace.
-# With fixed separators the grammar forces keys and punctuation, which jump-forward appends
-# at once; a schema's own "x-guidance" options override these.
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MASK_THREADS = 2
 # llguidance's own limits, but errors without the parser's state and the grammar appended:
 # a matcher's error reaches the client, in the abort message of its request.
@@ -88,7 +85,7 @@ class LLGuidanceBackend(GrammarBackend):
             grammar, self.tokenizer
         )
         if is_error:
-            message = _one_line(messages[0])
+            message = one_line(messages[0])
             raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
@@ -98,6 +95,9 @@ class LLGuidanceBackend(GrammarBackend):
         return matcher
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        import llguidance.torch  # here: it loads torch._dynamo (~2 s), which only the
+        # scheduler process needs
+
         pairs = [(m.m, i) for i, m in enumerate(matchers)]  # type: ignore[attr-defined]
         llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
 
@@ -106,28 +106,6 @@ class LLGuidanceBackend(GrammarBackend):
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
         return self.tokenizer.tokenize_bytes(data)
-
-
-@dataclass(frozen=True)
-class SchemaProblem:
-    message: str  # llguidance's reason, on one line
-    unsupported: bool  # a valid schema that constrained decoding cannot follow, not an invalid one
-
-
-# how llguidance's JSON-schema compiler words a valid schema it does not compile
-UNSUPPORTED_SCHEMA = ("Unimplemented keys", "Unknown format")
-
-
-def json_schema_problem(schema: dict[str, Any]) -> SchemaProblem | None:
-    """What llguidance's JSON-schema compiler finds wrong with `schema`, or None. It needs no
-    tokenizer, so the HTTP edge can check a schema the output may never be constrained to (a
-    tool's parameters); `_compiled` still checks what only the tokenizer shows."""
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if not is_error:
-        return None
-    message = _one_line(messages[0])
-    return SchemaProblem(message, unsupported=message.startswith(UNSUPPORTED_SCHEMA))
 
 
 def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
@@ -157,9 +135,3 @@ def _reason(error: str) -> str:
     the `<non-verbose/>` line after it stands for the state dump that LIMITS turns off)."""
     said = error.split("\n", 1)[0]
     return "no token can extend the output" if said == EMPTY_MASK else said
-
-
-def _one_line(message: str, limit: int = 300) -> str:
-    """llguidance errors span lines (with a source excerpt); one line for an HTTP 400."""
-    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,6 +1,2 @@
-"""Plain data shared by every layer: sampling parameters, forward batches."""
-
-from radixserve.core.batch import ForwardBatch, ForwardMode
-from radixserve.core.sampling_params import SamplingParams
-
-__all__ = ["ForwardBatch", "ForwardMode", "SamplingParams"]
+"""Plain data shared by every layer: sampling parameters, requests, forward batches (the
+one module here that needs torch: `core.batch`; the others load in the HTTP process too)."""

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.constrained import Grammars
-from radixserve.constrained.grammars import MaskJob
+from radixserve.constrained.grammars import Grammars, MaskJob
 from radixserve.core.output import (
     CachedTiers,
     FinishReason,

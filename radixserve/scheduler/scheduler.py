@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from radixserve.config import Config, HiCacheConfig, SchedulerConfig, SpeculativeConfig
-from radixserve.constrained import Grammars
+from radixserve.constrained.grammars import Grammars
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.runner import ModelRunner

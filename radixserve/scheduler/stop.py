@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.constrained import Grammars
+from radixserve.constrained.grammars import Grammars
 from radixserve.core.output import FinishReason, ModelInfo
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams

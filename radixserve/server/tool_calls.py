@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import ConfigDict, Field
 
-from radixserve.constrained.llguidance_backend import json_schema_problem
+from radixserve.constrained.schema import json_schema_problem
 from radixserve.server.body import StrictBody
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function name
