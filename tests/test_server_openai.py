@@ -454,6 +454,19 @@ def test_a_developer_message_is_a_system_message_to_a_template_without_that_role
     ]
     assert outs[0].usage.prompt_tokens == outs[1].usage.prompt_tokens
     assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+    # text parts are joined by newlines (as vLLM's), not run together
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]
+    split = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "system", "content": parts}, question],
+        max_tokens=1,
+    )
+    joined = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "system", "content": "Be\nbrief."}, question],
+        max_tokens=1,
+    )
+    assert split.usage.prompt_tokens == joined.usage.prompt_tokens
     # vLLM's add_generation_prompt false: the prompt ends after the user's turn
     bare = client.chat.completions.create(
         model=model_id,

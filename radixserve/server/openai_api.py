@@ -244,7 +244,7 @@ class ChatMessage(StrictBody):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins them (SGLang with a space): parts stay apart
 
 
 class ChatCompletionRequest(_SamplingFields):
