@@ -656,6 +656,16 @@ def test_stop_string_inside_a_complete_regex_document_does_not_cut_it(server):
     assert re.fullmatch(pattern, out["text"]), out
 
 
+def test_a_stop_after_a_complete_document_fires_whatever_the_grammar_expects_next(server):
+    """'12' is a complete document of 12(34)?; the '3' that follows could begin more of it, yet
+    the stop string '3' ends the output there (the grammar's state after the stop does not
+    matter: the text before it is a document)."""
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": "12(34)?", "stop": ["3"]}
+    out = generate(server, {"text": "Count: ", "sampling_params": params})
+    assert out["text"] == "12", out
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "3"}, out
+
+
 # -- 10. streaming --------------------------------------------------------------------------------
 def test_streamed_chat_json_schema_matches_the_non_streamed_text(client, chat_greedy):
     for name in ("order", "person"):

@@ -1,11 +1,12 @@
 """When a request ends: every stop rule in one place, returning a typed finish reason.
 
-Order: a grammar whose document is complete ends the request; else, once past
-min_new_tokens, a stop token (eos unless ignored, stop_token_ids), a stop string or a stop
-regex (for a constrained request only where the text before it is a complete document);
-else the length limit (max_new_tokens, or the context). Stop strings and regexes match only
-in the text after the first min_new_tokens tokens' (text_stream.OutputDecoder.stops_from),
-so that the detokenizer trims the text where the stop that fired begins.
+Order: once past min_new_tokens, a stop token (eos unless ignored, stop_token_ids), a stop
+string or a stop regex (for a constrained request only where the text before it is a
+complete document, whatever state the grammar is in after it); else a grammar whose
+document is complete; else the length limit (max_new_tokens, or the context). Stop
+strings and regexes match only in the text after the first min_new_tokens tokens'
+(text_stream.OutputDecoder.stops_from), so that the detokenizer trims the text where the
+stop that fired begins.
 
 The output's text is kept per request and grown by the new tokens' text alone (`OutputText`,
 the detokenizer's decoding), so a step decodes a few tokens, not the whole output. Stop
@@ -41,12 +42,16 @@ class OutputText:
         self.decoder = OutputDecoder(tokenizer, params)
         self.text = ""
         self.grown_from = 0  # the text's length before the latest call's ids added to it
+        # where a stop was found to follow no complete document (the text before a place
+        # does not change while the text grows, so each place is checked once)
+        self.incomplete_before: set[int] = set()
 
     def of(self, output_ids: list[int]) -> str:
         """The text of `output_ids`, which extend the ids seen so far."""
         if len(output_ids) < self.decoder.num_ids:  # not an extension: start again
             self.decoder = OutputDecoder(self.tokenizer, self.params)
             self.text = ""
+            self.incomplete_before.clear()
         self.grown_from = len(self.text)
         self.text += self.decoder.push(output_ids[self.decoder.num_ids :])
         return self.text
@@ -70,18 +75,18 @@ class StopChecker:
         p = req.params
         n = len(req.output_ids)
         grammar = req.grammar
-        if grammar is not None and grammar.is_finished:
-            token = req.output_ids[-1]
-            return FinishReason.stop(token if token in req.stop_ids(self.eos_ids) else None)
         reason = None
         if n >= p.min_new_tokens:
             try:
                 if grammar is None:
                     reason = self._stop_hit(req)
-                elif grammar.is_accepting:
+                else:
                     reason = self._grammar_stop_hit(req)
             except StopRegexTooSlow as e:
                 return FinishReason.abort(str(e))
+        if reason is None and grammar is not None and grammar.is_finished:
+            token = req.output_ids[-1]
+            return FinishReason.stop(token if token in req.stop_ids(self.eos_ids) else None)
         if reason is None and (n >= p.max_new_tokens or len(req.all_ids) >= self.context_len):
             reason = FinishReason.of_length(n)
         return reason
@@ -123,9 +128,12 @@ class StopChecker:
         where the text before it is a complete document. (Stop strings are trimmed at their
         first occurrence, so that occurrence is the one that must follow a document.)"""
         p = req.params
+        output = None
         if req.output_ids[-1] in req.stop_ids(self.eos_ids):
             text = self._decode(req, req.output_ids[:-1])
             at, matched = len(text), req.output_ids[-1]
+        elif not (p.stop or p.stop_regex):
+            return None
         else:
             output = self._output_text(req)
             text, stops_from = output.text, output.stops_from
@@ -137,6 +145,10 @@ class StopChecker:
             if not hits:
                 return None
             at, matched = min(hits)
+            if at in output.incomplete_before:
+                return None
         if not self.grammars.completes(req, text[:at]):
+            if output is not None:
+                output.incomplete_before.add(at)
             return None
         return FinishReason.stop(matched)
