@@ -98,6 +98,12 @@ def test_invalid_constraints_name_the_problem(backend, kind, spec, message):
     with pytest.raises(GrammarError, match=re.escape(message)) as e:
         backend.matcher(Constraint(kind, spec))
     assert "\n" not in str(e.value)
+    # refused again the same way, from the refusals kept: not compiled a second time
+    compiles = backend._compiled.cache_info().misses
+    with pytest.raises(GrammarError, match=re.escape(message)) as again:
+        backend.matcher(Constraint(kind, spec))
+    assert again.value.param == e.value.param == kind
+    assert backend._compiled.cache_info().misses == compiles
 
 
 def test_at_most_one_constraint_and_schema_objects_become_json():

@@ -321,6 +321,38 @@ def test_strict_mode_closes_every_object_schema_that_leaves_keys_open():
     assert strict.schema()["additionalProperties"] is False
 
 
+EITHER = {  # keys declared in branches: closing the object itself would refuse them all
+    "type": "object",
+    "anyOf": [
+        {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+        {"properties": {"zip": {"type": "integer"}}, "required": ["zip"]},
+    ],
+}
+BOTH = {
+    "allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]},
+    ]
+}
+ONE_OF_TWO = {"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]}
+
+
+def test_closing_leaves_objects_whose_keys_branches_declare_open():
+    for strict in (None, True):
+        tool = {"name": "w", "parameters": EITHER, "strict": strict}
+        tools = [Tool(type="function", function=tool)]
+        assert tool_mode(tools, "required") == "required"  # no unsatisfiable-schema error
+        closed = tools[0].schema()
+        jsonschema.validate({"city": "Rome"}, closed)
+        jsonschema.validate({"zip": 10115}, closed)
+    closed = closed_objects(BOTH)
+    jsonschema.validate({"a": 1, "b": "x"}, closed)  # each allOf branch stays open
+    closed = closed_objects(ONE_OF_TWO)  # a branch that stands for the whole value is closed
+    jsonschema.validate({"a": 1}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": 1, "b": 2}, closed)
+
+
 def test_the_parser_family_comes_from_the_flag_or_the_template():
     assert parser_family("{{ '<|python_tag|>' }}", None) == "llama3"
     assert parser_family("<tool_call>", None) == "hermes"

@@ -5,6 +5,7 @@ bytes a grammar forces, which jump-forward appends."""
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -65,9 +66,23 @@ class LLGuidanceBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
+        # the refusals of constraints that did not compile (lru_cache keeps no exceptions):
+        # a pathological one (a regex of a million states) costs ~1 s of the scheduler's
+        # time to refuse, so a client repeating it would stall every running request
+        self._refused: OrderedDict[Constraint, GrammarError] = OrderedDict()
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
-        return LLGuidanceMatcher(self._compiled(constraint).deep_copy())
+        refused = self._refused.get(constraint)
+        if refused is not None:  # compiling it again would cost as much, to no end
+            self._refused.move_to_end(constraint)
+            raise GrammarError(str(refused), refused.param)
+        try:
+            return LLGuidanceMatcher(self._compiled(constraint).deep_copy())
+        except GrammarError as e:
+            self._refused[constraint] = e
+            if len(self._refused) > COMPILED_CACHE_SIZE:
+                self._refused.popitem(last=False)
+            raise
 
     @functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)  # noqa: B019 (one backend per engine)
     def _compiled(self, constraint: Constraint) -> llguidance.LLMatcher:

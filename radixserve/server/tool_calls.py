@@ -57,7 +57,7 @@ class Tool(StrictBody):
         schema = self.function.parameters or EMPTY_PARAMETERS
         if self.function.strict:
             return closed_objects(schema)
-        if schema.get("type") == "object" and "additionalProperties" not in schema:
+        if _closable(schema):
             schema = {**schema, "additionalProperties": False}
         return schema
 
@@ -92,28 +92,46 @@ class AssistantToolCall(StrictBody):
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_COMPOSITIONS = ("anyOf", "oneOf", "allOf")
 
 
-def closed_objects(schema: Any) -> Any:
+def _closable(schema: dict[str, Any]) -> bool:
+    """An object schema that leaves undeclared keys open and that closing cannot make
+    unsatisfiable: additionalProperties sees only its own `properties`, so one whose keys
+    may be declared in anyOf / oneOf / allOf branches stays as it is."""
+    kinds = schema.get("type")
+    is_object = kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    composed = any(key in schema for key in _COMPOSITIONS)
+    return (
+        (is_object or "properties" in schema)
+        and "additionalProperties" not in schema
+        and (not composed)
+    )
+
+
+def closed_objects(schema: Any, closable: bool = True) -> Any:
     """`schema` with every object schema in it that leaves additionalProperties open closed,
-    as OpenAI's strict mode reads a schema (keys it does not declare are not allowed)."""
+    as OpenAI's strict mode reads a schema (keys it does not declare are not allowed).
+    Where closing could refuse keys declared elsewhere it is left open: an object with
+    branches, the branches of allOf, and those of anyOf / oneOf next to properties."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    declares = "properties" in out or "patternProperties" in out
+    for key in _COMPOSITIONS:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
+            whole = key != "allOf" and not declares  # each branch stands for the object
+            out[key] = [closed_objects(sub, whole) for sub in out[key]]
+    if isinstance(out.get("prefixItems"), list):
+        out["prefixItems"] = [closed_objects(sub) for sub in out["prefixItems"]]
     for key in (*_SCHEMA_VALUES, "additionalProperties"):
         if isinstance(out.get(key), dict):
             out[key] = closed_objects(out[key])
-    kinds = out.get("type")
-    is_object = kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
-    if (is_object or "properties" in out) and "additionalProperties" not in out:
+    if closable and _closable(out):
         out["additionalProperties"] = False
     return out
 
