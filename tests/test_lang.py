@@ -362,6 +362,37 @@ def test_a_failed_call_raises_from_run_and_every_read(backend):
     assert _within(120, lambda: state["a"]) is not None  # made before the failure
 
 
+def test_appending_what_is_no_expression_fails_the_program(backend):
+    """`s += 5` or `s += inner(...)` (another program's state, which would put its repr in
+    the prompt) is a TypeError, as `expr + 5` is, not text made by str()."""
+
+    @sgl.function
+    def inner(s, topic):
+        s += "Topic: " + topic
+
+    @sgl.function
+    def appends(s, what):
+        s += "A"
+        s += what
+
+    for what, words in ((5, "append int"), (inner.func, "append function")):
+        with pytest.raises(TypeError, match=words):
+            _within(120, lambda what=what: appends.run(what=what, backend=backend))
+
+    @sgl.function
+    def nests(s):
+        s += inner(topic="cats", backend=backend)
+
+    with pytest.raises(TypeError, match="inner.func"):
+        _within(120, lambda: nests.run(backend=backend))
+
+    @sgl.function
+    def calls(s):  # the way: the function's own body, on this state
+        inner.func(s, "cats")
+
+    assert _within(120, lambda: calls.run(backend=backend)).text().endswith("Topic: cats")
+
+
 def test_run_batch_isolates_a_failing_program(backend):
     @sgl.function
     def maybe(s, temperature):
@@ -573,8 +604,10 @@ def test_api_speculative_execution_serves_later_gens_from_one_call(server):
     @sgl.function(num_api_spec_tokens=48)
     def profile(s):
         s += "Name: Alice\nAge: 30\nCity: Paris\n\nName: Bob\nAge: 41\nCity: Rome\n\n"
-        s += "Name: Carol\nAge:" + sgl.gen("age", stop="\n", max_tokens=8)
-        s += "\nCity:" + sgl.gen("city", stop="\n", max_tokens=8)
+        # each gen's text ahead, up to its stop, has at most max_tokens characters (so at
+        # most that many tokens): it is served from the text ahead
+        s += "Name: Carol\nAge:" + sgl.gen("age", stop="\n", max_tokens=16)
+        s += "\nCity:" + sgl.gen("city", stop="\n", max_tokens=16)
 
     state = profile.run(backend=backend, **GREEDY)
     assert state["age"].strip() and state["city"].strip()
@@ -582,6 +615,20 @@ def test_api_speculative_execution_serves_later_gens_from_one_call(server):
     assert state.text().endswith(f"Age:{state['age']}\nCity:{state['city']}")
     assert backend.calls == 1  # the city came from the text generated ahead
     backend.shutdown()
+
+
+def test_api_speculative_execution_keeps_each_gens_max_tokens(server, http_backend):
+    """A gen with no stop in the text generated ahead gets no more than its max_tokens: what
+    could hold more is made by a call of its own (the output is the program's without
+    speculation)."""
+
+    def alphabet(s):
+        s += "Alphabet: A B C" + sgl.gen("a", max_tokens=4) + "|" + sgl.gen("b", max_tokens=4)
+
+    plain = sgl.function(alphabet).run(backend=http_backend, **GREEDY)
+    ahead = sgl.function(num_api_spec_tokens=32)(alphabet).run(backend=http_backend, **GREEDY)
+    assert (ahead["a"], ahead["b"]) == (plain["a"], plain["b"])
+    assert ahead.text() == plain.text()
 
 
 def test_the_wire_contract_fallback_scores_as_the_route_does(server, http_backend):

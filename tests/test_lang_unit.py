@@ -124,6 +124,17 @@ def test_a_program_must_take_s_first_and_bind_known_arguments():
         program.bind(nope=1)
     with pytest.raises(RuntimeError, match="no backend"):
         program.run(question="q")
+    with pytest.raises(RuntimeError, match="no backend"):  # SGLang's keyword, taken
+        program.run(question="q", use_thread=False)
+
+
+def test_sglang_signatures_and_names_it_does_not_provide():
+    assert sgl.gen_int("n", 6).params.max_new_tokens == 6  # max_tokens second, as SGLang's
+    assert sgl.gen_string("s", 9).params.max_new_tokens == 9
+    with pytest.raises(AttributeError, match="text models only"):
+        sgl.image("cat.png")
+    with pytest.raises(AttributeError, match="no attribute 'nothing_of_the_kind'"):
+        sgl.nothing_of_the_kind  # noqa: B018
 
 
 def test_chat_template_by_model_path_and_from_a_server():

@@ -45,12 +45,26 @@ from radixserve.lang.choices import (
 from radixserve.lang.global_config import global_config
 from radixserve.lang.interpreter import ProgramError, ProgramState, ProgramStateGroup
 
+# SGLang's frontend names this package does not provide, and why
+NOT_PROVIDED = {
+    **dict.fromkeys(("image", "video"), "the engine serves text models only"),
+    **dict.fromkeys(
+        ("Anthropic", "LiteLLM", "VertexAI", "Crusoe"),
+        "use OpenAI(...) for an OpenAI-compatible server, or RuntimeEndpoint",
+    ),
+    "separate_reasoning": "ask the server (--reasoning-parser) for reasoning_content",
+}
+
 
 def __getattr__(name: str):  # the OpenAI backend needs the openai package: import on use
     if name == "OpenAI":
         from radixserve.lang.backend.openai import OpenAI
 
         return OpenAI
+    if name in NOT_PROVIDED:
+        raise AttributeError(
+            f"radixserve.lang does not provide SGLang's {name!r}: {NOT_PROVIDED[name]}"
+        )
     raise AttributeError(f"module 'radixserve.lang' has no attribute {name!r}")
 
 

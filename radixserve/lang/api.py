@@ -122,14 +122,14 @@ def gen(
     return Gen(name, params)
 
 
-def gen_int(name: str | None = None, **kwargs: Any) -> Expr:
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
     """An integer (gen with dtype=int): `[-+]?[0-9]+`, ended by a space or a newline."""
-    return gen(name, dtype=int, **_typed_args(kwargs))
+    return gen(name, max_tokens=max_tokens, dtype=int, **_typed_args(kwargs))
 
 
-def gen_string(name: str | None = None, **kwargs: Any) -> Expr:
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
     """A double-quoted string of word characters and spaces (gen with dtype=str)."""
-    return gen(name, dtype=str, **_typed_args(kwargs))
+    return gen(name, max_tokens=max_tokens, dtype=str, **_typed_args(kwargs))
 
 
 def _typed_args(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from radixserve.lang.ir import (
     Select,
     VarScopeBegin,
     VarScopeEnd,
+    as_expr,
     variable_names,
 )
 
@@ -92,6 +93,7 @@ class Executor:
         self.cur_role_begin_pos: int | None = None
         self.fork_start_text_pos: int | None = None
         self.speculated_text = ""  # generated ahead by API speculative execution
+        self.speculated_tokens = 0  # the most tokens the call that made it could make
         self.error_: BaseException | None = None
         self.finished = False  # the worker has run everything and exited
         self._ready: dict[str, threading.Event] = {}
@@ -333,10 +335,8 @@ class Executor:
         if self.stream:
             self._gen_stream(expr.name, params)
             return
-        if self._speculates(params):
-            comp, meta = self._spec_gen(params)
-        else:
-            comp, meta = self.backend.generate(self, params)
+        spec = self._spec_gen(params) if self._speculates(params) else None
+        comp, meta = spec if spec is not None else self.backend.generate(self, params)
         self._fill(comp[0] if isinstance(comp, list) else comp)
         self.backend_seen = len(self.text_)  # the prompt and its output are cached now
         self._set(expr.name, comp, meta)
@@ -352,25 +352,27 @@ class Executor:
             and params.n in (None, 1)
         )
 
-    def _spec_gen(self, params: SamplingParams) -> tuple[str, Any]:
+    def _spec_gen(self, params: SamplingParams) -> tuple[str, Any] | None:
         """Serve this gen from text generated ahead: when none is left, one call generates
         `num_api_spec_tokens` tokens (or the gen's own max, if larger) without stops, and
         later gens and fills of the program consume it as long as it matches what they
-        expect. The gen takes the speculated text up to its first stop string."""
+        expect. The gen takes the speculated text up to its first stop string, where that
+        cannot be more than its max_tokens tokens (at most as many characters, or made by a
+        call of no more tokens); else None: the gen is made by a call of its own."""
         meta: Any = {"speculated": True}
         if not self.speculated_text:
-            ahead = dataclasses.replace(
-                params,
-                max_new_tokens=max(params.max_new_tokens or 0, self.num_api_spec_tokens or 0),
-                stop=None,
-            )
+            tokens = max(params.max_new_tokens or 0, self.num_api_spec_tokens or 0)
+            ahead = dataclasses.replace(params, max_new_tokens=tokens, stop=None)
             text, meta = self.backend.generate(self, ahead)
-            self.speculated_text = text
+            self.speculated_text, self.speculated_tokens = text, tokens
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or ())
         cut = min(
             (i for i in (self.speculated_text.find(x) for x in stops if x) if i >= 0),
             default=len(self.speculated_text),
         )
+        limit = params.max_new_tokens
+        if limit is not None and cut > limit and self.speculated_tokens > limit:
+            return None  # it may hold more than `limit` tokens
         return self.speculated_text[:cut], meta  # appending it consumes it (see _fill)
 
     def _gen_stream(self, name: str | None, params: SamplingParams) -> None:
@@ -429,7 +431,13 @@ class ProgramState:
     def __iadd__(self, other: Expr | str) -> ProgramState:
         if other is None:
             raise ValueError("cannot append None to a program")
-        self.stream_executor.submit(other if isinstance(other, Expr) else Constant(str(other)))
+        if isinstance(other, ProgramState):  # `s += inner(...)` ran `inner` on its own
+            raise TypeError(
+                "cannot append a program's state to a program: `inner(...)` runs `inner` as "
+                "a program of its own; to write its text into this one, call `inner.func(s, "
+                "...)`"
+            )
+        self.stream_executor.submit(as_expr(other))  # a TypeError for 5, [..], ...
         return self
 
     def _role(self, role: str, expr: Expr | str | None) -> Any:

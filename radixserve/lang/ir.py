@@ -130,13 +130,13 @@ class Expr:
     """Something a program appends to its state."""
 
     def __add__(self, other: Expr | str) -> ExprList:
-        return ExprList([*_flat(self), *_flat(_expr(other))])
+        return ExprList([*_flat(self), *_flat(as_expr(other))])
 
     def __radd__(self, other: Expr | str) -> ExprList:
-        return ExprList([*_flat(_expr(other)), *_flat(self)])
+        return ExprList([*_flat(as_expr(other)), *_flat(self)])
 
 
-def _expr(value: Expr | str) -> Expr:
+def as_expr(value: Expr | str) -> Expr:
     if isinstance(value, Expr):
         return value
     if isinstance(value, str):
@@ -277,11 +277,17 @@ class Function:
         return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def run(
-        self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        stream: bool = False,
+        backend: Any = None,
+        use_thread: bool = True,  # SGLang's; a run here is on the caller's thread either way
+        **kwargs: Any,
     ) -> ProgramState:
         """Run the program once; sampling keywords (max_new_tokens, temperature, stop...) are
         the defaults of its gens. Without streaming it returns when the program has ended,
-        and raises the first error of a backend call."""
+        and raises the first error of a backend call (SGLang's returns at once; run_batch
+        runs programs concurrently)."""
         from radixserve.lang.interpreter import run_program
 
         defaults, kwargs = _split_sampling(kwargs)
