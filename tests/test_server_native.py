@@ -205,6 +205,7 @@ def test_get_model_info(url):
     assert roles["roles"]["assistant"] == ["<|im_start|>assistant\n", "<|im_end|>\n"], roles
     assert roles["default_system_prompt"].startswith("You are a helpful AI assistant"), roles
     assert roles["stop_str"] == ["<|im_end|>"], roles
+    assert requests.get(url + "/model_info", timeout=TIMEOUT).json() == info  # SGLang's new name
 
 
 def test_get_server_info(url):
@@ -223,6 +224,8 @@ def test_get_server_info(url):
     assert isinstance(states, list) and states, states
     assert all(isinstance(s, dict) for s in states), states
     states[0].get("avg_spec_accept_length")  # what bench_serving reads: must not raise
+    again = requests.get(url + "/server_info", timeout=TIMEOUT).json()  # SGLang's new name
+    assert again["max_total_tokens"] == 20000 and again["internal_states"]
     for key in ("num_running", "num_waiting", "kv_held_by_requests"):
         assert isinstance(states[0][key], int), (key, states[0])
     # what the machine can do, and the dtypes and kernels chosen from it

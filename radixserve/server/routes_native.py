@@ -135,6 +135,7 @@ async def health_generate(state: State) -> Response:
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")  # SGLang's newer name
 async def get_model_info(state: State) -> dict[str, Any]:
     return {
         "model_path": state.model.path,
@@ -148,6 +149,7 @@ async def get_model_info(state: State) -> dict[str, Any]:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")  # SGLang's newer name (its frontend's get_server_info asks it)
 async def get_server_info(state: State) -> dict[str, Any]:
     replica_states = await state.manager.control("get_state")  # one per replica
     return {
