@@ -59,6 +59,7 @@ class EngineDeadError(RuntimeError):
 class _Waiter:
     sink: Sink
     accepted: bool = False
+    names: frozenset[str] = frozenset()  # the rids the caller gave its call
 
 
 class InProcessTransport:
@@ -80,11 +81,22 @@ class InProcessTransport:
         self._call_ids = iter(range(1 << 62))
 
     # -- the Engine's side ----------------------------------------------------------------
-    def submit(self, msg: GenerateReq, sink: Sink) -> None:
+    def submit(self, msg: GenerateReq, sink: Sink, names: frozenset[str] = frozenset()) -> None:
         with self._lock:
             self._check_open()
-            self.waiters.setdefault(msg.rid, []).append(_Waiter(sink))
+            self.waiters.setdefault(msg.rid, []).append(_Waiter(sink, names=names))
         self.inbox.put(msg)
+
+    def named(self, rid: str) -> list[str]:
+        """The running sequences the caller named `rid`: that rid's, or every one of the
+        call it gave that rid (`{rid}_{i}`)."""
+        with self._lock:
+            return [
+                seq
+                for seq, waiters in self.waiters.items()
+                if seq == rid
+                or (seq.startswith(rid + "_") and any(rid in w.names for w in waiters))
+            ]
 
     def control(self, op: ControlOp) -> Future:
         future: Future = Future()
@@ -276,7 +288,7 @@ class Engine:
         )
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
-            self._submit(req, q.put)
+            self._submit(req, q.put, rid=rid)
         if stream:
             return self._stream(states[0], queues[0])
         results = [self._collect(state, q) for state, q in zip(states, queues)]
@@ -311,7 +323,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
         for req, q in zip(reqs, queues):
-            self._submit(req, lambda item, q=q: loop.call_soon_threadsafe(q.put_nowait, item))
+            self._submit(
+                req, lambda item, q=q: loop.call_soon_threadsafe(q.put_nowait, item), rid=rid
+            )
         if stream:
             return self._astream(states[0], queues[0])
         results = [await self._acollect(state, q) for state, q in zip(states, queues)]
@@ -362,8 +376,13 @@ class Engine:
         return self._chat_roles.as_dict() if self._chat_roles is not None else None
 
     def abort(self, rid: str | None = None) -> None:
-        """Abort a request by rid, or every request (None)."""
-        self._transport.inbox.put(AbortReq(rid))
+        """Abort a request by the rid it was given (every sequence of it: n > 1 and a batch
+        name theirs `{rid}_{i}`), or every request (None)."""
+        if rid is None:
+            self._transport.inbox.put(AbortReq(None))
+            return
+        for seq in self._transport.named(rid) or [rid]:
+            self._transport.inbox.put(AbortReq(seq))
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing done) while requests are running."""
@@ -445,10 +464,14 @@ class Engine:
             self._submit(req, q.put)
         return [self._collect(state, q) for state, q in zip(states, queues)]
 
-    def _submit(self, req: Req, sink: Sink, return_text: bool = False) -> None:
+    def _submit(
+        self, req: Req, sink: Sink, return_text: bool = False, rid: str | list[str] | None = None
+    ) -> None:
+        """Send `req`; `rid` is what the caller named its call (for `abort`)."""
         if self._error is not None or self._transport.stopped:
             raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
-        self._transport.submit(GenerateReq.from_req(req, return_text), sink)
+        names = frozenset([rid] if isinstance(rid, str) else rid or ())
+        self._transport.submit(GenerateReq.from_req(req, return_text), sink, names)
 
     @staticmethod
     def _apply(state: RequestState, item: ReqOutput | BaseException) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -238,6 +239,28 @@ def test_abort_frees_everything(tiny_model_dirs):
     engine.abort("victim")
     last = list(stream)[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
+
+    # a call of n > 1 given a rid: aborting that rid ends all of its sequences
+    # ({rid}_{j}); another call whose rid merely starts the same way runs on
+    results = {}
+    calls = {
+        "pair": {"input_ids": PROMPTS[0], "sampling_params": {**greedy(500), "n": 2}},
+        "pair_x": {"input_ids": PROMPTS[1], "sampling_params": greedy(30)},
+    }
+    threads = [
+        threading.Thread(target=lambda r=r: results.update({r: engine.generate(rid=r, **calls[r])}))
+        for r in calls
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(engine._transport.named("pair")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.abort("pair")
+    for thread in threads:
+        thread.join(120)
+    assert [r["meta_info"]["finish_reason"]["type"] for r in results["pair"]] == ["abort"] * 2
+    assert results["pair_x"]["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
     finish(engine)
 
 
