@@ -40,7 +40,7 @@ from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
 from radixserve.model.runner import ModelRunner, run_follower
-from radixserve.native import expand_embedding, expand_request
+from radixserve.native import expand_embedding, expand_request, given_rids, named_by
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
@@ -94,8 +94,7 @@ class InProcessTransport:
             return [
                 seq
                 for seq, waiters in self.waiters.items()
-                if seq == rid
-                or (seq.startswith(rid + "_") and any(rid in w.names for w in waiters))
+                if any(named_by(seq, rid, w.names) for w in waiters)
             ]
 
     def control(self, op: ControlOp) -> Future:
@@ -470,8 +469,7 @@ class Engine:
         """Send `req`; `rid` is what the caller named its call (for `abort`)."""
         if self._error is not None or self._transport.stopped:
             raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
-        names = frozenset([rid] if isinstance(rid, str) else rid or ())
-        self._transport.submit(GenerateReq.from_req(req, return_text), sink, names)
+        self._transport.submit(GenerateReq.from_req(req, return_text), sink, given_rids(rid))
 
     @staticmethod
     def _apply(state: RequestState, item: ReqOutput | BaseException) -> None:

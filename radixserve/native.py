@@ -152,6 +152,18 @@ def _rids(rid: str | list[str] | None, count: int) -> list[str]:
     return [rid or uuid.uuid4().hex for _ in range(count)]
 
 
+def given_rids(rid: str | list[str] | None) -> frozenset[str]:
+    """The rids a caller gave a call, by which `named_by` finds its sequences."""
+    return frozenset([rid] if isinstance(rid, str) else rid or ())
+
+
+def named_by(seq: str, rid: str, given: frozenset[str]) -> bool:
+    """Whether the sequence `seq`, of a call given the rids `given`, is what a caller means
+    by `rid` (to abort it): that very sequence, or one of the call's `{rid}_{i}` (see
+    `_rids` and n > 1)."""
+    return seq == rid or (rid in given and seq.startswith(rid + "_"))
+
+
 def _check_unique(rids: list[str]) -> None:
     counts = Counter(rids)
     if len(counts) != len(rids):

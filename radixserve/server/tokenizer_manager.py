@@ -24,7 +24,7 @@ import msgspec
 from radixserve.chat_roles import ChatRoles
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
-from radixserve.native import InvalidRequest
+from radixserve.native import InvalidRequest, given_rids, named_by
 from radixserve.output import ResultAccumulator, ResultUpdate
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
@@ -64,7 +64,7 @@ class Call:
     """The sequences of one HTTP request; results arrive on one queue as (index, update):
     each update carries its `text_delta` and the cumulative native `result` as of it."""
 
-    def __init__(self, manager: TokenizerManager, reqs: list[Req], names: set[str]) -> None:
+    def __init__(self, manager: TokenizerManager, reqs: list[Req], names: frozenset[str]) -> None:
         self.manager = manager
         self.reqs = reqs
         self.names = names  # the rids the client gave (its sequences' are derived from them)
@@ -190,8 +190,7 @@ class TokenizerManager:
             if track is not None:
                 state = "still being aborted" if track.abandoned else "already running"
                 raise bad_request(f"a request with rid {req.rid!r} is {state}", "rid")
-        names = {rid} if isinstance(rid, str) else set(rid or ())
-        call = Call(self, reqs, names)
+        call = Call(self, reqs, given_rids(rid))
         for index, req in enumerate(reqs):
             results = ResultAccumulator(req.rid, req.return_logprob, req.top_logprobs_num)
             self.pending[req.rid] = _Track(call, index, results)
@@ -209,11 +208,7 @@ class TokenizerManager:
     def abort_request(self, rid: str) -> None:
         """Abort what the client named `rid`: the sequence of that rid, or every sequence of
         the request it gave that rid (`{rid}_{i}`, as SGLang aborts them)."""
-        named = [
-            seq
-            for seq, track in self.pending.items()
-            if seq == rid or (rid in track.call.names and seq.startswith(rid + "_"))
-        ]
+        named = [seq for seq, track in self.pending.items() if named_by(seq, rid, track.call.names)]
         for seq in named or [rid]:  # not here (yet): the scheduler drops it if it comes
             self.send_abort(seq)
 
