@@ -12,6 +12,7 @@ is found after it). Extra `radixserve serve` flags go after `--`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -19,10 +20,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
-def seconds_to_ready(tree: Path, port: int, flags: list[str], timeout_s: float = 300) -> float:
+@contextlib.contextmanager
+def serving(tree: Path, port: int, flags: list[str], timeout_s: float = 300) -> Iterator[float]:
+    """A server of `tree` on `port`; yields the seconds it took to answer /health 200, and
+    stops it on exit."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, "-m", "radixserve", "serve", "--port", str(port), *flags]
     start = time.perf_counter()
@@ -30,19 +35,25 @@ def seconds_to_ready(tree: Path, port: int, flags: list[str], timeout_s: float =
         command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        while time.perf_counter() - start < timeout_s:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server in {tree} exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"the server in {tree} was not ready in {timeout_s:g} s")
+        yield _wait_ready(proc, tree, port, start, timeout_s)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def _wait_ready(
+    proc: subprocess.Popen, tree: Path, port: int, start: float, timeout_s: float
+) -> float:
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server in {tree} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"the server in {tree} was not ready in {timeout_s:g} s")
 
 
 def main() -> None:
@@ -56,7 +67,8 @@ def main() -> None:
     times: dict[Path, list[float]] = {tree: [] for tree in args.trees}
     for round_ in range(args.rounds):
         for tree in args.trees:
-            times[tree].append(seconds_to_ready(tree.resolve(), args.port, flags))
+            with serving(tree.resolve(), args.port, flags) as seconds:
+                times[tree].append(seconds)
             print(f"round {round_ + 1}: {tree}: {times[tree][-1]:.2f} s", flush=True)
     first = statistics.median(times[args.trees[0]])
     for tree in args.trees:

@@ -5,8 +5,10 @@ that validates was made valid by the masks, not by the model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -99,11 +101,11 @@ def test_invalid_constraints_name_the_problem(backend, kind, spec, message):
         backend.matcher(Constraint(kind, spec))
     assert "\n" not in str(e.value)
     # refused again the same way, from the refusals kept: not compiled a second time
-    compiles = backend._compiled.cache_info().misses
+    compiles = backend.compiles
     with pytest.raises(GrammarError, match=re.escape(message)) as again:
         backend.matcher(Constraint(kind, spec))
     assert again.value.param == e.value.param == kind
-    assert backend._compiled.cache_info().misses == compiles
+    assert backend.compiles == compiles
 
 
 def test_at_most_one_constraint_and_schema_objects_become_json():
@@ -236,11 +238,83 @@ def test_stop_strings_and_eos_do_not_cut_an_unfinished_document(engine):
 
 
 def test_invalid_constraint_is_refused_before_it_is_queued(engine):
-    with pytest.raises(ValueError, match="unclosed group"):
-        engine.generate(input_ids=[1, 2], sampling_params=greedy(regex="(("))
+    for _ in range(2):  # refused once compiled, then at once from the refusals kept
+        with pytest.raises(ValueError, match="unclosed group"):
+            engine.generate(input_ids=[1, 2], sampling_params=greedy(regex="(("))
     with pytest.raises(ValueError, match="at most one"):
         engine.generate(input_ids=[1, 2], sampling_params=greedy(regex="a", ebnf="root ::= 'a'"))
-    assert engine.get_server_info()["internal_states"][0]["num_waiting"] == 0
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_waiting"] == state["num_grammar_queue"] == 0
+
+
+@contextlib.contextmanager
+def compiles_held(engine, monkeypatch):
+    """Hold the engine's grammar compiles at a gate: yields (entered, gate) events, set
+    when a compile reaches the gate and to let it through (set on exit in any case)."""
+    backend = engine.scheduler.grammars.backend
+    entered, gate = threading.Event(), threading.Event()
+    compile_ = backend._compile
+
+    def held(constraint):
+        entered.set()
+        gate.wait(120)
+        return compile_(constraint)
+
+    monkeypatch.setattr(backend, "_compile", held)
+    try:
+        yield entered, gate
+    finally:
+        gate.set()
+
+
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=fn(*args, **kwargs)))
+    thread.start()
+    return thread, result
+
+
+def test_the_running_requests_keep_decoding_while_a_grammar_compiles(engine, monkeypatch):
+    """A request whose constraint is not compiled yet waits apart while its grammar compiles
+    on a thread of its own: with that compile held, a running request decodes to its end;
+    then the constrained one runs."""
+    regex = r"held-[0-9]{3}"  # compiled by no other test
+    free = engine.generate(
+        input_ids=PROMPTS[2], sampling_params=greedy(24, ignore_eos=True), stream=True
+    )
+    with compiles_held(engine, monkeypatch) as (entered, gate):
+        assert next(free)["meta_info"]["completion_tokens"] >= 1
+        thread, result = in_thread(
+            engine.generate, input_ids=PROMPTS[0], sampling_params=greedy(regex=regex)
+        )
+        assert entered.wait(60)
+        last = list(free)[-1]["meta_info"]  # to its end, the compile still held
+        assert last["finish_reason"] == {"type": "length", "length": 24}
+        assert engine.get_server_info()["internal_states"][0]["num_grammar_queue"] == 1
+        gate.set()
+        thread.join(60)
+    assert re.fullmatch(regex, result["out"]["text"]), result
+    engine.check_kv_accounting()
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_there(engine, monkeypatch):
+    regex = r"aborted-[a-c]{2}"
+    with compiles_held(engine, monkeypatch) as (entered, _):
+        thread, result = in_thread(
+            engine.generate, input_ids=PROMPTS[1], sampling_params=greedy(regex=regex), rid="c1"
+        )
+        assert entered.wait(60)
+        engine.abort("c1")
+        thread.join(60)
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["text"] == ""
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_grammar_queue"] == state["num_waiting"] == 0
+    engine.check_kv_accounting()
+    # its compile went on: the next request with that regex finds it compiled
+    assert re.fullmatch(
+        regex, engine.generate(input_ids=PROMPTS[1], sampling_params=greedy(regex=regex))["text"]
+    )
 
 
 @pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "no-jump-forward"])

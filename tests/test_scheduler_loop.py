@@ -86,6 +86,7 @@ class RecordingTransport:
         return []
 
     def send_outputs(self, outputs) -> None:
+        assert {o.rid for o in outputs} <= set(self.accepted_rids), "an output before accepted"
         self.outputs += outputs
 
     def accepted(self, msg) -> None:
@@ -120,6 +121,40 @@ def test_queue_bound_and_duplicate_rids_are_typed_refusals(tiny_model_dirs):
     assert transport.replies[-1].kind == "invalid" and "token ids" in transport.replies[-1].message
     assert {o.rid for o in transport.outputs if o.finished} == {"a", "b"}
     scheduler.check_kv_accounting()
+
+
+def test_requests_waiting_for_their_grammar_are_held_then_settled(tiny_model_dirs, monkeypatch):
+    """While its grammar compiles (held at a gate here), a request is live (its rid taken),
+    counts against the queue bound, and is neither accepted nor refused; once compiled it is
+    accepted before any of its outputs, or refused as invalid, as on arrival."""
+    cfg = Config.from_flat(
+        model_path=str(tiny_model_dirs["llama"]), max_total_tokens=4096, dtype=FP32
+    )
+    scheduler = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler)
+    transport = RecordingTransport()
+    loop = SchedulerLoop(scheduler, transport, max_queued=2)
+    backend = scheduler.grammars.backend
+    gate, compile_ = threading.Event(), backend._compile
+    monkeypatch.setattr(backend, "_compile", lambda c: gate.wait(60) and compile_(c))
+    for rid, extra in [("r", {"regex": "[ab]{3}"}), ("r", {}), ("bad", {"regex": "(("}), ("f", {})]:
+        params = SamplingParams.from_dict(greedy(4, **extra))
+        loop.handle(GenerateReq(rid, PROMPTS[0], params, seed=0))
+    for _ in range(3):
+        loop.run_once()
+    assert transport.accepted_rids == [] and scheduler.has_work and not scheduler.can_step
+    assert scheduler.state().num_grammar_queue == 2
+    gate.set()
+    while scheduler.has_work:
+        loop.run_once()
+    assert transport.accepted_rids == ["r"]
+    refused = [(r.rid, r.kind) for r in transport.replies if isinstance(r, Rejected)]
+    assert refused == [("r", "duplicate_rid"), ("f", "queue_full"), ("bad", "invalid")]
+    assert "unclosed group" in transport.replies[-1].message
+    assert transport.replies[-1].param == "regex"
+    finished = [o for o in transport.outputs if o.finished]
+    assert [o.rid for o in finished] == ["r"] and finished[0].finish_reason.type == "stop"
+    scheduler.check_kv_accounting()
+    scheduler.close()
 
 
 def test_a_failed_accounting_check_is_an_error_not_a_hang(tiny_model_dirs):

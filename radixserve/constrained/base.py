@@ -88,7 +88,13 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher; raises GrammarError naming the problem if the spec is invalid."""
+        """A fresh matcher, compiling the constraint unless it is cached; raises GrammarError
+        naming the problem if the spec is invalid."""
+
+    @abstractmethod
+    def ready_matcher(self, constraint: Constraint) -> GrammarMatcher | None:
+        """A fresh matcher if the constraint is compiled already (no compiling here), else
+        None; raises GrammarError if it was refused."""
 
     @abstractmethod
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ bytes a grammar forces, which jump-forward appends."""
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -62,31 +62,53 @@ class LLGuidanceMatcher(GrammarMatcher):
 
 
 class LLGuidanceBackend(GrammarBackend):
+    """Thread-safe for `matcher` and `ready_matcher`: the scheduler compiles on a thread of
+    its own (constrained/grammars.py) while its loop thread looks up compiled grammars."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
-        # the refusals of constraints that did not compile (lru_cache keeps no exceptions):
-        # a pathological one (a regex of a million states) costs ~1 s of the scheduler's
-        # time to refuse, so a client repeating it would stall every running request
-        self._refused: OrderedDict[Constraint, GrammarError] = OrderedDict()
+        # each constraint compiled, most recently used last: the validated matcher at the
+        # start of its grammar (requests get copies), or the error that refused it. Refusals
+        # are kept too: a pathological constraint (a regex of a million states) costs ~0.3 s
+        # to refuse, which a client repeating it would make the server pay every time.
+        self._compiled: OrderedDict[Constraint, llguidance.LLMatcher | GrammarError]
+        self._compiled = OrderedDict()
+        self._lock = threading.Lock()  # over `_compiled` only: compiling runs outside it
+        self.compiles = 0  # constraints compiled (not found in `_compiled`)
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
-        refused = self._refused.get(constraint)
-        if refused is not None:  # compiling it again would cost as much, to no end
-            self._refused.move_to_end(constraint)
-            raise GrammarError(str(refused), refused.param)
+        found = self.ready_matcher(constraint)
+        if found is not None:
+            return found
         try:
-            return LLGuidanceMatcher(self._compiled(constraint).deep_copy())
+            start: llguidance.LLMatcher | GrammarError = self._compile(constraint)
         except GrammarError as e:
-            self._refused[constraint] = e
-            if len(self._refused) > COMPILED_CACHE_SIZE:
-                self._refused.popitem(last=False)
-            raise
+            start = e
+        with self._lock:
+            self.compiles += 1
+            self._compiled[constraint] = start
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return self._start(start)
 
-    @functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)  # noqa: B019 (one backend per engine)
-    def _compiled(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A matcher at the start of the grammar, validated; requests get copies."""
+    def ready_matcher(self, constraint: Constraint) -> GrammarMatcher | None:
+        with self._lock:
+            start = self._compiled.get(constraint)
+            if start is None:
+                return None
+            self._compiled.move_to_end(constraint)
+        return self._start(start)
+
+    @staticmethod
+    def _start(start: llguidance.LLMatcher | GrammarError) -> GrammarMatcher:
+        if isinstance(start, GrammarError):
+            raise GrammarError(str(start), start.param)
+        return LLGuidanceMatcher(start.deep_copy())
+
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """A matcher at the start of the grammar, validated."""
         try:
             if constraint.kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(

@@ -28,7 +28,7 @@ UNSUPPORTED_SCHEMA = ("Unimplemented keys", "Unknown format")
 def json_schema_problem(schema: dict[str, Any]) -> SchemaProblem | None:
     """What llguidance's JSON-schema compiler finds wrong with `schema`, or None. It needs no
     tokenizer, so the HTTP edge can check a schema the output may never be constrained to (a
-    tool's parameters); the backend's `_compiled` still checks what only the tokenizer shows."""
+    tool's parameters); the backend's `_compile` still checks what only the tokenizer shows."""
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if not is_error:

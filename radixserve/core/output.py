@@ -199,6 +199,7 @@ class SchedulerStats(msgspec.Struct):
     swa_free: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_grammar_queue: int = 0  # waiting for their grammar to compile (not in num_waiting)
     grammar: dict[str, float] = msgspec.field(default_factory=dict)
     hicache: dict[str, float] = msgspec.field(default_factory=dict)  # tiers, when on
     # speculative decoding: request-steps that verified a draft, drafted tokens verified and

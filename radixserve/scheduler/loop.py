@@ -32,6 +32,7 @@ from radixserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle loop waits for a message before checking `alive`
+GRAMMAR_POLL_S = 0.002  # how long it waits when its only requests wait for their grammar
 STATE_INTERVAL_S = 0.2  # most frequent SchedulerState publication
 
 
@@ -77,6 +78,8 @@ class SchedulerLoop:
         self._last_state: SchedulerStats | None = None
         self._last_state_time = 0.0
         self._mapping = True  # KV pool pages may be left to map when idle (map_idle_pages)
+        # requests admitted while their grammar compiles: accepted, or refused, once it has
+        self._compiling: dict[str, GenerateReq] = {}
 
     def run(self) -> None:
         try:
@@ -87,11 +90,16 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         scheduler = self.scheduler
-        busy = scheduler.has_work or self._mapping
-        messages = self.transport.receive(0.0 if busy else IDLE_WAIT_S)
+        if scheduler.can_step or self._mapping:
+            wait = 0.0
+        else:
+            wait = GRAMMAR_POLL_S if scheduler.has_work else IDLE_WAIT_S
+        messages = self.transport.receive(wait)
         start = time.perf_counter()
         for msg in messages:
             self.handle(msg)
+        if self._compiling:
+            self.settle_compiled()
         if self._mapping and not messages and not scheduler.has_work:
             self._mapping = scheduler.map_idle_pages()
         if scheduler.has_work:
@@ -101,6 +109,9 @@ class SchedulerLoop:
             if decoded:  # where decode time goes, for the benchmarks
                 scheduler.stats.decode_step_seconds += time.perf_counter() - step_start
             if outputs:
+                for out in outputs:  # aborted while its grammar compiled: accepted first
+                    if out.rid in self._compiling:
+                        self.transport.accepted(self._compiling.pop(out.rid))
                 self.transport.send_outputs(outputs)
             if decoded:
                 self.decode_loop_seconds += time.perf_counter() - start
@@ -125,16 +136,31 @@ class SchedulerLoop:
 
     def add(self, msg: GenerateReq) -> None:
         try:
-            self.admit(msg)
+            queued = self.admit(msg)
         except RequestRejected as e:
             self.transport.reply(Rejected(msg.rid, e.kind, str(e), e.param))
             return
-        self.transport.accepted(msg)
+        if queued:
+            self.transport.accepted(msg)
+        else:
+            self._compiling[msg.rid] = msg
 
-    def admit(self, msg: GenerateReq) -> None:
-        """Queue the request, or raise the typed error that refuses it."""
+    def settle_compiled(self) -> None:
+        """Accept the requests whose grammar compiled; refuse those whose grammar did not,
+        as an invalid request would have been on arrival."""
+        for req, error in self.scheduler.compiled():
+            msg = self._compiling.pop(req.rid)
+            if error is None:
+                self.transport.accepted(msg)
+            else:
+                e = InvalidRequest(str(error), getattr(error, "param", None))
+                self.transport.reply(Rejected(msg.rid, e.kind, str(e), e.param))
+
+    def admit(self, msg: GenerateReq) -> bool:
+        """Queue the request (False: it waits for its grammar to compile first), or raise
+        the typed error that refuses it."""
         scheduler = self.scheduler
-        if len(scheduler.waiting) >= self.max_queued:
+        if len(scheduler.waiting) + len(self._compiling) >= self.max_queued:
             raise QueueFull(
                 f"the server is overloaded: {self.max_queued} requests are already waiting "
                 "(--max-queued-requests); retry later"
@@ -142,7 +168,7 @@ class SchedulerLoop:
         if any(req.rid == msg.rid for req in scheduler.live()):
             raise DuplicateRid(f"a request with rid {msg.rid!r} is already running", "rid")
         try:
-            scheduler.add_request(msg.to_req())
+            return scheduler.add_request(msg.to_req())
         except ValueError as e:  # the request can never run here (GrammarError included)
             raise InvalidRequest(str(e), getattr(e, "param", None)) from e
 

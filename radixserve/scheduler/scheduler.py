@@ -13,8 +13,12 @@ batch. After the forward every request that changed gets one `ReqOutput`. Prompt
 inserted into the tree as soon as they are computed (so requests admitted later share
 them); finished requests hand all their KV to the tree.
 
-The transport (`scheduler/loop.py`) only calls `add_request`, `abort`, `step`,
-`flush_cache`, `state` and reads `has_work`; the model is reached only through the
+A request with a constraint not compiled yet waits apart while its grammar compiles on
+another thread (constrained/grammars.py); `compiled()` queues it, or hands back the error
+that refuses it.
+
+The transport (`scheduler/loop.py`) only calls `add_request`, `compiled`, `abort`, `step`,
+`flush_cache`, `state` and reads `has_work` and `can_step`; the model is reached only through the
 runner's `forward`.
 """
 
@@ -102,10 +106,26 @@ class Scheduler:
         )
 
     # -- the transport's interface --------------------------------------------------------
-    def add_request(self, req: Req) -> None:
-        """Queue a request; raises ValueError if it can never run on this engine."""
+    def add_request(self, req: Req) -> bool:
+        """Queue a request: True if it waits for its turn, False if first for its grammar to
+        compile (`compiled` hands it back). Raises ValueError if it can never run on this
+        engine (GrammarError, for a constraint refused before, included)."""
         req.check_fits(self.info)
-        self.grammars.attach(req)  # an invalid constraint raises GrammarError (a ValueError)
+        if not self.grammars.attach(req):
+            return False
+        self._queue(req)
+        return True
+
+    def compiled(self) -> list[tuple[Req, ValueError | None]]:
+        """The requests whose grammar finished compiling: queued (None), or refused with the
+        error (GrammarError) that says why."""
+        done = self.grammars.compiled()
+        for req, error in done:
+            if error is None:
+                self._queue(req)
+        return done
+
+    def _queue(self, req: Req) -> None:
         self.waiting.append(req)
         self.kv.queued(req)
 
@@ -117,6 +137,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Any request held, even one only waiting for its grammar."""
+        return self.can_step or bool(self.grammars.compiling)
+
+    @property
+    def can_step(self) -> bool:
+        """A request is waiting for its turn, running, or being chunked."""
         return bool(self.waiting or self.running or self.chunked)
 
     def step(self) -> list[ReqOutput]:
@@ -139,6 +165,7 @@ class Scheduler:
     def close(self) -> None:
         """The loop ended: let the disk tier's queued writes land, release the other
         tensor-parallel ranks."""
+        self.grammars.close()
         self.kv.close()
         self.runner.close()
 
@@ -156,6 +183,7 @@ class Scheduler:
             setattr(stats, key, value)
         stats.num_running = len(self.running) + (self.chunked is not None)
         stats.num_waiting = len(self.waiting)
+        stats.num_grammar_queue = len(self.grammars.compiling)
         stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
         stats.grammar = self.grammars.stats.as_dict()
         stats.hicache = self.kv.tier_usage()
@@ -394,6 +422,7 @@ class Scheduler:
             req.finish_reason = FinishReason.abort(self._aborted.pop(req.rid))
             if req in self.waiting:
                 self.waiting.remove(req)
+            self.grammars.forget(req)
             if req in self.running:
                 self.running.remove(req)
             if req is self.chunked:
@@ -403,8 +432,9 @@ class Scheduler:
         return outputs
 
     def live(self) -> list[Req]:
-        """Every request the scheduler holds: waiting, running, being chunked."""
-        live = self.waiting + self.running
+        """Every request the scheduler holds: waiting (for its grammar, or its turn),
+        running, being chunked."""
+        live = self.grammars.compiling + self.waiting + self.running
         return live + [self.chunked] if self.chunked is not None else live
 
 

@@ -55,6 +55,11 @@ class Metrics:
         )
         self.running = Gauge("radixserve_num_running_reqs", "Requests decoding.", registry=r)
         self.waiting = Gauge("radixserve_num_waiting_reqs", "Requests queued.", registry=r)
+        self.grammar_queue = Gauge(
+            "radixserve_num_grammar_queue_reqs",
+            "Requests waiting for their grammar to compile.",
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "radixserve_kv_usage", "Share of the KV pool in use (0..1).", registry=r
         )
@@ -72,6 +77,7 @@ class Metrics:
         states = self.replicas.values()
         self.running.set(sum(s.num_running for s in states))
         self.waiting.set(sum(s.num_waiting for s in states))
+        self.grammar_queue.set(sum(s.num_grammar_queue for s in states))
         total = sum(s.kv_total for s in states)
         used = sum(s.kv_total - s.kv_free for s in states)
         self.kv_usage.set(used / total if total else 0.0)
