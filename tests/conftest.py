@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
     Qwen2Config,
@@ -65,16 +66,20 @@ TINY_GEMMA3 = dict(
 )
 
 
-def build_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A random-weight model folder: deterministic weights + the committed tokenizer."""
+def build_tiny_model(
+    folder: Path, arch: str, seed: int = 0, added_tokens: tuple[str, ...] = ()
+) -> Path:
+    """A random-weight model folder: deterministic weights + the committed tokenizer, with
+    `added_tokens` (plain text tokens, ids from 512 on, the vocabulary grown to hold them)."""
+    shape = {**TINY_SHAPE, "vocab_size": TINY_SHAPE["vocab_size"] + len(added_tokens)}
     if arch == "llama":
-        config = LlamaConfig(**TINY_SHAPE, tie_word_embeddings=False)
+        config = LlamaConfig(**shape, tie_word_embeddings=False)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     elif arch == "qwen2":
-        config = Qwen2Config(**TINY_SHAPE, tie_word_embeddings=True)
+        config = Qwen2Config(**shape, tie_word_embeddings=True)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
     elif arch == "qwen3":  # head_dim 96: q is 384 wide over a 256 hidden
-        config = Qwen3Config(**TINY_SHAPE, head_dim=96, tie_word_embeddings=True)
+        config = Qwen3Config(**shape, head_dim=96, tie_word_embeddings=True)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
     elif arch == "gemma3":
         config = Gemma3TextConfig(**TINY_GEMMA3)
@@ -87,6 +92,10 @@ def build_tiny_model(folder: Path, arch: str, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     for file in TINY_TOKENIZER.iterdir():
         shutil.copy(file, folder / file.name)
+    if added_tokens:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.add_tokens(list(added_tokens))
+        tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -6,19 +6,21 @@ that validates was made valid by the masks, not by the model."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import threading
 
 import jsonschema
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from radixserve import Engine
 from radixserve.constrained.base import Constraint, GrammarError, unpack_bitmask
 from radixserve.constrained.grammars import jump_forward
 from radixserve.constrained.llguidance_backend import LLGuidanceBackend
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.sampling_params import SamplingParams, ThinkBlock
 from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER
 
 VOCAB = TINY_SHAPE["vocab_size"]
@@ -118,8 +120,6 @@ def test_at_most_one_constraint_and_schema_objects_become_json():
 
 
 def test_mask_allows_exactly_the_tokens_the_grammar_accepts(backend):
-    import torch
-
     matcher = backend.matcher(Constraint("json_schema", json.dumps(PERSON)))
     prefix = backend.tokenize_bytes(b'{"name": "ab')
     assert matcher.accept(prefix)
@@ -157,6 +157,53 @@ def test_a_grammar_that_fails_mid_output_aborts_with_one_clean_line(engine):
         "message": "the grammar cannot continue: lexer error: too many expressions constructed",
     }, reason
     assert out["text"] == "a"
+
+
+THINKING = ThinkBlock("<think>", "</think>", inside=False)
+AFTER_THOUGHT = [
+    # (constraint, text, valid) with the block optional (the output may open it) ...
+    (("json_schema", json.dumps(NESTED["properties"]["owner"])), '{"ok": true, "score": 2}', 1),
+    (
+        ("json_schema", json.dumps(NESTED["properties"]["owner"])),
+        '<think>\nok? {</think>\n\n{"ok": false, "score": 1}',
+        1,
+    ),
+    (("regex", DATE), "<think>any < / think> text</think>2024-05-17", 1),
+    (("regex", DATE), "2024-05-17", 1),
+    (("regex", DATE), "<think>x</think>\n\n\n\n\n2024-05-17", 0),  # at most 4 spaces
+    (("regex", DATE), "<think>x</think>no date", 0),
+    (("regex", DATE), "thinking</think>2024-05-17", 0),  # a block opens with its tag
+    (("ebnf", ARITHMETIC), "<think></think>12+3", 1),
+]
+
+
+@pytest.mark.parametrize(("constraint", "text", "valid"), AFTER_THOUGHT)
+def test_a_constraint_after_a_block_of_reasoning(backend, constraint, text, valid):
+    matcher = backend.matcher(Constraint(*constraint, THINKING))
+    tokens = backend.tokenize_bytes(text.encode())
+    complete = matcher.valid_prefix(tokens) == len(tokens)
+    assert (complete and matcher.accept(tokens) and matcher.is_accepting) == bool(valid)
+
+
+def test_a_block_the_prompt_opened_comes_first_and_ends_with_a_special_token(backend):
+    inside = Constraint("regex", DATE, dataclasses.replace(THINKING, inside=True))
+    for text, valid in [("free, {text}</think>2024-05-17", True), ("2024-05-17", False)]:
+        tokens = backend.tokenize_bytes(text.encode())
+        matcher = backend.matcher(inside)
+        assert (matcher.accept(tokens) and matcher.is_accepting) == valid, text
+    # where the tags are special tokens (as Qwen3's are to llguidance), the grammar names
+    # them: the block's text may be anything but them, and only them open and close it
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    special = LLGuidanceBackend(tokenizer, VOCAB + 2)
+    think, end = VOCAB, VOCAB + 1
+    matcher = special.matcher(Constraint("regex", "(yes|no)", THINKING))
+    assert matcher.accept([think, *special.tokenize_bytes(b"hm?")])
+    bitmask = torch.full((1, (VOCAB + 2 + 31) // 32), -1, dtype=torch.int32)
+    special.fill_masks([matcher], bitmask)
+    allowed = unpack_bitmask(bitmask, VOCAB + 2)[0]
+    assert allowed[end] and not allowed[think] and not allowed[tokenizer.eos_token_id]
+    assert matcher.accept([end, *special.tokenize_bytes(b"\nno")]) and matcher.is_accepting
 
 
 def test_jump_forward_appends_forced_text_as_the_tokenizer_writes_it(backend):

@@ -9,7 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixserve.config import REASONING_PARSERS
-from radixserve.server.reasoning import REASONING_FORMATS, ReasoningStream, reasoning_plan, split
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams, ThinkBlock
+from radixserve.server.errors import APIError
+from radixserve.server.reasoning import (
+    REASONING_FORMATS,
+    ReasoningStream,
+    reasoning_plan,
+    split,
+    think_first,
+)
 
 QWEN3 = REASONING_FORMATS["qwen3"]
 R1 = REASONING_FORMATS["deepseek-r1"]
@@ -65,6 +74,29 @@ def test_the_prompt_says_whether_outputs_start_inside_a_block(prompt, parser, in
 def test_no_plan_without_a_parser_or_with_separate_reasoning_off():
     assert reasoning_plan(None, True, True, "") is None
     assert reasoning_plan("qwen3", False, True, "") is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "parser", "think"),
+    [
+        ("<|im_start|>assistant\n", "qwen3", ThinkBlock("<think>", "</think>", False)),
+        ("<|im_start|>assistant\n<think>\n", "qwen3", ThinkBlock("<think>", "</think>", True)),
+        ("<|im_start|>assistant\n", "deepseek-r1", ThinkBlock("<think>", "</think>", True)),
+        ("assistant\n", "kimi", ThinkBlock("◁think▷", "◁/think▷", False)),
+        # Qwen3 with thinking off: the template closes an empty block, the model will not think
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "qwen3", None),
+    ],
+)
+def test_require_reasoning_reads_the_block_from_the_prompt(prompt, parser, think):
+    req = Req("r", [1, 2], SamplingParams.from_dict({"regex": "(yes|no)"}))
+    think_first([req], parser, lambda _: prompt)
+    assert req.think == think
+
+
+def test_require_reasoning_needs_a_parser():
+    with pytest.raises(APIError, match="--reasoning-parser") as e:
+        think_first([], None, lambda _: "")
+    assert e.value.status == 400 and e.value.param == "require_reasoning"
 
 
 def test_partial_markers_are_held_back_while_streaming():

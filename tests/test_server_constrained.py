@@ -492,6 +492,13 @@ INVALID = [
         ["regex", "json_schema"],
     ),
     ("/v1/chat/completions", _chat(regex="(("), ["regex"]),
+    # reasoning first needs the server to know the model's reasoning tags
+    ("/generate", {**_native(regex=YES_NO), "require_reasoning": True}, ["--reasoning-parser"]),
+    (
+        "/v1/chat/completions",
+        {**_chat(regex=YES_NO), "require_reasoning": True},
+        ["require_reasoning", "--reasoning-parser"],
+    ),
     (
         "/v1/chat/completions",
         _chat(response_format={"type": "json_schema"}),

@@ -11,11 +11,13 @@ Streams reassemble to the non-streamed messages."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import jsonschema
 import openai
 import pytest
+import requests
 from transformers import AutoTokenizer
 
 from tests.conftest import build_tiny_model
@@ -262,6 +264,8 @@ def test_tool_messages_need_their_call_id(client):
 
 
 # -- a tiny model with a template that renders tools ------------------------------------------
+THINK, END_THINK = "<think>", "</think>"
+
 # (and thinks as Qwen3's does: enable_thinking false closes an empty block in the prompt;
 # open_thinking, as Qwen3-Thinking's and DeepSeek-R1's, opens one)
 HERMES_TEMPLATE = """\
@@ -293,10 +297,9 @@ Call a function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im
 {% endif %}{% endif %}"""
 
 
-@pytest.fixture(scope="module")
-def hermes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools-hermes")
-    folder = build_tiny_model(root / "model", "llama")
+def serve_hermes(root, added_tokens: tuple[str, ...] = ()):
+    """A server of a tiny model with HERMES_TEMPLATE and the qwen3 reasoning parser."""
+    folder = build_tiny_model(root / "model", "llama", added_tokens=added_tokens)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -309,6 +312,20 @@ def hermes(tmp_path_factory):
     finally:
         proc.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    yield from serve_hermes(tmp_path_factory.mktemp("tools-hermes"))
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The same with <think> and </think> one token each (ids 512 and 513), as in Qwen3's
+    vocabulary, so that a bias can push the model to write them. (Not in `hermes`: there,
+    regexes write <think> as text, and llguidance forces the added token for that text at a
+    grammar's start, then refuses it.)"""
+    yield from serve_hermes(tmp_path_factory.mktemp("thinker"), (THINK, END_THINK))
 
 
 def hermes_client(hermes) -> openai.OpenAI:
@@ -354,7 +371,7 @@ def test_the_auto_parser_reads_hermes_blocks_out_of_the_output(hermes):
         tools=TOOLS,
         max_tokens=120,
         temperature=0,
-        extra_body={"regex": FORCED},
+        extra_body={"regex": FORCED, "require_reasoning": False},  # the regex: all of it
     )
     r = client.chat.completions.create(**kwargs)
     choice = r.choices[0]
@@ -397,7 +414,7 @@ def test_reasoning_is_split_out_of_the_content(hermes):
         messages=ask("Weather in Rome?"),
         max_tokens=60,
         temperature=0,
-        extra_body={"regex": THOUGHT},
+        extra_body={"regex": THOUGHT, "require_reasoning": False},
     )
     message = client.chat.completions.create(**kwargs).choices[0].message
     assert message.content == "It is sunny."
@@ -415,6 +432,7 @@ def test_reasoning_is_split_out_of_the_content(hermes):
     whole = client.chat.completions.create(**raw).choices[0].message
     assert whole.content.startswith("<think>") and "reasoning_content" not in whole.model_extra
     plain = {"regex": "It is sunny\\.", "chat_template_kwargs": {"enable_thinking": False}}
+    # (its prompt ends with the empty block closed: the regex is all of the output)
     message = client.chat.completions.create(**{**kwargs, "extra_body": plain}).choices[0].message
     assert message.content == "It is sunny." and message.model_extra["reasoning_content"] is None
 
@@ -423,6 +441,70 @@ def test_reasoning_is_split_out_of_the_content(hermes):
     assert short.finish_reason == "length" and short.message.content == ""
     assert reasoning.startswith(short.message.model_extra["reasoning_content"])
     assert_kv_clean(hermes[0])
+
+
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constraint_applies_after_the_reasoning(thinker):
+    """With --reasoning-parser, a chat request's constraint applies after the model's block of
+    reasoning (require_reasoning, on by default), whose text is free. The tiny model is
+    pushed to open the block (<think>, +50) and to end it (</think>, +100): it may only
+    open it where the prompt has not (the schema comes first otherwise), then ends it at
+    once, and the schema holds after it. With require_reasoning false the schema holds from
+    the first token, whatever the bias."""
+    client = hermes_client(thinker)
+    tokenizer = AutoTokenizer.from_pretrained(thinker[1])
+    think, end = tokenizer.convert_tokens_to_ids([THINK, END_THINK])
+    kwargs = dict(
+        model="m",
+        messages=ask("Pick a digit."),
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": DIGIT}},
+        logit_bias={str(think): 50, str(end): 100},
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.model_extra["reasoning_content"] == ""
+    jsonschema.validate(json.loads(message.content), DIGIT)
+    streamed, reason = stream_message(client, **kwargs)
+    assert streamed["content"] == message.content and reason == "stop"
+
+    def raw(**extra) -> str:
+        body = {"separate_reasoning": False, **extra}
+        return client.chat.completions.create(**kwargs, extra_body=body).choices[0].message.content
+
+    text = raw()
+    assert text.startswith(THINK + END_THINK), text
+    jsonschema.validate(json.loads(text.removeprefix(THINK + END_THINK)), DIGIT)
+    # the prompt opens the block: the output starts inside it, and cannot open another
+    text = raw(chat_template_kwargs={"open_thinking": True})
+    assert text.startswith(END_THINK), text
+    jsonschema.validate(json.loads(text.removeprefix(END_THINK)), DIGIT)
+    # require_reasoning false: all of the output is the document
+    jsonschema.validate(json.loads(raw(require_reasoning=False)), DIGIT)
+    # the native API asks for it by name (SGLang's require_reasoning)
+    r = requests.post(
+        thinker[0].url + "/generate",
+        json={
+            "text": "Yes or no?",
+            "sampling_params": {
+                "regex": "(yes|no)",
+                "max_new_tokens": 20,
+                "temperature": 0,
+                "logit_bias": {str(think): 50, str(end): 100},
+            },
+            "require_reasoning": True,
+        },
+        timeout=TIMEOUT,
+    )
+    assert re.fullmatch(r"<think></think>\s*(yes|no)", r.json()["text"]), r.text
+    assert_kv_clean(thinker[0])
 
 
 def test_a_block_the_prompt_opens_and_a_tool_call_after_the_reasoning(hermes):
@@ -434,7 +516,11 @@ def test_a_block_the_prompt_opens_and_a_tool_call_after_the_reasoning(hermes):
         tools=TOOLS,
         max_tokens=160,
         temperature=0,
-        extra_body={"regex": forced, "chat_template_kwargs": {"open_thinking": True}},
+        extra_body={
+            "regex": forced,
+            "chat_template_kwargs": {"open_thinking": True},
+            "require_reasoning": False,
+        },
     )
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.message.model_extra["reasoning_content"] == "Rome has no tool."

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.core.sampling_params import CONSTRAINTS, SamplingParams
+from radixserve.core.sampling_params import CONSTRAINTS, SamplingParams, ThinkBlock
 
 
 class GrammarError(ValueError):
@@ -32,18 +32,19 @@ class GrammarError(ValueError):
 class Constraint:
     kind: str  # one of core.sampling_params.CONSTRAINTS
     spec: str  # the JSON schema as a JSON string, the regex, or the grammar text
+    think: ThinkBlock | None = None  # a block of free reasoning first, then the spec
 
     @classmethod
-    def of(cls, params: SamplingParams) -> Constraint | None:
+    def of(cls, params: SamplingParams, think: ThinkBlock | None = None) -> Constraint | None:
         """The constraint a request's sampling parameters carry, if any (`SamplingParams`
-        already refuses more than one)."""
+        already refuses more than one), after a block of reasoning where `think` says so."""
         given = [(k, getattr(params, k)) for k in CONSTRAINTS if getattr(params, k)]
         if not given:
             return None
         kind, spec = given[0]
         if kind == "json_schema" and not isinstance(spec, str):
             spec = json.dumps(spec)
-        return cls(kind, spec)
+        return cls(kind, spec, think)
 
 
 class GrammarMatcher(ABC):

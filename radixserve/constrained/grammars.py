@@ -101,7 +101,7 @@ class Grammars:
     def attach(self, req: Req) -> bool:
         """Give `req` its matcher: True once it has one (or needs none); False while its
         grammar compiles (see `compiled`). Raises GrammarError for a refused constraint."""
-        constraint = Constraint.of(req.params)
+        constraint = Constraint.of(req.params, req.think)
         if constraint is None:
             return True
         if self.backend_name == "none":
@@ -179,7 +179,7 @@ class Grammars:
 
     def completes(self, req: Req, text: str) -> bool:
         """Whether `text` alone is a complete document of the request's grammar."""
-        constraint = Constraint.of(req.params)
+        constraint = Constraint.of(req.params, req.think)
         assert constraint is not None
         matcher = self.backend.matcher(constraint)
         return matcher.accept(self.backend.tokenize_bytes(text.encode())) and matcher.is_accepting

@@ -4,6 +4,7 @@ bytes a grammar forces, which jump-forward appends."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ import llguidance.hf
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
 from radixserve.constrained.schema import JSON_DEFAULTS, one_line
+from radixserve.core.sampling_params import ThinkBlock
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +26,7 @@ MASK_THREADS = 2
 # llguidance's own limits, but errors without the parser's state and the grammar appended:
 # a matcher's error reaches the client, in the abort message of its request.
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+MAX_GAP = 4  # whitespace characters between a block of reasoning and the constrained text
 # the error llguidance reports when a mask came out empty: no token can extend the output
 EMPTY_MASK = "NoExtensionBias"
 
@@ -118,6 +121,8 @@ class LLGuidanceBackend(GrammarBackend):
                 grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
         except ValueError as e:  # the JSON schema is not JSON, or the EBNF does not convert
             raise GrammarError(f"invalid {constraint.kind}: {e}", constraint.kind) from None
+        if constraint.think is not None:
+            grammar = self._after_thinking(grammar, constraint.think)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer
         )
@@ -130,6 +135,39 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"invalid {constraint.kind}: {message}", constraint.kind)
         _check_it_can_start(matcher, constraint.kind)
         return matcher
+
+    def _after_thinking(self, grammar: str, think: ThinkBlock) -> str:
+        """`grammar` after a block of free reasoning, as one llguidance grammar: a Lark top
+        level for the block, then `@answer`, the constraint's own grammar. The reasoning is
+        any text up to the first end tag (a lazy lexeme; a greedy one where the tag is a
+        special token, which no text can hold); a little whitespace may follow the tag
+        (Qwen3 and DeepSeek-R1 write two newlines), not so much that a model could fill its
+        output with it."""
+        if grammar.lstrip().startswith("{"):  # llguidance's JSON form: a list of grammars
+            answer = json.loads(grammar)["grammars"]
+        else:  # Lark text (from EBNF)
+            answer = [{"lark_grammar": grammar}]
+        answer[0]["name"] = "answer"
+        end = self._special(think.end)
+        if end is None:
+            thought = f"thought[suffix={_lark_string(think.end)}]: /(?s:.*)/"
+        else:
+            thought = f"thought: THOUGHT {end}\nTHOUGHT: /(?s:.*)/"
+        if think.inside:
+            start = "start: thought GAP? @answer"
+        else:
+            opening = self._special(think.start) or _lark_string(think.start)
+            start = f"start: block? @answer\nblock: {opening} thought GAP?"
+        top = f"{start}\n{thought}\nGAP: /[ \\t\\r\\n]{{1,{MAX_GAP}}}/\n"
+        return json.dumps({"grammars": [{"lark_grammar": top}, *answer]})
+
+    def _special(self, text: str) -> str | None:
+        """`text` as Lark's reference to a special token, if it is one (Lark strings never
+        match those), else None."""
+        ids = self.tokenizer.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return None
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         import llguidance.torch  # here: it loads torch._dynamo (~2 s), which only the
@@ -165,6 +203,10 @@ def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
     if said == EMPTY_MASK:
         raise GrammarError(f"invalid {kind}: no text satisfies it", kind)
     raise GrammarError(f"invalid {kind}: constrained decoding cannot follow it: {said}", kind)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # Lark reads JSON's escapes (quote, newline...)
 
 
 def _reason(error: str) -> str:

@@ -16,7 +16,7 @@ from radixserve.core.embedding import EmbedParams
 from radixserve.core.errors import RejectionKind
 from radixserve.core.output import SchedulerStats
 from radixserve.core.req import Req
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.sampling_params import SamplingParams, ThinkBlock
 
 
 class Message(msgspec.Struct, tag=True):
@@ -38,6 +38,7 @@ class GenerateReq(Message):
     return_text_in_logprobs: bool = False
     stream: bool = False  # the detokenizer sends partial results only for streams
     embed: EmbedParams | None = None  # an embedding request (core/embedding.py)
+    think: ThinkBlock | None = None  # reasoning before the constrained text (core/req.py)
 
     @classmethod
     def from_req(
@@ -55,6 +56,7 @@ class GenerateReq(Message):
             return_text_in_logprobs,
             stream,
             req.embed,
+            req.think,
         )
 
     def to_req(self) -> Req:
@@ -68,6 +70,7 @@ class GenerateReq(Message):
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,
             embed=self.embed,
+            think=self.think,
         )
 
 

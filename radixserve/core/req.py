@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.core.embedding import EmbedParams
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.sampling_params import SamplingParams, ThinkBlock
 
 if TYPE_CHECKING:  # annotations only: the runner level (Req, BatchBuilder) needs no msgspec
     from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
@@ -28,6 +28,7 @@ class Req:
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
+    think: ThinkBlock | None = None  # reasoning first, then the constraint (require_reasoning)
     spec: Any = None  # the speculator's state for this request (scheduler/speculative.py)
     embed: EmbedParams | None = None  # an embedding request: prefilled, pooled, never decoded
     pooled: Any = None  # its pooling so far across prefill chunks (scheduler/embedding.py)

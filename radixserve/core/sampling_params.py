@@ -35,6 +35,18 @@ MAX_STOP_REGEX_LENGTH = 256
 MAX_STOP_REGEX_ITEMS = 4096  # all of them unrolled (core/regex_cost.py): ~1 ms to compile
 
 
+@dataclass(frozen=True)
+class ThinkBlock:
+    """A block of reasoning before what a request's constraint describes (SGLang's
+    require_reasoning, under --reasoning-parser): the constraint applies after the block's
+    end tag, and the reasoning inside it is free text. Without `inside`, the block is
+    optional: the output may open it with `start`, or go straight to the constrained text."""
+
+    start: str
+    end: str
+    inside: bool  # the output starts inside the block (its prompt, or the format, opened it)
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter that cannot be honoured; `field` names it (None: several)."""
 

@@ -265,6 +265,9 @@ class ChatCompletionRequest(_SamplingFields):
     # content (else it stays in the content); stream it as it comes, or in one piece
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # a constraint (response_format, tool_choice, regex...) applies after the reasoning;
+    # None: so whenever the server has a reasoning parser (false: to the whole output)
+    require_reasoning: bool | None = None
 
     @field_validator("tools")
     @classmethod

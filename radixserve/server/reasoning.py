@@ -19,9 +19,15 @@ reassembles to the non-streamed message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import ThinkBlock
+from radixserve.server.errors import bad_request
 from radixserve.text_stream import partial_stop_len
+
+PROMPT_TAIL = 64  # the prompt's last tokens, decoded, show whether it opens a block
 
 
 @dataclass(frozen=True)
@@ -137,3 +143,22 @@ def reasoning_plan(
         return None
     fmt = REASONING_FORMATS[parser]
     return ReasoningPlan(fmt, fmt.opened_by(prompt), stream_reasoning)
+
+
+def think_first(reqs: list[Req], parser: str | None, prompt_of: Callable[[Req], str]) -> None:
+    """require_reasoning: each request's constraint applies after a block of reasoning
+    (`ThinkBlock`), which the output starts inside where its prompt opened one (`prompt_of`
+    gives the prompt's text, or enough of its end), and may open itself otherwise, unless
+    the prompt ends with a block closed (Qwen3's template with thinking off closes an empty
+    one): then the constraint applies to the whole output, as without a parser."""
+    if parser is None:
+        raise bad_request(
+            "require_reasoning needs a server started with --reasoning-parser (it names the "
+            "model's reasoning tags)",
+            "require_reasoning",
+        )
+    fmt = REASONING_FORMATS[parser]
+    for req in reqs:
+        prompt = prompt_of(req)
+        if not prompt.rstrip().endswith(fmt.end):
+            req.think = ThinkBlock(fmt.start, fmt.end, fmt.opened_by(prompt))

@@ -28,6 +28,7 @@ from radixserve.server.checks import (
 )
 from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.reasoning import PROMPT_TAIL, think_first
 from radixserve.server.state import State
 from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
@@ -62,6 +63,8 @@ class GenerateRequest(StrictBody):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | None = None
+    # the constraint applies after the model's reasoning (needs --reasoning-parser)
+    require_reasoning: bool = False
     # SGLang's fields for what this server does not do: accepted at their defaults (clients
     # and routers send them so), a 400 naming them otherwise (see UNSUPPORTED)
     image_data: Any = None
@@ -272,6 +275,10 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     except ValueError as e:
         raise call_error(e, fields) from None
     check_sequences(expanded.reqs, state, fields)
+    if body.require_reasoning:
+        decode = state.manager.tokenizer.decode
+        prompt_end = lambda req: decode(req.input_ids[-PROMPT_TAIL:])  # noqa: E731
+        think_first(expanded.reqs, state.config.server.reasoning_parser, prompt_end)
     call = state.manager.submit(
         expanded.reqs, body.return_text_in_logprobs, body.stream, rid=body.rid
     )

@@ -22,7 +22,12 @@ from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
 from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
 from radixserve.server.embeddings import EmbeddingRequest, embedding_reqs, embedding_response
 from radixserve.server.errors import ERROR_RESPONSES, APIError
-from radixserve.server.reasoning import ReasoningPlan, ReasoningStream, reasoning_plan
+from radixserve.server.reasoning import (
+    ReasoningPlan,
+    ReasoningStream,
+    reasoning_plan,
+    think_first,
+)
 from radixserve.server.state import ServerState, State
 from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
@@ -80,9 +85,12 @@ async def chat_completions(
         request, lambda: oai.chat_call(body, tokenizer, state.model.max_seq_len, plan)
     )
     check_sequences(chat.reqs, state, CHAT_FIELDS)
+    parser = state.config.server.reasoning_parser
+    if body.require_reasoning or (body.require_reasoning is None and parser is not None):
+        think_first(chat.reqs, parser, lambda _: chat.prompt)
     token_bytes = await _token_bytes(request, state) if body.logprobs else None
     thinking = reasoning_plan(
-        state.config.server.reasoning_parser,
+        parser,
         body.separate_reasoning,
         body.stream_reasoning,
         chat.prompt,
