@@ -25,7 +25,7 @@ from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
 from radixserve.config import Config, free_loopback_addr
 from radixserve.core.embedding import EmbedParams
-from radixserve.core.errors import rejection
+from radixserve.core.errors import DuplicateRid, rejection
 from radixserve.core.messages import (
     AbortReq,
     ControlOp,
@@ -66,14 +66,15 @@ class InProcessTransport:
     """The scheduler loop's transport on the Engine's thread: an inbox queue in, and for
     each request a sink (a callback) that hands its outputs to the caller waiting for it.
 
-    Waiters are kept per rid in submission order; a refusal or an acceptance concerns the
-    oldest one not yet accepted (the loop handles messages in order), outputs go to the
-    accepted one (the loop never runs two requests of one rid).
+    One waiter per rid: a request given the rid of one still waiting or running is refused
+    here (DuplicateRid, as the loop would refuse it), so that the loop's answers — accepted
+    or refused, on arrival or once its grammar has compiled — and its outputs each concern
+    the one request of their rid.
     """
 
     def __init__(self) -> None:
         self.inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
-        self.waiters: dict[str, list[_Waiter]] = {}
+        self.waiters: dict[str, _Waiter] = {}
         self.controls: dict[int, Future] = {}
         self.stopped = False
         self.closed: BaseException | None = None  # set once the loop has ended
@@ -84,18 +85,19 @@ class InProcessTransport:
     def submit(self, msg: GenerateReq, sink: Sink, names: frozenset[str] = frozenset()) -> None:
         with self._lock:
             self._check_open()
-            self.waiters.setdefault(msg.rid, []).append(_Waiter(sink, names=names))
-        self.inbox.put(msg)
+            duplicate = msg.rid in self.waiters
+            if not duplicate:
+                self.waiters[msg.rid] = _Waiter(sink, names=names)
+        if duplicate:
+            sink(DuplicateRid.of(msg.rid))
+        else:
+            self.inbox.put(msg)
 
     def named(self, rid: str) -> list[str]:
         """The running sequences the caller named `rid`: that rid's, or every one of the
         call it gave that rid (`{rid}_{i}`)."""
         with self._lock:
-            return [
-                seq
-                for seq, waiters in self.waiters.items()
-                if any(named_by(seq, rid, w.names) for w in waiters)
-            ]
+            return [seq for seq, w in self.waiters.items() if named_by(seq, rid, w.names)]
 
     def control(self, op: ControlOp) -> Future:
         future: Future = Future()
@@ -122,7 +124,7 @@ class InProcessTransport:
         later one is taken."""
         with self._lock:
             self.closed = error
-            waiters = [w for ws in self.waiters.values() for w in ws]
+            waiters = list(self.waiters.values())
             controls = list(self.controls.values())
             self.waiters.clear()
             self.controls.clear()
@@ -147,25 +149,28 @@ class InProcessTransport:
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
             with self._lock:
-                waiters = self.waiters.get(out.rid, [])
-                waiter = next((w for w in waiters if w.accepted), None)
+                waiter = self.waiters.get(out.rid)
+                if waiter is not None and not waiter.accepted:
+                    waiter = None
                 if waiter is not None and out.finished:
-                    self._remove(out.rid, waiter)
+                    del self.waiters[out.rid]
             if waiter is not None:
                 waiter.sink(out)
 
     def accepted(self, msg: GenerateReq) -> None:
         with self._lock:
-            waiter = self._oldest_unaccepted(msg.rid)
+            waiter = self.waiters.get(msg.rid)
             if waiter is not None:
                 waiter.accepted = True
 
     def reply(self, msg: Rejected | ControlReply | SchedulerState) -> None:
         if isinstance(msg, Rejected):
             with self._lock:
-                waiter = self._oldest_unaccepted(msg.rid)
-                if waiter is not None:
-                    self._remove(msg.rid, waiter)
+                waiter = self.waiters.get(msg.rid)
+                if waiter is not None and not waiter.accepted:
+                    del self.waiters[msg.rid]
+                else:
+                    waiter = None
             if waiter is not None:
                 waiter.sink(rejection(msg.kind, msg.message, msg.param))
         elif isinstance(msg, ControlReply):
@@ -180,15 +185,6 @@ class InProcessTransport:
 
     def alive(self) -> bool:
         return not self.stopped
-
-    def _oldest_unaccepted(self, rid: str) -> _Waiter | None:
-        return next((w for w in self.waiters.get(rid, []) if not w.accepted), None)
-
-    def _remove(self, rid: str, waiter: _Waiter) -> None:
-        waiters = self.waiters[rid]
-        waiters.remove(waiter)
-        if not waiters:
-            del self.waiters[rid]
 
 
 class Engine:
@@ -270,6 +266,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         priority: int | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Native-API generation: one prompt gives a dict, a list gives a list (n > 1 gives
         n results per prompt); `stream=True` gives an iterator of cumulative results."""
@@ -284,6 +281,7 @@ class Engine:
             rid,
             priority,
             stream,
+            token_ids_logprob,
         )
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
@@ -305,6 +303,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         priority: int | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio: awaitable result, or an async iterator when streaming."""
         reqs, states, single = self._make_requests(
@@ -318,6 +317,7 @@ class Engine:
             rid,
             priority,
             stream,
+            token_ids_logprob,
         )
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
@@ -426,6 +426,7 @@ class Engine:
         rid=None,
         priority=None,
         stream=False,
+        token_ids_logprob=None,
     ) -> tuple[list[Req], list[RequestState], bool]:
         """Validated requests (one per prompt and per `n`), their result states, and whether
         the caller gets a single result rather than a list."""
@@ -439,6 +440,7 @@ class Engine:
             top_logprobs_num,
             rid,
             priority,
+            token_ids_logprob=token_ids_logprob,
         )
         if stream and len(expanded.reqs) != 1:
             raise ValueError("stream=True takes a single prompt with n=1")
@@ -450,6 +452,7 @@ class Engine:
                 return_logprob,
                 top_logprobs_num or 0,
                 return_text_in_logprobs,
+                bool(req.token_ids_logprob),
             )
             for req in expanded.reqs
         ]

@@ -47,10 +47,13 @@ def expand_request(
     priority: int | None = None,
     max_sequences: int | None = None,
     embed: EmbedParams | None = None,
+    token_ids_logprob: list[int] | list[list[int]] | None = None,
 ) -> Expanded:
     """Validated requests; a ValueError names what is wrong with the call. With
     `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
-    prompt is tokenized. With `embed`, embedding requests (see `expand_embedding`)."""
+    prompt is tokenized. With `embed`, embedding requests (see `expand_embedding`).
+    `token_ids_logprob`: tokens whose logprobs to report at every position (with
+    return_logprob), one list for all prompts or one per prompt."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
     field = "text" if prompt is not None else "input_ids"
@@ -62,12 +65,13 @@ def expand_request(
     params_list = _params_per_prompt(sampling_params, count)
     _check_count(params_list, max_sequences, field)
     rids = _rids(rid, count)
+    named = _token_ids_per_prompt(token_ids_logprob, count)
     if prompt is not None:
         id_lists = [tokenize(p) for p in ([prompt] if single else prompt)]
     else:
         id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
     reqs = []
-    for ids, params, base in zip(id_lists, params_list, rids):
+    for ids, params, base, token_ids in zip(id_lists, params_list, rids, named):
         if not ids:
             raise InvalidRequest("a prompt of the batch is empty", field)
         for j in range(params.n):
@@ -82,6 +86,7 @@ def expand_request(
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                     top_logprobs_num=top_logprobs_num or 0,
+                    token_ids_logprob=token_ids,
                     embed=embed,
                 )
             )
@@ -117,6 +122,21 @@ def _check_logprob_args(logprob_start_len: int | None, top_logprobs_num: int | N
     if top_logprobs_num is not None and top_logprobs_num < 0:
         message = f"top_logprobs_num must be >= 0, got {top_logprobs_num}"
         raise InvalidRequest(message, "top_logprobs_num")
+
+
+def _token_ids_per_prompt(
+    token_ids: list[int] | list[list[int]] | None, count: int
+) -> list[list[int] | None]:
+    if not token_ids:
+        return [None] * count
+    if all(isinstance(t, int) for t in token_ids):
+        return [list(token_ids)] * count  # type: ignore[arg-type]
+    if not all(isinstance(t, list) for t in token_ids) or len(token_ids) != count:
+        raise InvalidRequest(
+            "token_ids_logprob: give a list of token ids, or a list of them per prompt",
+            "token_ids_logprob",
+        )
+    return [list(t) or None for t in token_ids]  # type: ignore[arg-type]
 
 
 def _params_per_prompt(sampling_params: dict | list[dict] | None, count: int) -> list:

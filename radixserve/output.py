@@ -38,22 +38,28 @@ class RequestState:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        token_ids_logprob: bool = False,
     ) -> None:
         self.rid = rid
         self.tokenizer = tokenizer
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob  # the request named tokens to report
         self.return_text_in_logprobs = return_text_in_logprobs
         self.text = TextStream(tokenizer, params)
-        self.results = ResultAccumulator(rid, return_logprob, top_logprobs_num)  # for result()
+        self.results = ResultAccumulator(  # for result()
+            rid, return_logprob, top_logprobs_num, token_ids_logprob
+        )
         self.start = time.perf_counter()
         self.last: ReqOutput | None = None
         # what arrived since the previous take
         self.new_ids: list[int] = []
         self.new_logprobs: list[LogprobEntry] = []
         self.new_top_logprobs: list[list[LogprobEntry]] = []
+        self.new_token_ids_logprobs: list[list[LogprobEntry]] = []
         self.input_logprobs: list[LogprobEntry] | None = None
         self.input_top_logprobs: list[list[LogprobEntry]] = []
+        self.input_token_ids_logprobs: list[list[LogprobEntry]] = []
 
     @property
     def finished(self) -> bool:
@@ -63,9 +69,11 @@ class RequestState:
         self.new_ids += out.new_ids
         self.new_logprobs += out.new_logprobs
         self.new_top_logprobs += out.new_top_logprobs
+        self.new_token_ids_logprobs += out.new_token_ids_logprobs
         if out.input_logprobs is not None:
             self.input_logprobs = out.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs or []
+            self.input_token_ids_logprobs = out.input_token_ids_logprobs or []
         self.last = out
 
     def take_delta(self) -> StrOut:
@@ -77,7 +85,8 @@ class RequestState:
         if self.return_logprob:
             self._add_logprobs(delta)
         self.new_ids, self.new_logprobs, self.new_top_logprobs = [], [], []
-        self.input_logprobs, self.input_top_logprobs = None, []
+        self.new_token_ids_logprobs = []
+        self.input_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs = None, [], []
         return delta
 
     def progress(self) -> StrOut:
@@ -103,10 +112,16 @@ class RequestState:
         delta.new_logprobs = self._triples(self.new_logprobs)
         if self.top_logprobs_num:
             delta.new_top_logprobs = [self._triples(t) for t in self.new_top_logprobs]
+        if self.token_ids_logprob:
+            delta.new_token_ids_logprobs = [self._triples(t) for t in self.new_token_ids_logprobs]
         if self.input_logprobs is not None:
             delta.input_logprobs = self._triples(self.input_logprobs)
             if self.top_logprobs_num:
                 delta.input_top_logprobs = [self._triples(t) for t in self.input_top_logprobs]
+            if self.token_ids_logprob:
+                delta.input_token_ids_logprobs = [
+                    self._triples(t) for t in self.input_token_ids_logprobs
+                ]
 
     def result(self) -> dict[str, Any]:
         """The cumulative native result so far."""
@@ -169,16 +184,25 @@ class ResultAccumulator:
     grow (the text too: what was shown is never cut), so the result as of one delta is fixed
     by a few lengths: `add` returns those, and the dict is built only when asked."""
 
-    def __init__(self, rid: str, return_logprob: bool, top_logprobs_num: int) -> None:
+    def __init__(
+        self,
+        rid: str,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        token_ids_logprob: bool = False,
+    ) -> None:
         self.rid = rid
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob
         self.pieces: list[str] = []  # the text, in the deltas' pieces
         self.ids: list[int] = []
         self.logprobs: list[LogprobTriple] = []
         self.top_logprobs: list[list[LogprobTriple]] = []
         self.input_logprobs: list[LogprobTriple] = []
         self.input_top_logprobs: list[list[LogprobTriple]] = []
+        self.token_ids_logprobs: list[list[LogprobTriple]] = []
+        self.input_token_ids_logprobs: list[list[LogprobTriple]] = []
         self.embedding: list[float] | None = None  # an embedding request's, at the end
 
     def add(self, delta: StrOut, e2e_latency: float | None = None) -> ResultUpdate:
@@ -188,9 +212,11 @@ class ResultAccumulator:
         self.ids += delta.new_ids
         self.logprobs += delta.new_logprobs
         self.top_logprobs += delta.new_top_logprobs
+        self.token_ids_logprobs += delta.new_token_ids_logprobs
         if delta.input_logprobs is not None:
             self.input_logprobs = delta.input_logprobs
             self.input_top_logprobs = delta.input_top_logprobs or []
+            self.input_token_ids_logprobs = delta.input_token_ids_logprobs or []
         if delta.embedding is not None:
             self.embedding = delta.embedding
         return ResultUpdate(
@@ -224,6 +250,9 @@ class ResultAccumulator:
             if self.top_logprobs_num:
                 meta["input_top_logprobs"] = list(self.input_top_logprobs)
                 meta["output_top_logprobs"] = self.top_logprobs[: update.num_logprobs]
+            if self.token_ids_logprob:  # SGLang's names
+                meta["input_token_ids_logprobs"] = list(self.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = self.token_ids_logprobs[: update.num_logprobs]
         if self.embedding is not None:  # an embedding request: /encode's shape
             return {"embedding": self.embedding, "meta_info": meta}
         text = "".join(self.pieces[: update.num_pieces])

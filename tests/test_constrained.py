@@ -344,6 +344,25 @@ def test_the_running_requests_keep_decoding_while_a_grammar_compiles(engine, mon
     engine.check_kv_accounting()
 
 
+def test_a_rid_taken_by_a_request_whose_grammar_compiles_is_refused_to_another(
+    engine, monkeypatch
+):
+    """The refusal of a duplicate comes back at once while the first request's answer waits
+    for its grammar: each still reaches its own caller."""
+    regex = r"taken-[0-9]"
+    with compiles_held(engine, monkeypatch) as (entered, gate):
+        thread, first = in_thread(
+            engine.generate, input_ids=PROMPTS[0], sampling_params=greedy(regex=regex), rid="t"
+        )
+        assert entered.wait(60)
+        with pytest.raises(ValueError, match="already running"):
+            engine.generate(input_ids=PROMPTS[1], sampling_params=greedy(4), rid="t")
+        gate.set()
+        thread.join(60)
+    assert re.fullmatch(regex, first["out"]["text"]), first
+    engine.check_kv_accounting()
+
+
 def test_a_request_aborted_while_its_grammar_compiles_ends_there(engine, monkeypatch):
     regex = r"aborted-[a-c]{2}"
     with compiles_held(engine, monkeypatch) as (entered, _):

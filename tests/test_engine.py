@@ -131,6 +131,25 @@ def test_logprobs_of_a_cached_prefix_equal_those_from_scratch(tiny_model_dirs, r
     finish(engine)
 
 
+def test_token_ids_logprob_match_the_reference(tiny_model_dirs, reference):
+    """The named tokens' logprobs at every prompt and output position equal transformers'
+    log-softmax there, chunked prefill and a cached prefix included."""
+    engine = make_engine(tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=64)
+    named = [7, 3, 300]
+    kwargs = dict(return_logprob=True, logprob_start_len=0, token_ids_logprob=named)
+    for _ in range(2):  # cold, then its prompt cached
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy(4), **kwargs)
+        meta = out["meta_info"]
+        ids = PROMPTS[0] + out["output_ids"]
+        ref = torch.log_softmax(reference_logits(reference, ids), dim=-1)
+        rows = meta["input_token_ids_logprobs"][1:] + meta["output_token_ids_logprobs"]
+        assert meta["input_token_ids_logprobs"][0] == [] and len(rows) == len(ids) - 1
+        got = torch.tensor([[e[0] for e in row] for row in rows])
+        assert [[e[1] for e in row] for row in rows] == [named] * len(rows)
+        torch.testing.assert_close(got, ref[: len(rows), named], atol=1e-4, rtol=0)
+    finish(engine)
+
+
 def test_stop_conditions_and_finish_reasons(tiny_model_dirs, expected):
     engine = make_engine(tiny_model_dirs, max_total_tokens=4096)
     tok = engine.tokenizer

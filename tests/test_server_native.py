@@ -453,6 +453,75 @@ def test_input_logprobs_from_start(url):
         assert triple[0] <= top[0][0] + 1e-5  # the best alternative is at least as likely
 
 
+def test_token_ids_logprob_reports_the_named_tokens_at_every_position(url):
+    """SGLang's token_ids_logprob: each position's logprobs of the named tokens, in their
+    order, for the prompt from logprob_start_len (the first prompt token has none) and the
+    output; the same numbers as the chosen token's logprob and the top alternatives."""
+    text = "The capital of France is"
+    ids = tokenize(url, text)
+    named = tokenize(url, " Paris")[:1] + [ids[1], 0]
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 1,
+        "token_ids_logprob": named,
+        "return_text_in_logprobs": True,
+    }
+    meta = check_result(generate(url, body))
+    inputs, outputs = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+    assert len(inputs) == len(ids) and inputs[0] == []
+    assert len(outputs) == len(meta["output_token_logprobs"]) == 4
+    for entries in inputs[1:] + outputs:
+        assert [e[1] for e in entries] == named and all(e[0] <= 0 for e in entries)
+        assert entries[0][2] == " Paris"  # with return_text_in_logprobs
+    # the prompt's second token, named: its entry is its own input logprob
+    assert abs(inputs[1][1][0] - meta["input_token_logprobs"][1][0]) < 1e-4
+    for entries, chosen, (top,) in zip(
+        outputs, meta["output_token_logprobs"], meta["output_top_logprobs"]
+    ):
+        by_id = {e[1]: e[0] for e in entries}
+        if chosen[1] in by_id:  # greedy: the chosen token is the top one
+            assert abs(by_id[chosen[1]] - chosen[0]) < 1e-4 and chosen[1] == top[1]
+    assert outputs[0][0][0] == max(e[0] for e in outputs[0])  # " Paris" leads the three
+    # streamed: the same entries, chunk by chunk
+    chunks = stream(url, {**body, "stream": True}).read_all()
+    assert chunks[-1]["meta_info"]["output_token_ids_logprobs"] == outputs
+    # a batch may name tokens per prompt; without return_logprob nothing is reported
+    batch = generate(
+        url,
+        {
+            "text": [text, "Hi"],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "token_ids_logprob": [named[:1], [5, 6]],
+        },
+    )
+    assert [[e[1] for e in r["meta_info"]["output_token_ids_logprobs"][0]] for r in batch] == [
+        named[:1],
+        [5, 6],
+    ]
+    plain = generate(url, {**body, "return_logprob": False})["meta_info"]
+    assert "output_token_ids_logprobs" not in plain
+
+
+@pytest.mark.parametrize(
+    ("named", "words"),
+    [
+        ([-1], "outside the vocabulary"),
+        ([10**9], "outside the vocabulary"),
+        (list(range(1025)), "at most 1024"),
+        ([[1], [2]], "per prompt"),  # two lists for one prompt
+    ],
+)
+def test_bad_token_ids_logprob_is_a_400(url, named, words):
+    body = {"text": "Hi", "return_logprob": True, "token_ids_logprob": named}
+    r = post(url, "/generate", body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "token_ids_logprob"
+
+
 def test_score_continuations_picks_paris_and_heals(url):
     """/score_continuations does select's work in one call: SmolLM2 prefers " Paris", and a
     continuation whose first character merges with the prefix's last token ("(" + "(1)" →

@@ -476,7 +476,7 @@ def test_a_constraint_applies_after_the_reasoning(thinker):
     assert streamed["content"] == message.content and reason == "stop"
 
     def raw(**extra) -> str:
-        body = {"separate_reasoning": False, **extra}
+        body = {"separate_reasoning": False, "require_reasoning": True, **extra}
         return client.chat.completions.create(**kwargs, extra_body=body).choices[0].message.content
 
     text = raw()

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 COMPILE_NICENESS = 10  # added to the compile thread's nice value
 
+
 @dataclass
 class GrammarStats:
     mask_seconds: float = 0.0  # worker time spent computing masks

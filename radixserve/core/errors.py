@@ -28,6 +28,10 @@ class DuplicateRid(RequestRejected):
 
     kind = "duplicate_rid"
 
+    @classmethod
+    def of(cls, rid: str) -> DuplicateRid:
+        return cls(f"a request with rid {rid!r} is already running", "rid")
+
 
 class QueueFull(RequestRejected):
     """The waiting queue is at --max-queued-requests: retry later."""

@@ -35,6 +35,7 @@ class GenerateReq(Message):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False  # the detokenizer sends partial results only for streams
     embed: EmbedParams | None = None  # an embedding request (core/embedding.py)
@@ -53,6 +54,7 @@ class GenerateReq(Message):
             req.return_logprob,
             req.logprob_start_len,
             req.top_logprobs_num,
+            req.token_ids_logprob,
             return_text_in_logprobs,
             stream,
             req.embed,
@@ -69,6 +71,7 @@ class GenerateReq(Message):
             return_logprob=self.return_logprob,
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,
+            token_ids_logprob=self.token_ids_logprob,
             embed=self.embed,
             think=self.think,
         )

@@ -58,8 +58,11 @@ class ReqOutput(msgspec.Struct):
     completion_tokens: int
     new_logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
     new_top_logprobs: list[list[LogprobEntry]] = msgspec.field(default_factory=list)
+    # the logprobs of the request's token_ids_logprob, per new position
+    new_token_ids_logprobs: list[list[LogprobEntry]] = msgspec.field(default_factory=list)
     input_logprobs: list[LogprobEntry] | None = None  # once, with the first output
     input_top_logprobs: list[list[LogprobEntry]] | None = None
+    input_token_ids_logprobs: list[list[LogprobEntry]] | None = None
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
     cached_tiers: CachedTiers | None = None  # with the hierarchical cache on
     embedding: list[float] | None = None  # an embedding request's vector, on its last output
@@ -125,8 +128,10 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     completion_tokens: int
     new_logprobs: list[LogprobTriple] = msgspec.field(default_factory=list)
     new_top_logprobs: list[list[LogprobTriple]] = msgspec.field(default_factory=list)
+    new_token_ids_logprobs: list[list[LogprobTriple]] = msgspec.field(default_factory=list)
     input_logprobs: list[LogprobTriple] | None = None  # once, with the first delta
     input_top_logprobs: list[list[LogprobTriple]] | None = None
+    input_token_ids_logprobs: list[list[LogprobTriple]] | None = None
     spec: SpecCounts | None = None
     cached_tiers: CachedTiers | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its last one

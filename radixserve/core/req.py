@@ -26,6 +26,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # these tokens' logprobs at every position
     output_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
     think: ThinkBlock | None = None  # reasoning first, then the constraint (require_reasoning)
@@ -51,8 +52,10 @@ class Req:
     finish_reason: FinishReason | None = None
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
     output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     input_logprobs: list[LogprobEntry] = field(default_factory=list)
     input_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's vector, once finished
     created: float = field(default_factory=time.perf_counter)
 
@@ -77,6 +80,10 @@ class Req:
         if bad:
             raise ValueError(f"input_ids must be token ids in [0, {vocab}), got {bad[:5]}")
         self.params.verify_vocab(vocab)
+        named = self.token_ids_logprob or []
+        bad = [t for t in named if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token_ids_logprob must be token ids in [0, {vocab}), got {bad[:5]}")
         need = len(self.input_ids) + self.params.max_new_tokens
         if need > info.context_length:
             raise ValueError(

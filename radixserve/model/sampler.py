@@ -162,6 +162,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None  # (B,) logprob of each chosen token
     top_logprobs: torch.Tensor | None  # (B, K)
     top_ids: torch.Tensor | None  # (B, K)
+    all_logprobs: torch.Tensor | None = None  # (B, V), where asked (token_ids_logprob)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -253,6 +254,7 @@ class Sampler:
         batch: SamplingBatch,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        keep_logprobs: bool = False,
     ) -> SampleOutput:
         processed = process_logits(logits, batch)
         next_ids = first_argmax(processed)
@@ -261,10 +263,12 @@ class Sampler:
             noise = exponential_noise(batch.seeds, batch.steps, logits.shape[-1])
             drawn = first_argmax(probs / noise)
             next_ids = torch.where(batch.greedy, next_ids, drawn)
-        logprobs = top_lp = top_ids = None
-        if return_logprob or top_logprobs_num:
+        logprobs = top_lp = top_ids = all_lp = None
+        if return_logprob or top_logprobs_num or keep_logprobs:
             all_lp = torch.log_softmax(logits, dim=-1)
             logprobs = all_lp.gather(1, next_ids[:, None]).squeeze(1)
             if top_logprobs_num:
                 top_lp, top_ids = all_lp.topk(top_logprobs_num, dim=-1)
-        return SampleOutput(next_ids, logprobs, top_lp, top_ids)
+        return SampleOutput(
+            next_ids, logprobs, top_lp, top_ids, all_lp if keep_logprobs else None
+        )

@@ -1,5 +1,6 @@
 """Logprob bookkeeping, in one place: prompt-token logprobs from a prefill's logits, and the
-sampled token's logprob (with the top alternatives) after each step."""
+sampled token's logprob (with the top alternatives, and the logprobs of the tokens the
+request names in token_ids_logprob) after each step."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def record_input_logprobs(req: Req, logits: torch.Tensor, start: int) -> None:
     if start == 0 and _next_target(req) == 0:
         req.input_logprobs.append((None, ids[0]))
         req.input_top_logprobs.append([])
+        if req.token_ids_logprob:
+            req.input_token_ids_logprobs.append([])
     first = _next_target(req)
     targets = [p + 1 for p in range(start, start + len(logits))]
     keep = [(i, t) for i, t in enumerate(targets) if first <= t < len(ids)]
@@ -45,15 +48,25 @@ def record_input_logprobs(req: Req, logits: torch.Tensor, start: int) -> None:
         req.input_top_logprobs += [
             list(zip(lps, tids)) for lps, tids in zip(top_lp.tolist(), top_ids.tolist())
         ]
+    if req.token_ids_logprob:
+        req.input_token_ids_logprobs += _named(lp_all[rows], req.token_ids_logprob)
 
 
-def record_output_logprobs(
-    req: Req, out: SampleOutput, row: int
-) -> tuple[list[LogprobEntry], list[list[LogprobEntry]]]:
+def _named(logprobs: torch.Tensor, token_ids: list[int]) -> list[list[LogprobEntry]]:
+    """Each row's logprobs of `token_ids`, in their order."""
+    picked = logprobs[:, torch.tensor(token_ids)].tolist()
+    return [list(zip(row, token_ids)) for row in picked]
+
+
+StepLogprobs = tuple[list[LogprobEntry], list[list[LogprobEntry]], list[list[LogprobEntry]]]
+
+
+def record_output_logprobs(req: Req, out: SampleOutput, row: int) -> StepLogprobs:
     """Record the logprob of `req`'s latest sampled token (row `row` of the sampler's
-    output); returns the new entries (a delta for the step's output)."""
+    output), its top alternatives and its token_ids_logprob's; returns the new entries of
+    each (a delta for the step's output)."""
     if not req.return_logprob or out.logprobs is None:
-        return [], []
+        return [], [], []
     entry = (float(out.logprobs[row]), req.output_ids[-1])
     req.output_logprobs.append(entry)
     top: list[list[LogprobEntry]] = []
@@ -61,4 +74,8 @@ def record_output_logprobs(
         k = req.top_logprobs_num
         top = [list(zip(out.top_logprobs[row, :k].tolist(), out.top_ids[row, :k].tolist()))]
         req.output_top_logprobs += top
-    return [entry], top
+    named: list[list[LogprobEntry]] = []
+    if req.token_ids_logprob and out.all_logprobs is not None:
+        named = _named(out.all_logprobs[row : row + 1], req.token_ids_logprob)
+        req.output_token_ids_logprobs += named
+    return [entry], top, named

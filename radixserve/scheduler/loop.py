@@ -100,7 +100,7 @@ class SchedulerLoop:
             self.handle(msg)
         if self._compiling:
             self.settle_compiled()
-        if self._mapping and not messages and not scheduler.has_work:
+        if self._mapping and not messages and not scheduler.can_step:
             self._mapping = scheduler.map_idle_pages()
         if scheduler.has_work:
             step_start = time.perf_counter()
@@ -166,7 +166,7 @@ class SchedulerLoop:
                 "(--max-queued-requests); retry later"
             )
         if any(req.rid == msg.rid for req in scheduler.live()):
-            raise DuplicateRid(f"a request with rid {msg.rid!r} is already running", "rid")
+            raise DuplicateRid.of(msg.rid)
         try:
             return scheduler.add_request(msg.to_req())
         except ValueError as e:  # the request can never run here (GrammarError included)

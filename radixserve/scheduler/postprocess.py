@@ -41,6 +41,7 @@ class Update:
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[LogprobEntry] = field(default_factory=list)
     new_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    new_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
 
 
 def fail_request(req: Req, stats: SchedulerStats, what: str, error: Exception) -> None:
@@ -110,6 +111,7 @@ class OutputProcessor:
                 update.new_ids += step.new_ids
                 update.new_logprobs += step.new_logprobs
                 update.new_top_logprobs += step.new_top_logprobs
+                update.new_token_ids_logprobs += step.new_token_ids_logprobs
                 draft = drafts[i]
                 if j < len(draft) and not reqs[i].finished and step.new_ids == [draft[j]]:
                     accepted[i] += 1
@@ -125,7 +127,9 @@ class OutputProcessor:
         self.stats.generated_tokens += len(new)
         update.new_ids = new
         if new:
-            update.new_logprobs, update.new_top_logprobs = record_output_logprobs(req, out, row)
+            update.new_logprobs, update.new_top_logprobs, update.new_token_ids_logprobs = (
+                record_output_logprobs(req, out, row)
+            )
             req.finish_reason = self.stops.check(req)
 
     def _sample(
@@ -153,9 +157,10 @@ class OutputProcessor:
     ) -> SampleOutput:
         want_lp = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
+        named = any(r.return_logprob and r.token_ids_logprob for r in reqs)
         batch = SamplingBatch.for_requests(reqs, self.stops.eos_ids, self.vocab_size, self.device)
         batch.allowed = allowed
-        return self.sampler(logits, batch, want_lp, top_n)
+        return self.sampler(logits, batch, want_lp, top_n, keep_logprobs=named)
 
     def _accept(self, req: Req, token: int) -> list[int]:
         """The tokens a sampled token becomes: itself, or with jump-forward the forced text
@@ -189,8 +194,10 @@ def make_output(
         completion_tokens=len(req.output_ids),
         new_logprobs=list(update.new_logprobs),
         new_top_logprobs=list(update.new_top_logprobs),
+        new_token_ids_logprobs=list(update.new_token_ids_logprobs),
         input_logprobs=list(req.input_logprobs) if with_prompt else None,
         input_top_logprobs=list(req.input_top_logprobs) if with_prompt else None,
+        input_token_ids_logprobs=list(req.input_token_ids_logprobs) if with_prompt else None,
         spec=spec,
         cached_tiers=CachedTiers(*req.cached_lower) if req.cached_lower else None,
         embedding=req.embedding,

@@ -18,6 +18,9 @@ from radixserve.server.state import ServerState
 # (--max-queued-requests 2048), twice OpenAI's cap on n (128, checked by SamplingParams).
 MAX_SEQUENCES_PER_REQUEST = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per position: OpenAI's cap on top_logprobs, also native
+# tokens whose logprobs a native request may ask for at every position (each is a triple
+# in every position's entry: a classifier's labels, a teacher's candidates)
+MAX_TOKEN_IDS_LOGPROB = 1024
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,17 @@ def check_sequences(reqs: list[Req], state: ServerState, fields: Fields) -> None
         if req.top_logprobs_num > MAX_TOP_LOGPROBS:
             name = fields.name("top_logprobs_num")
             raise bad_request(f"{name} must be at most {MAX_TOP_LOGPROBS}", param=name)
+        named = req.token_ids_logprob or []
+        if len(named) > MAX_TOKEN_IDS_LOGPROB:
+            message = f"token_ids_logprob has {len(named)} ids; at most {MAX_TOKEN_IDS_LOGPROB}"
+            raise bad_request(message, param="token_ids_logprob")
+        bad = [t for t in named if not 0 <= t < model.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token_ids_logprob has token ids outside the vocabulary "
+                f"[0, {model.vocab_size}): {bad[:8]}",
+                param="token_ids_logprob",
+            )
 
 
 def _check_context(req: Req, state: ServerState, fields: Fields) -> None:

@@ -59,4 +59,5 @@ def request_state(req: GenerateReq, tokenizer) -> RequestState:
         req.return_logprob,
         req.top_logprobs_num,
         req.return_text_in_logprobs,
+        bool(req.token_ids_logprob),
     )

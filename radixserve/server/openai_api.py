@@ -266,7 +266,8 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     # a constraint (response_format, tool_choice, regex...) applies after the reasoning;
-    # None: so whenever the server has a reasoning parser (false: to the whole output)
+    # None: so whenever the server has a reasoning parser and separate_reasoning is on
+    # (false: to the whole output)
     require_reasoning: bool | None = None
 
     @field_validator("tools")

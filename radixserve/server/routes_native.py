@@ -59,7 +59,7 @@ class GenerateRequest(StrictBody):
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
-    token_ids_logprob: list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: int | None = None
@@ -75,7 +75,6 @@ class GenerateRequest(StrictBody):
 
 
 UNSUPPORTED = {
-    "token_ids_logprob": "token_ids_logprob is not supported yet",
     "image_data": "image_data: this server runs text-only models",
     "video_data": "video_data: this server runs text-only models",
     "audio_data": "audio_data: this server runs text-only models",
@@ -270,6 +269,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
                 body.rid,
                 body.priority,
                 max_sequences=MAX_SEQUENCES_PER_REQUEST,
+                token_ids_logprob=body.token_ids_logprob,
             ),
         )
     except ValueError as e:

@@ -86,7 +86,10 @@ async def chat_completions(
     )
     check_sequences(chat.reqs, state, CHAT_FIELDS)
     parser = state.config.server.reasoning_parser
-    if body.require_reasoning or (body.require_reasoning is None and parser is not None):
+    # by default with a parser that splits the reasoning out (else the whole text would reach
+    # the tool parsers, reasoning and all)
+    default = parser is not None and body.separate_reasoning
+    if body.require_reasoning or (body.require_reasoning is None and default):
         think_first(chat.reqs, parser, lambda _: chat.prompt)
     token_bytes = await _token_bytes(request, state) if body.logprobs else None
     thinking = reasoning_plan(

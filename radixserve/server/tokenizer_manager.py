@@ -192,7 +192,9 @@ class TokenizerManager:
                 raise bad_request(f"a request with rid {req.rid!r} is {state}", "rid")
         call = Call(self, reqs, given_rids(rid))
         for index, req in enumerate(reqs):
-            results = ResultAccumulator(req.rid, req.return_logprob, req.top_logprobs_num)
+            results = ResultAccumulator(
+                req.rid, req.return_logprob, req.top_logprobs_num, bool(req.token_ids_logprob)
+            )
             self.pending[req.rid] = _Track(call, index, results)
             self.to_scheduler.send(GenerateReq.from_req(req, return_text_in_logprobs, stream))
         return call
