@@ -99,13 +99,13 @@ class InProcessTransport:
         with self._lock:
             return [seq for seq, w in self.waiters.items() if named_by(seq, rid, w.names)]
 
-    def control(self, op: ControlOp) -> Future:
+    def control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Future:
         future: Future = Future()
         with self._lock:
             self._check_open()
             call_id = next(self._call_ids)
             self.controls[call_id] = future
-        self.inbox.put(ControlReq(call_id, op))
+        self.inbox.put(ControlReq(call_id, op, args or {}))
         return future
 
     def _check_open(self) -> None:
@@ -181,7 +181,7 @@ class InProcessTransport:
             if msg.error is not None:
                 future.set_exception(AssertionError(msg.error))
             else:
-                future.set_result(msg.result)
+                future.set_result(msg.update or msg.result)
 
     def alive(self) -> bool:
         return not self.stopped
@@ -383,6 +383,17 @@ class Engine:
         for seq in self._transport.named(rid) or [rid]:
             self._transport.inbox.put(AbortReq(seq))
 
+    def update_weights_from_disk(
+        self, model_path: str, abort_all_requests: bool = False
+    ) -> dict[str, Any]:
+        """Serve a checkpoint of the same model (a folder or .gguf) in place of the loaded
+        weights, as SGLang's: once the running requests end (or are aborted), with calls
+        made meanwhile waiting and then running on the new weights; the prefix cache is
+        emptied. Returns `{"success", "message", "num_paused_requests"}`; on a failure the
+        old weights stay."""
+        args = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        return self._control("update_weights", args).answer()
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing done) while requests are running."""
         return bool(self._control("flush_cache"))
@@ -500,11 +511,11 @@ class Engine:
             self._apply(state, await q.get())
             yield state.result()
 
-    def _control(self, op: ControlOp) -> Any:
+    def _control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Any:
         """Run a control op on the scheduler thread (the scheduler is not thread-safe)."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        return self._transport.control(op).result()
+        return self._transport.control(op, args).result()
 
     # -- the scheduler thread -------------------------------------------------------------
     def _run(self, progress: bool, built: Future[None]) -> None:

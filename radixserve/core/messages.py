@@ -8,7 +8,7 @@ direction. The transport moves them and knows nothing of their content.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -82,12 +82,14 @@ class AbortReq(Message):
     message: str = "aborted"
 
 
-ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting"]
+ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting", "update_weights"]
 
 
 class ControlReq(Message):
     call_id: int
     op: ControlOp
+    # update_weights: {"model_path": str, "abort_all_requests": bool}
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 # -- scheduler → edge ---------------------------------------------------------------------
@@ -100,9 +102,26 @@ class Rejected(Message):
     param: str | None = None  # the field at fault, where one is
 
 
+class WeightUpdate(msgspec.Struct):
+    """How an update_weights op ended (SGLang's answer, and the folder read)."""
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0  # requests that waited for it
+    model_path: str | None = None
+
+    def answer(self) -> dict[str, Any]:
+        return {
+            "success": self.success,
+            "message": self.message,
+            "num_paused_requests": self.num_paused_requests,
+        }
+
+
 class ControlReply(Message):
     call_id: int
     result: bool | SchedulerStats | None = None
+    update: WeightUpdate | None = None  # the answer to update_weights
     error: str | None = None  # the op failed (e.g. the KV accounting check)
 
 

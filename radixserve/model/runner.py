@@ -82,6 +82,21 @@ DEFAULT_CPU_MEM_FRACTION = 0.25
 DEFAULT_CUDA_MEM_FRACTION = 0.85
 
 
+# what a checkpoint must share with the loaded model to replace its weights
+SAME_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # (L, vocab) fp32, rows in the order of batch.logits_indices
@@ -230,6 +245,44 @@ class ModelRunner:
         running = config.scheduler.running_limit(self.max_total_tokens)
         max_batch = min(config.model.cuda_graph_max_bs or running, running)
         return DecodeGraphs(self.model, self.attention, max_batch)
+
+    def update_weights(self, model_path: str) -> Path:
+        """Serve the weights of `model_path` (a folder or .gguf of the same architecture and
+        shapes: a later checkpoint of the model, as an RL trainer writes them) in place of
+        the loaded ones; the tokenizer and the KV memory stay. Built beside the old model
+        and swapped in only once complete, so a failure (ModelLoadError) changes nothing.
+        Returns the folder read."""
+        if self.tp.size > 1:
+            raise ModelLoadError("updating weights is not supported under tensor parallelism")
+        folder = resolve_model_folder(model_path, self.config.model.cache_dir, progress=False)
+        hf_config, _ = load_config_and_tokenizer(folder)
+        differences = [
+            f"{key} {getattr(hf_config, key, None)} (loaded: {getattr(self.hf_config, key, None)})"
+            for key in SAME_SHAPE_KEYS
+            if getattr(hf_config, key, None) != getattr(self.hf_config, key, None)
+        ]
+        if read_architecture(folder) != read_architecture(self.model_folder):
+            differences.insert(0, f"architecture {read_architecture(folder)}")
+        if differences:
+            raise ModelLoadError(
+                f"{folder} is not the loaded model's shape: {', '.join(differences)}"
+            )
+        start = time.perf_counter()
+        model = build_model(
+            folder,
+            hf_config,
+            self.dtype,
+            self.device,
+            self.config.model.quantization,
+            self.config.model.cache_dir,
+            self.kernels,
+            self.tp,
+        )
+        self.model, self.model_folder = model, folder
+        if self.decode_graphs is not None:
+            self.decode_graphs = self._decode_graphs(self.config)
+        logger.info("weights updated from %s in %.1fs", folder, time.perf_counter() - start)
+        return folder
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""

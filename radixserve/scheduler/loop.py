@@ -25,6 +25,7 @@ from radixserve.core.messages import (
     Message,
     Rejected,
     SchedulerState,
+    WeightUpdate,
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.scheduler.scheduler import Scheduler
@@ -80,6 +81,10 @@ class SchedulerLoop:
         self._mapping = True  # KV pool pages may be left to map when idle (map_idle_pages)
         # requests admitted while their grammar compiles: accepted, or refused, once it has
         self._compiling: dict[str, GenerateReq] = {}
+        # a weight update waits for the live requests to end; requests that come after it
+        # wait for it (they run on the new weights)
+        self._update: ControlReq | None = None
+        self._after_update: list[GenerateReq] = []
 
     def run(self) -> None:
         try:
@@ -100,6 +105,8 @@ class SchedulerLoop:
             self.handle(msg)
         if self._compiling:
             self.settle_compiled()
+        if self._update is not None and not scheduler.has_work:
+            self.update_weights()
         if self._mapping and not messages and not scheduler.can_step:
             self._mapping = scheduler.map_idle_pages()
         if scheduler.has_work:
@@ -126,13 +133,58 @@ class SchedulerLoop:
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
-            self.add(msg)
+            if self._update is None:
+                self.add(msg)
+            elif len(self._after_update) >= self.max_queued:
+                error = QueueFull(
+                    f"{self.max_queued} requests already wait for a weight update to end "
+                    "(--max-queued-requests); retry later"
+                )
+                self.transport.reply(Rejected(msg.rid, error.kind, str(error)))
+            else:
+                self._after_update.append(msg)
         elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg.rid, msg.message)
+            self.abort(msg)
+        elif isinstance(msg, ControlReq) and msg.op == "update_weights":
+            self.wait_to_update(msg)
         elif isinstance(msg, ControlReq):
             self.transport.reply(self.control(msg))
         else:
             raise TypeError(f"the scheduler got an unexpected message {type(msg).__name__}")
+
+    def abort(self, msg: AbortReq) -> None:
+        waiting = [m for m in self._after_update if msg.rid is None or m.rid == msg.rid]
+        for held in waiting:  # queued behind a weight update: admitted, to end at once
+            self._after_update.remove(held)
+            self.add(held)
+        self.scheduler.abort(msg.rid, msg.message)
+
+    def wait_to_update(self, msg: ControlReq) -> None:
+        """A weight update runs once no request is live (`update_weights`); with
+        abort_all_requests, the live ones are aborted for it."""
+        if self._update is not None:
+            message = "another weight update is waiting for the running requests to end"
+            self.transport.reply(ControlReply(msg.call_id, update=WeightUpdate(False, message)))
+            return
+        self._update = msg
+        if msg.args.get("abort_all_requests"):
+            self.scheduler.abort(None, "aborted for a weight update")
+
+    def update_weights(self) -> None:
+        """Apply the waiting weight update (no request is live), answer it, then admit the
+        requests that came after it."""
+        msg, self._update = self._update, None
+        assert msg is not None
+        after, self._after_update = self._after_update, []
+        try:
+            folder = self.scheduler.update_weights(msg.args["model_path"])
+            update = WeightUpdate(True, f"loaded the weights of {folder}", len(after), folder)
+        except Exception as e:  # the old weights stay: say why, keep serving
+            logger.warning("the weight update from %s failed: %s", msg.args["model_path"], e)
+            update = WeightUpdate(False, str(e), len(after))
+        self.transport.reply(ControlReply(msg.call_id, update=update))
+        for queued in after:
+            self.add(queued)
 
     def add(self, msg: GenerateReq) -> None:
         try:

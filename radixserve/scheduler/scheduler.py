@@ -36,6 +36,7 @@ from radixserve.config import Config, HiCacheConfig, SchedulerConfig, Speculativ
 from radixserve.constrained.grammars import Grammars
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
+from radixserve.model.loader import ModelLoadError
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler import embedding
 from radixserve.scheduler.kv_manager import KVManager, build_tiers
@@ -175,6 +176,21 @@ class Scheduler:
             return False
         self.kv.flush()
         return True
+
+    def update_weights(self, model_path: str) -> str:
+        """Serve a checkpoint of the same model in place of the loaded weights (only with no
+        live request: the caller waits for that), then empty the prefix cache, whose K/V the
+        old weights computed. Raises ModelLoadError (nothing changed) if it cannot; returns
+        the folder read."""
+        assert not self.has_work, "weights change only between requests"
+        if self.kv.storage is not None:  # its pages outlive the process, keyed by model path
+            raise ModelLoadError(
+                "updating weights is not supported with the hierarchical cache's disk tier"
+            )
+        folder = self.runner.update_weights(model_path)
+        self.kv.flush()
+        self.info = msgspec.structs.replace(self.info, model_path=str(folder))
+        return str(folder)
 
     def state(self) -> SchedulerStats:
         """Counters, constrained-decoding figures and where every KV slot is."""

@@ -34,6 +34,8 @@ from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# a weight update waits for the running requests to end: as long as they may take
+UPDATE_WEIGHTS_TIMEOUT_S = 3600.0
 
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 
@@ -144,7 +146,7 @@ async def get_model_info(state: State) -> dict[str, Any]:
         "tokenizer_path": state.model.path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": state.manager.weight_version,
         "served_model_name": state.model_name,
         "chat_roles": roles.as_dict() if (roles := state.manager.chat_roles) else None,
     }
@@ -172,6 +174,44 @@ async def flush_cache(state: State) -> Response:
         "Cache not flushed: requests are still running; retry when the server is idle.\n",
         status_code=400,
     )
+
+
+class UpdateWeightsRequest(StrictBody):
+    """SGLang's /update_weights_from_disk body (its other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> Response:
+    """Serve a checkpoint of the same model (an RL trainer's latest) in place of the loaded
+    weights, as SGLang's route: once the running requests end (or are aborted, with
+    abort_all_requests), requests sent meanwhile waiting and then running on the new
+    weights; the prefix cache is emptied. `{"success", "message", "num_paused_requests"}`;
+    a failure (the old weights stay) is a 400 that also carries the error shape."""
+    if body.load_format not in (None, "auto"):
+        raise bad_request("load_format: only auto is supported", param="load_format")
+    args = {"model_path": body.model_path, "abort_all_requests": body.abort_all_requests}
+    replies = await state.manager.control("update_weights", UPDATE_WEIGHTS_TIMEOUT_S, args)
+    answer = {  # the replicas' answers as one
+        "success": all(r.success for r in replies),
+        "message": "; ".join(dict.fromkeys(r.message for r in replies)),
+        "num_paused_requests": sum(r.num_paused_requests for r in replies),
+    }
+    if not answer["success"]:
+        error = bad_request(answer["message"], param="model_path")
+        return JSONResponse({**answer, **error.body()}, status_code=400)
+    state.manager.weights_updated(replies[0].model_path, body.weight_version)
+    return JSONResponse(answer)
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(state: State) -> dict[str, Any]:
+    return {"weight_version": state.manager.weight_version}
 
 
 @router.post("/abort_request")

@@ -121,6 +121,7 @@ class TokenizerManager:
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
+        self.weight_version = "default"  # as the latest weight update named it (SGLang's)
         replicas = {f"scheduler{i}" for i in range(to_scheduler.size)}
         self.starting = {"detokenizer", *replicas}  # processes not ready yet
         self.to_scheduler = to_scheduler
@@ -145,6 +146,13 @@ class TokenizerManager:
         if msg.role.startswith("scheduler") and msg.info is not None:
             self.info = msg.info
         self.starting.discard(msg.role)
+
+    def weights_updated(self, folder: str, version: str | None) -> None:
+        """The schedulers serve the weights of `folder` now (named `version`, if given)."""
+        assert self.info is not None
+        self.info = msgspec.structs.replace(self.info, model_path=folder)
+        if version is not None:
+            self.weight_version = version
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -218,13 +226,15 @@ class TokenizerManager:
         if self.dead is None:
             self.to_scheduler.send(AbortReq(rid, message))
 
-    async def control(self, op: str, timeout: float = 30.0) -> list[Any]:
+    async def control(
+        self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None
+    ) -> list[Any]:
         """Every replica's answer to a control request, in replica order."""
         self.check_available()
         call_id = next(self.call_ids)
         future = asyncio.get_running_loop().create_future()
         self.controls[call_id] = _Gather(future, self.to_scheduler.size)
-        self.to_scheduler.send(ControlReq(call_id, op))
+        self.to_scheduler.send(ControlReq(call_id, op, args or {}))
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
@@ -327,7 +337,7 @@ class TokenizerManager:
         if errors:
             gather.future.set_exception(APIError(500, "; ".join(errors)))
             return
-        results = [r.result for r in gather.replies]
+        results = [r.update or r.result for r in gather.replies]
         if all(isinstance(r, SchedulerStats) for r in results):
             results = [r.as_dict() for r in sorted(results, key=lambda r: r.dp_rank)]
         gather.future.set_result(results)

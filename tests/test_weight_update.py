@@ -1,0 +1,146 @@
+"""Weight updates (SGLang's /update_weights_from_disk, as RL trainers drive it): a checkpoint
+of the same model replaces the loaded weights between requests; outputs are then those of
+the new weights (transformers' greedy on them), the prefix cache forgets the old K/V, and a
+checkpoint that does not fit is refused with the old weights kept. Through the Engine, and
+the route through a real server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from radixserve import Engine
+from tests.conftest import FP32, build_tiny_model
+from tests.reference import greedy_of_folder, greedy_params
+from tests.server_utils import ServerProcess, assert_kv_clean
+
+PROMPT = [(5 * i) % 300 + 40 for i in range(60)]
+STEPS = 12
+LONG = 400  # a request long enough to be running when an update comes
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict:
+    """The tiny Llama, a later checkpoint of it (other weights, same shapes), and what
+    transformers makes of the prompt with each."""
+    first = tiny_model_dirs["llama"]
+    later = build_tiny_model(tmp_path_factory.mktemp("later") / "model", "llama", seed=1)
+    expected = {f: greedy_of_folder(f, [PROMPT], STEPS)[0] for f in (first, later)}
+    assert expected[first] != expected[later]
+    return {"first": first, "later": later, "expected": expected}
+
+
+def test_the_engine_serves_the_new_weights_and_forgets_the_old_cache(checkpoints, tiny_model_dirs):
+    first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        run = lambda: engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))  # noqa: E731
+        assert run()["output_ids"] == expected[first]
+        result = engine.update_weights_from_disk(str(later))
+        assert result["success"] and result["num_paused_requests"] == 0, result
+        after = run()
+        assert after["output_ids"] == expected[later]
+        assert after["meta_info"]["cached_tokens"] == 0  # the old weights' K/V are gone
+        assert run()["meta_info"]["cached_tokens"] > 0  # the new ones' are cached
+        # what does not fit is refused, and the weights stay
+        for path, words in [
+            (tiny_model_dirs["qwen3"], "not the loaded model's shape"),
+            (later.parent / "missing", "missing"),
+        ]:
+            result = engine.update_weights_from_disk(str(path))
+            assert not result["success"] and words in result["message"], result
+            assert run()["output_ids"] == expected[later]
+        assert engine.update_weights_from_disk(str(first))["success"]
+        assert run()["output_ids"] == expected[first]
+        engine.check_kv_accounting()
+
+
+def test_an_update_waits_for_the_running_requests_and_runs_before_later_ones(checkpoints):
+    """A request running when the update comes ends on the old weights; one sent while the
+    update waits for it runs after it, on the new weights."""
+    first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
+    long = greedy_params(LONG)
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        old = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
+        stream = engine.generate(input_ids=PROMPT, sampling_params=long, stream=True)
+        next(stream)  # running
+        box: dict = {}
+        updater = threading.Thread(
+            target=lambda: box.update(result=engine.update_weights_from_disk(str(later)))
+        )
+        updater.start()
+        deadline = time.monotonic() + TIMEOUT
+        while engine._loop._update is None and updater.is_alive():  # until it waits
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        after = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))
+        running = list(stream)[-1]
+        updater.join(TIMEOUT)
+        assert running["output_ids"] == old  # all of it on the old weights
+        assert after["output_ids"] == expected[later]
+        assert box["result"] == {
+            "success": True,
+            "message": f"loaded the weights of {later}",
+            "num_paused_requests": 1,  # `after`, held until the update
+        }
+
+
+def test_abort_all_requests_ends_the_running_ones_for_the_update(checkpoints):
+    first, later = checkpoints["first"], checkpoints["later"]
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        stream = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(LONG), stream=True)
+        next(stream)
+        result = engine.update_weights_from_disk(str(later), abort_all_requests=True)
+        assert result["success"], result
+        last = list(stream)[-1]["meta_info"]
+        assert last["finish_reason"] == {"type": "abort", "message": "aborted for a weight update"}
+        assert last["completion_tokens"] < LONG
+        engine.check_kv_accounting()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    log = tmp_path_factory.mktemp("weights-server") / "server.log"
+    proc = ServerProcess(
+        "--model-path", str(checkpoints["first"]), "--max-total-tokens", "4000", log=log
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_the_route_answers_as_sglang_and_names_the_version(server, checkpoints):
+    later, expected = checkpoints["later"], checkpoints["expected"]
+    body = {"input_ids": PROMPT, "sampling_params": greedy_params(STEPS)}
+    r = requests.post(
+        server.url + "/update_weights_from_disk",
+        json={"model_path": str(later), "weight_version": "step-7"},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "success": True,
+        "message": f"loaded the weights of {later}",
+        "num_paused_requests": 0,
+    }
+    out = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT).json()
+    assert out["output_ids"] == expected[later]
+    info = requests.get(server.url + "/get_model_info", timeout=TIMEOUT).json()
+    assert info["weight_version"] == "step-7" and info["model_path"] == str(later)
+    version = requests.get(server.url + "/get_weight_version", timeout=TIMEOUT).json()
+    assert version == {"weight_version": "step-7"}
+    # a failure: SGLang's fields and the error shape, a 400; the weights stay
+    r = requests.post(
+        server.url + "/update_weights_from_disk",
+        json={"model_path": str(later.parent / "missing")},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert r.json()["error"]["param"] == "model_path" and "missing" in r.json()["message"]
+    out = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT).json()
+    assert out["output_ids"] == expected[later]
+    assert_kv_clean(server)
