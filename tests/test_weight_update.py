@@ -6,6 +6,7 @@ the route through a real server."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -56,6 +57,19 @@ def test_the_engine_serves_the_new_weights_and_forgets_the_old_cache(checkpoints
         assert engine.update_weights_from_disk(str(first))["success"]
         assert run()["output_ids"] == expected[first]
         engine.check_kv_accounting()
+
+
+def test_the_loaded_checkpoint_may_be_gone_from_disk(checkpoints, tmp_path):
+    """RL trainers keep only their latest checkpoints: the folder loaded first may have
+    been deleted by the time the next one comes."""
+    step1 = tmp_path / "step1"
+    shutil.copytree(checkpoints["first"], step1)
+    with Engine(str(step1), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        shutil.rmtree(step1)
+        result = engine.update_weights_from_disk(str(checkpoints["later"]))
+        assert result["success"], result
+        out = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))
+        assert out["output_ids"] == checkpoints["expected"][checkpoints["later"]]
 
 
 def test_an_update_waits_for_the_running_requests_and_runs_before_later_ones(checkpoints):

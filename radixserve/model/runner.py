@@ -146,6 +146,7 @@ class ModelRunner:
             config.model.model_path, config.model.cache_dir, progress=progress
         )
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
+        self.architecture = read_architecture(self.model_folder)  # (the folder may go)
         self.model = build_model(
             self.model_folder,
             self.hf_config,
@@ -168,7 +169,7 @@ class ModelRunner:
         self.max_total_tokens = self.tp.broadcast_int(self._kv_pool_size())  # pools match
         self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
-        self.decode_graphs = self._decode_graphs(config)
+        self.decode_graphs = self._decode_graphs(config, self.model)
         # a step's last layer runs past its K/V for the logits rows alone
         # (ForwardBatch.logits_rows); off: every row (benchmarks/last_layer_rows.py)
         self.narrow_last_layer = True
@@ -227,7 +228,7 @@ class ModelRunner:
             device_kernel=device_decode_kernel(self.device),
         )
 
-    def _decode_graphs(self, config: Config) -> DecodeGraphs | None:
+    def _decode_graphs(self, config: Config, model: CausalLM) -> DecodeGraphs | None:
         """On CUDA, decode steps captured in CUDA graphs (cuda_graph.py), unless turned off
         or the step is one they do not take (then it runs eagerly, said in the log)."""
         if self.device.type != "cuda" or config.model.disable_cuda_graph:
@@ -244,14 +245,15 @@ class ModelRunner:
             return None
         running = config.scheduler.running_limit(self.max_total_tokens)
         max_batch = min(config.model.cuda_graph_max_bs or running, running)
-        return DecodeGraphs(self.model, self.attention, max_batch)
+        return DecodeGraphs(model, self.attention, max_batch)
 
     def update_weights(self, model_path: str) -> Path:
         """Serve the weights of `model_path` (a folder or .gguf of the same architecture and
         shapes: a later checkpoint of the model, as an RL trainer writes them) in place of
         the loaded ones; the tokenizer and the KV memory stay. Built beside the old model
-        and swapped in only once complete, so a failure (ModelLoadError) changes nothing.
-        Returns the folder read."""
+        (room for a second copy of the weights is needed meanwhile) and swapped in only once
+        complete, CUDA graphs included, so a failure changes nothing. Returns the folder
+        read."""
         if self.tp.size > 1:
             raise ModelLoadError("updating weights is not supported under tensor parallelism")
         folder = resolve_model_folder(model_path, self.config.model.cache_dir, progress=False)
@@ -261,7 +263,7 @@ class ModelRunner:
             for key in SAME_SHAPE_KEYS
             if getattr(hf_config, key, None) != getattr(self.hf_config, key, None)
         ]
-        if read_architecture(folder) != read_architecture(self.model_folder):
+        if read_architecture(folder) != self.architecture:
             differences.insert(0, f"architecture {read_architecture(folder)}")
         if differences:
             raise ModelLoadError(
@@ -278,9 +280,15 @@ class ModelRunner:
             self.kernels,
             self.tp,
         )
-        self.model, self.model_folder = model, folder
-        if self.decode_graphs is not None:
-            self.decode_graphs = self._decode_graphs(self.config)
+        # what the attention backend took from the loaded model must hold for this one
+        if (model.attention_scale, model.attention_windows) != (
+            self.model.attention_scale,
+            self.model.attention_windows,
+        ):
+            raise ModelLoadError(f"{folder}: its attention scale or windows differ")
+        graphs = None if self.decode_graphs is None else self._decode_graphs(self.config, model)
+        self.model, self.model_folder, self.hf_config = model, folder, hf_config
+        self.decode_graphs = graphs
         logger.info("weights updated from %s in %.1fs", folder, time.perf_counter() - start)
         return folder
 

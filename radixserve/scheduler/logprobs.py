@@ -49,12 +49,15 @@ def record_input_logprobs(req: Req, logits: torch.Tensor, start: int) -> None:
             list(zip(lps, tids)) for lps, tids in zip(top_lp.tolist(), top_ids.tolist())
         ]
     if req.token_ids_logprob:
-        req.input_token_ids_logprobs += _named(lp_all[rows], req.token_ids_logprob)
+        req.input_token_ids_logprobs += _named(lp_all, rows, req.token_ids_logprob)
 
 
-def _named(logprobs: torch.Tensor, token_ids: list[int]) -> list[list[LogprobEntry]]:
-    """Each row's logprobs of `token_ids`, in their order."""
-    picked = logprobs[:, torch.tensor(token_ids)].tolist()
+def _named(
+    logprobs: torch.Tensor, rows: torch.Tensor, token_ids: list[int]
+) -> list[list[LogprobEntry]]:
+    """The logprobs of `token_ids` (in their order) in each of `rows`: (rows, ids) alone
+    gathered, not a copy of whole rows."""
+    picked = logprobs[rows[:, None], torch.tensor(token_ids)[None, :]].tolist()
     return [list(zip(row, token_ids)) for row in picked]
 
 
@@ -76,6 +79,6 @@ def record_output_logprobs(req: Req, out: SampleOutput, row: int) -> StepLogprob
         req.output_top_logprobs += top
     named: list[list[LogprobEntry]] = []
     if req.token_ids_logprob and out.all_logprobs is not None:
-        named = _named(out.all_logprobs[row : row + 1], req.token_ids_logprob)
+        named = _named(out.all_logprobs, torch.tensor([row]), req.token_ids_logprob)
         req.output_token_ids_logprobs += named
     return [entry], top, named

@@ -203,6 +203,11 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
         "num_paused_requests": sum(r.num_paused_requests for r in replies),
     }
     if not answer["success"]:
+        if any(r.success for r in replies):  # data parallelism: say what each serves now
+            answer["message"] = (
+                "the replicas now serve different weights: "
+                + "; ".join(f"replica {i}: {r.message}" for i, r in enumerate(replies))
+            )
         error = bad_request(answer["message"], param="model_path")
         return JSONResponse({**answer, **error.body()}, status_code=400)
     state.manager.weights_updated(replies[0].model_path, body.weight_version)
