@@ -185,6 +185,24 @@ def test_a_constraint_after_a_block_of_reasoning(backend, constraint, text, vali
     assert (complete and matcher.accept(tokens) and matcher.is_accepting) == bool(valid)
 
 
+def test_the_text_of_an_added_token_is_text(backend):
+    """Added tokens that are not special (Qwen's <think>, <tool_call>) match their text:
+    a grammar that writes it takes the token, or its pieces. (llguidance alone holds them
+    special and refused the token its own mask offered for that text.)"""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    added = LLGuidanceBackend(tokenizer, VOCAB + 2)
+    think = Constraint("regex", "<think>\n[ab]")
+    pieces = added.tokenize_bytes(b"<think>\na")
+    assert VOCAB not in pieces
+    for tokens in ([VOCAB, *added.tokenize_bytes(b"\na")], pieces):
+        matcher = added.matcher(think)
+        assert matcher.accept(tokens) and matcher.is_accepting, tokens
+    bitmask = torch.full((1, (VOCAB + 2 + 31) // 32), -1, dtype=torch.int32)
+    added.fill_masks([added.matcher(Constraint("regex", "x|<think>y"))], bitmask)
+    assert unpack_bitmask(bitmask, VOCAB + 2)[0][VOCAB]  # offered where not forced
+
+
 def test_a_block_the_prompt_opened_comes_first_and_ends_with_a_special_token(backend):
     inside = Constraint("regex", DATE, dataclasses.replace(THINKING, inside=True))
     for text, valid in [("free, {text}</think>2024-05-17", True), ("2024-05-17", False)]:

@@ -316,16 +316,10 @@ def serve_hermes(root, added_tokens: tuple[str, ...] = ()):
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    yield from serve_hermes(tmp_path_factory.mktemp("tools-hermes"))
-
-
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    """The same with <think> and </think> one token each (ids 512 and 513), as in Qwen3's
-    vocabulary, so that a bias can push the model to write them. (Not in `hermes`: there,
-    regexes write <think> as text, and llguidance forces the added token for that text at a
-    grammar's start, then refuses it.)"""
-    yield from serve_hermes(tmp_path_factory.mktemp("thinker"), (THINK, END_THINK))
+    """With <think> and </think> one (added) token each, ids 512 and 513, as in Qwen3's
+    vocabulary: a bias can push the model to write them, and regexes that write them as
+    text must still work (constrained/llguidance_backend.text_tokenizer)."""
+    yield from serve_hermes(tmp_path_factory.mktemp("tools-hermes"), (THINK, END_THINK))
 
 
 def hermes_client(hermes) -> openai.OpenAI:
@@ -451,15 +445,15 @@ DIGIT = {
 }
 
 
-def test_a_constraint_applies_after_the_reasoning(thinker):
+def test_a_constraint_applies_after_the_reasoning(hermes):
     """With --reasoning-parser, a chat request's constraint applies after the model's block of
     reasoning (require_reasoning, on by default), whose text is free. The tiny model is
     pushed to open the block (<think>, +50) and to end it (</think>, +100): it may only
     open it where the prompt has not (the schema comes first otherwise), then ends it at
     once, and the schema holds after it. With require_reasoning false the schema holds from
     the first token, whatever the bias."""
-    client = hermes_client(thinker)
-    tokenizer = AutoTokenizer.from_pretrained(thinker[1])
+    client = hermes_client(hermes)
+    tokenizer = AutoTokenizer.from_pretrained(hermes[1])
     think, end = tokenizer.convert_tokens_to_ids([THINK, END_THINK])
     kwargs = dict(
         model="m",
@@ -490,7 +484,7 @@ def test_a_constraint_applies_after_the_reasoning(thinker):
     jsonschema.validate(json.loads(raw(require_reasoning=False)), DIGIT)
     # the native API asks for it by name (SGLang's require_reasoning)
     r = requests.post(
-        thinker[0].url + "/generate",
+        hermes[0].url + "/generate",
         json={
             "text": "Yes or no?",
             "sampling_params": {
@@ -504,7 +498,7 @@ def test_a_constraint_applies_after_the_reasoning(thinker):
         timeout=TIMEOUT,
     )
     assert re.fullmatch(r"<think></think>\s*(yes|no)", r.json()["text"]), r.text
-    assert_kv_clean(thinker[0])
+    assert_kv_clean(hermes[0])
 
 
 def test_a_block_the_prompt_opens_and_a_tool_call_after_the_reasoning(hermes):

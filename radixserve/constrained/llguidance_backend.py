@@ -4,6 +4,7 @@ bytes a grammar forces, which jump-forward appends."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -11,7 +12,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
 from radixserve.constrained.schema import JSON_DEFAULTS, one_line
@@ -70,7 +70,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.tokenizer = text_tokenizer(tokenizer, vocab_size)
         self.executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         # each constraint compiled, most recently used last: the validated matcher at the
         # start of its grammar (requests get copies), or the error that refused it. Refusals
@@ -181,6 +181,37 @@ class LLGuidanceBackend(GrammarBackend):
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
         return self.tokenizer.tokenize_bytes(data)
+
+
+def text_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> llguidance.LLTokenizer:
+    """llguidance's wrapper of a fast tokenizer (as `llguidance.hf.from_tokenizer`), with
+    the added tokens that are not special (Qwen's `<think>`, `<tool_call>`) made the text
+    they stand for. llguidance 1.9.1 holds every added token special: where a grammar
+    forced the text of one, its mask offered only that token, which its parser then
+    refused (a regex writing `<think>` was refused, or aborted mid-output). Moved into the
+    BPE vocabulary, such a token matches its text like any other; those whose text the
+    vocabulary would spell otherwise (spaces, non-ASCII) stay as they are."""
+    backend = copy.copy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") == "BPE" and isinstance(model.get("vocab"), dict):
+        vocab = model["vocab"]
+        plain = [
+            added
+            for added in spec.get("added_tokens", [])
+            if not added["special"]
+            and added["content"] not in vocab
+            and added["content"].isascii()
+            and added["content"].isprintable()
+            and " " not in added["content"]
+        ]
+        for added in plain:
+            vocab[added["content"]] = added["id"]
+        spec["added_tokens"] = [a for a in spec["added_tokens"] if a not in plain]
+    eos = tokenizer.eos_token_id
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos)
 
 
 def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
