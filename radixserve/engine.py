@@ -37,6 +37,7 @@ from radixserve.core.messages import (
     SchedulerState,
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
+from radixserve.core.reasoning import PROMPT_TAIL, think_block
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
 from radixserve.model.runner import ModelRunner, run_follower
@@ -267,6 +268,7 @@ class Engine:
         rid: str | list[str] | None = None,
         priority: int | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        require_reasoning: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Native-API generation: one prompt gives a dict, a list gives a list (n > 1 gives
         n results per prompt); `stream=True` gives an iterator of cumulative results."""
@@ -282,6 +284,7 @@ class Engine:
             priority,
             stream,
             token_ids_logprob,
+            require_reasoning,
         )
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
@@ -304,6 +307,7 @@ class Engine:
         rid: str | list[str] | None = None,
         priority: int | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        require_reasoning: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio: awaitable result, or an async iterator when streaming."""
         reqs, states, single = self._make_requests(
@@ -318,6 +322,7 @@ class Engine:
             priority,
             stream,
             token_ids_logprob,
+            require_reasoning,
         )
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
@@ -438,6 +443,7 @@ class Engine:
         priority=None,
         stream=False,
         token_ids_logprob=None,
+        require_reasoning=False,
     ) -> tuple[list[Req], list[RequestState], bool]:
         """Validated requests (one per prompt and per `n`), their result states, and whether
         the caller gets a single result rather than a list."""
@@ -455,6 +461,16 @@ class Engine:
         )
         if stream and len(expanded.reqs) != 1:
             raise ValueError("stream=True takes a single prompt with n=1")
+        if require_reasoning:  # a constraint after the reasoning (server/reasoning.py)
+            parser = self.config.server.reasoning_parser
+            if parser is None:
+                raise ValueError(
+                    "require_reasoning needs an Engine made with reasoning_parser=... (it "
+                    "names the model's reasoning tags)"
+                )
+            for req in expanded.reqs:
+                prompt_end = self.tokenizer.decode(req.input_ids[-PROMPT_TAIL:])
+                req.think = think_block(parser, prompt_end)
         states = [
             RequestState(
                 req.rid,

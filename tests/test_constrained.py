@@ -21,7 +21,7 @@ from radixserve.constrained.base import Constraint, GrammarError, unpack_bitmask
 from radixserve.constrained.grammars import jump_forward
 from radixserve.constrained.llguidance_backend import LLGuidanceBackend
 from radixserve.core.sampling_params import SamplingParams, ThinkBlock
-from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER
+from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER, build_tiny_model
 
 VOCAB = TINY_SHAPE["vocab_size"]
 
@@ -224,6 +224,25 @@ def test_a_block_the_prompt_opened_comes_first_and_ends_with_a_special_token(bac
     assert matcher.accept([end, *special.tokenize_bytes(b"\nno")]) and matcher.is_accepting
 
 
+def test_the_engine_takes_require_reasoning_with_a_reasoning_parser(tmp_path):
+    """Engine.generate(require_reasoning=True), as /generate's: the regex applies after the
+    block, which the model (pushed by a bias to write <think> then </think>, one token each
+    in this vocabulary) may open; an Engine without a parser refuses it."""
+    folder = build_tiny_model(tmp_path / "model", "llama", added_tokens=("<think>", "</think>"))
+    bias = {str(VOCAB): 50.0, str(VOCAB + 1): 100.0}
+    params = greedy(20, regex="(yes|no)", logit_bias=bias)
+    config = dict(progress=False, max_total_tokens=2048, dtype=FP32)
+    with Engine(str(folder), reasoning_parser="qwen3", **config) as e:
+        out = e.generate(input_ids=PROMPTS[0], sampling_params=params, require_reasoning=True)
+        assert re.fullmatch(r"<think></think>\s*(yes|no)", out["text"]), out["text"]
+        assert re.fullmatch(
+            "(yes|no)", e.generate(input_ids=PROMPTS[0], sampling_params=params)["text"]
+        )
+    with Engine(str(folder), **config) as e:
+        with pytest.raises(ValueError, match="reasoning_parser"):
+            e.generate(input_ids=PROMPTS[0], sampling_params=params, require_reasoning=True)
+
+
 def test_jump_forward_appends_forced_text_as_the_tokenizer_writes_it(backend):
     matcher = backend.matcher(Constraint("json_schema", json.dumps(PERSON)))
     first = backend.tokenize_bytes(b"{")[0]
@@ -362,9 +381,7 @@ def test_the_running_requests_keep_decoding_while_a_grammar_compiles(engine, mon
     engine.check_kv_accounting()
 
 
-def test_a_rid_taken_by_a_request_whose_grammar_compiles_is_refused_to_another(
-    engine, monkeypatch
-):
+def test_a_rid_taken_by_a_request_whose_grammar_compiles_is_refused_to_another(engine, monkeypatch):
     """The refusal of a duplicate comes back at once while the first request's answer waits
     for its grammar: each still reaches its own caller."""
     regex = r"taken-[0-9]"

@@ -22,40 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.core.reasoning import REASONING_FORMATS, ReasoningFormat, think_block
 from radixserve.core.req import Req
-from radixserve.core.sampling_params import ThinkBlock
 from radixserve.server.errors import bad_request
 from radixserve.text_stream import partial_stop_len
-
-PROMPT_TAIL = 64  # the prompt's last tokens, decoded, show whether it opens a block
-
-
-@dataclass(frozen=True)
-class ReasoningFormat:
-    start: str
-    end: str
-    always_inside: bool = False  # the model reasons from its first token, start tag or not
-    # text that closes the block without its end tag and begins the content (Qwen3 may open
-    # a tool call straight from its reasoning)
-    closed_by: tuple[str, ...] = ()
-
-    def opened_by(self, prompt: str) -> bool:
-        """Whether the output starts inside a block: the format says so, or the prompt (the
-        rendered chat template) leaves one open."""
-        if self.always_inside:
-            return True
-        opened = prompt.rfind(self.start)
-        return opened >= 0 and opened > prompt.rfind(self.end)
-
-
-REASONING_FORMATS = {
-    "deepseek-r1": ReasoningFormat("<think>", "</think>", always_inside=True),
-    "qwen3": ReasoningFormat("<think>", "</think>", closed_by=("<tool_call>",)),
-    "qwen3-thinking": ReasoningFormat(
-        "<think>", "</think>", always_inside=True, closed_by=("<tool_call>",)
-    ),
-    "kimi": ReasoningFormat("◁think▷", "◁/think▷"),
-}
 
 
 @dataclass(frozen=True)
@@ -147,18 +117,13 @@ def reasoning_plan(
 
 def think_first(reqs: list[Req], parser: str | None, prompt_of: Callable[[Req], str]) -> None:
     """require_reasoning: each request's constraint applies after a block of reasoning
-    (`ThinkBlock`), which the output starts inside where its prompt opened one (`prompt_of`
-    gives the prompt's text, or enough of its end), and may open itself otherwise, unless
-    the prompt ends with a block closed (Qwen3's template with thinking off closes an empty
-    one): then the constraint applies to the whole output, as without a parser."""
+    (`core/reasoning.think_block`; `prompt_of` gives the prompt's text, or enough of its
+    end); a 400 without a parser."""
     if parser is None:
         raise bad_request(
             "require_reasoning needs a server started with --reasoning-parser (it names the "
             "model's reasoning tags)",
             "require_reasoning",
         )
-    fmt = REASONING_FORMATS[parser]
     for req in reqs:
-        prompt = prompt_of(req)
-        if not prompt.rstrip().endswith(fmt.end):
-            req.think = ThinkBlock(fmt.start, fmt.end, fmt.opened_by(prompt))
+        req.think = think_block(parser, prompt_of(req))

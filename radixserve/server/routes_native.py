@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ConfigDict, WithJsonSchema
 
 from radixserve import __version__
+from radixserve.core.reasoning import PROMPT_TAIL
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
@@ -28,7 +29,7 @@ from radixserve.server.checks import (
 )
 from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
-from radixserve.server.reasoning import PROMPT_TAIL, think_first
+from radixserve.server.reasoning import think_first
 from radixserve.server.state import State
 from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
