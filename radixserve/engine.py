@@ -37,7 +37,7 @@ from radixserve.core.messages import (
     SchedulerState,
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
-from radixserve.core.reasoning import PROMPT_TAIL, think_block
+from radixserve.core.reasoning import give_think_blocks
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
 from radixserve.model.runner import ModelRunner, run_follower
@@ -468,9 +468,7 @@ class Engine:
                     "require_reasoning needs an Engine made with reasoning_parser=... (it "
                     "names the model's reasoning tags)"
                 )
-            for req in expanded.reqs:
-                prompt_end = self.tokenizer.decode(req.input_ids[-PROMPT_TAIL:])
-                req.think = think_block(parser, prompt_end)
+            give_think_blocks(expanded.reqs, parser, self.tokenizer.decode)
         states = [
             RequestState(
                 req.rid,

@@ -5,9 +5,14 @@ and the Engine both give requests their block here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from radixserve.core.sampling_params import ThinkBlock
+
+if TYPE_CHECKING:
+    from radixserve.core.req import Req
 
 PROMPT_TAIL = 64  # the prompt's last tokens, decoded, show whether it opens a block
 
@@ -49,3 +54,10 @@ def think_block(parser: str, prompt: str) -> ThinkBlock | None:
     if prompt.rstrip().endswith(fmt.end):
         return None
     return ThinkBlock(fmt.start, fmt.end, fmt.opened_by(prompt))
+
+
+def give_think_blocks(reqs: Sequence[Req], parser: str, decode: Callable[[list[int]], str]) -> None:
+    """require_reasoning for `reqs`: each gets its `think_block`, read off the decoded end of
+    its prompt (`decode`: the tokenizer's)."""
+    for req in reqs:
+        req.think = think_block(parser, decode(req.input_ids[-PROMPT_TAIL:]))

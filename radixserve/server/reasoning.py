@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.core.reasoning import REASONING_FORMATS, ReasoningFormat, think_block
+from radixserve.core.reasoning import REASONING_FORMATS, ReasoningFormat, give_think_blocks
 from radixserve.core.req import Req
 from radixserve.server.errors import bad_request
 from radixserve.text_stream import partial_stop_len
@@ -115,15 +115,13 @@ def reasoning_plan(
     return ReasoningPlan(fmt, fmt.opened_by(prompt), stream_reasoning)
 
 
-def think_first(reqs: list[Req], parser: str | None, prompt_of: Callable[[Req], str]) -> None:
+def think_first(reqs: list[Req], parser: str | None, decode: Callable[[list[int]], str]) -> None:
     """require_reasoning: each request's constraint applies after a block of reasoning
-    (`core/reasoning.think_block`; `prompt_of` gives the prompt's text, or enough of its
-    end); a 400 without a parser."""
+    (`core/reasoning.give_think_blocks`); a 400 without a parser."""
     if parser is None:
         raise bad_request(
             "require_reasoning needs a server started with --reasoning-parser (it names the "
             "model's reasoning tags)",
             "require_reasoning",
         )
-    for req in reqs:
-        req.think = think_block(parser, prompt_of(req))
+    give_think_blocks(reqs, parser, decode)

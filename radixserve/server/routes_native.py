@@ -16,7 +16,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ConfigDict, WithJsonSchema
 
 from radixserve import __version__
-from radixserve.core.reasoning import PROMPT_TAIL
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
@@ -322,9 +321,8 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
         raise call_error(e, fields) from None
     check_sequences(expanded.reqs, state, fields)
     if body.require_reasoning:
-        decode = state.manager.tokenizer.decode
-        prompt_end = lambda req: decode(req.input_ids[-PROMPT_TAIL:])  # noqa: E731
-        think_first(expanded.reqs, state.config.server.reasoning_parser, prompt_end)
+        parser = state.config.server.reasoning_parser
+        think_first(expanded.reqs, parser, state.manager.tokenizer.decode)
     call = state.manager.submit(
         expanded.reqs, body.return_text_in_logprobs, body.stream, rid=body.rid
     )

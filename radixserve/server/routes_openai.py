@@ -90,7 +90,7 @@ async def chat_completions(
     # the tool parsers, reasoning and all)
     default = parser is not None and body.separate_reasoning
     if body.require_reasoning or (body.require_reasoning is None and default):
-        think_first(chat.reqs, parser, lambda _: chat.prompt)
+        think_first(chat.reqs, parser, tokenizer.decode)
     token_bytes = await _token_bytes(request, state) if body.logprobs else None
     thinking = reasoning_plan(
         parser,
