@@ -20,6 +20,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from radixserve.server.tool_calls import closed_objects as closed
 from tests.conftest import build_tiny_model
 from tests.server_utils import ServerProcess, assert_kv_clean
 
@@ -265,6 +266,7 @@ def test_tool_messages_need_their_call_id(client):
 
 # -- a tiny model with a template that renders tools ------------------------------------------
 THINK, END_THINK = "<think>", "</think>"
+TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 
 # (and thinks as Qwen3's does: enable_thinking false closes an empty block in the prompt;
 # open_thinking, as Qwen3-Thinking's and DeepSeek-R1's, opens one)
@@ -316,10 +318,11 @@ def serve_hermes(root, added_tokens: tuple[str, ...] = ()):
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    """With <think> and </think> one (added) token each, ids 512 and 513, as in Qwen3's
-    vocabulary: a bias can push the model to write them, and regexes that write them as
-    text must still work (constrained/llguidance_backend.text_tokenizer)."""
-    yield from serve_hermes(tmp_path_factory.mktemp("tools-hermes"), (THINK, END_THINK))
+    """With <think>, </think>, <tool_call> and </tool_call> one (added) token each, ids
+    512-515, as in Qwen's vocabulary: a bias can push the model to write them, and regexes
+    that write them as text must still work (constrained/llguidance_backend.text_tokenizer)."""
+    added = (THINK, END_THINK, TOOL_CALL, END_TOOL_CALL)
+    yield from serve_hermes(tmp_path_factory.mktemp("tools-hermes"), added)
 
 
 def hermes_client(hermes) -> openai.OpenAI:
@@ -524,3 +527,104 @@ def test_a_block_the_prompt_opens_and_a_tool_call_after_the_reasoning(hermes):
     thoughts, content, reason = stream_reasoning(client, **kwargs)
     assert "".join(thoughts) == "Rome has no tool." and content == "Checking."
     assert reason == "tool_calls"
+
+
+# -- strict tools under auto, and structural tags ---------------------------------------------
+def strict(tool: dict) -> dict:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+def pushed_to_call(hermes, **kwargs) -> dict:
+    """Arguments where a bias pushes the tiny model to write <tool_call> (one token here)
+    whenever it may: it opens a block at once, and another after each one closes."""
+    tokenizer = AutoTokenizer.from_pretrained(hermes[1])
+    opening = tokenizer.convert_tokens_to_ids(TOOL_CALL)
+    return dict(
+        model="m",
+        messages=ask("Weather in Oslo, and 5 USD in EUR?"),
+        max_tokens=100,
+        temperature=1.0,
+        logit_bias={str(opening): 30},
+        extra_body={"require_reasoning": False},
+        **kwargs,
+    )
+
+
+def test_strict_tools_under_auto_make_every_call_valid(hermes):
+    """tool_choice auto with strict tools (as SGLang's): the output is free text, but each
+    <tool_call> block the model opens is a call of a given tool, whose arguments follow its
+    schema (closed to undeclared keys). The same bias without strict tools leaves the random
+    model's blocks unparseable."""
+    client = hermes_client(hermes)
+    tools = [strict(WEATHER), strict(CONVERT)]
+    schemas = {t["function"]["name"]: closed(t["function"]["parameters"]) for t in tools}
+    for seed in range(3):
+        kwargs = pushed_to_call(hermes, tools=tools, seed=seed)
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.tool_calls, message.content
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        streamed, _ = stream_message(client, **kwargs)
+        assert without_ids(streamed) == without_ids(as_plain(message))
+    loose = client.chat.completions.create(**pushed_to_call(hermes, tools=[WEATHER, CONVERT]))
+    assert loose.choices[0].message.tool_calls is None
+    assert_kv_clean(hermes[0])
+
+
+WEATHER_TAG = {
+    "type": "structural_tag",
+    "triggers": [TOOL_CALL],
+    "structures": [
+        {
+            "begin": f'{TOOL_CALL}{{"city": ',
+            "schema": {"enum": ["Oslo", "Rome"]},
+            "end": f"}}{END_TOOL_CALL}",
+        }
+    ],
+}
+
+
+def test_a_structural_tag_response_format_on_both_routes(hermes):
+    """response_format of type structural_tag (SGLang's), on chat and completions, and the
+    native structural_tag sampling parameter: each block the model opens is valid."""
+    client = hermes_client(hermes)
+    block = re.compile(re.escape(TOOL_CALL) + r'\{"city": "(Oslo|Rome)"\}' + END_TOOL_CALL)
+    kwargs = pushed_to_call(hermes, response_format=WEATHER_TAG)
+    chat = client.chat.completions.create(**kwargs).choices[0].message.content
+    del kwargs["messages"], kwargs["response_format"]
+    kwargs["extra_body"] = {"response_format": WEATHER_TAG}  # not in the client's signature
+    completion = client.completions.create(prompt="Weather:", **kwargs).choices[0].text
+    params = {"structural_tag": json.dumps(WEATHER_TAG), "max_new_tokens": 60}
+    params["logit_bias"] = kwargs["logit_bias"]
+    r = requests.post(
+        hermes[0].url + "/generate",
+        json={"text": "Weather:", "sampling_params": params},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 200, r.text
+    for text in (chat, completion, r.json()["text"]):
+        blocks = block.findall(text)
+        assert len(blocks) >= 2, text
+        rest = block.sub("", text)  # only the block max_tokens cut may be left open
+        assert TOOL_CALL not in rest or text.endswith(rest[rest.index(TOOL_CALL) :]), text
+    assert_kv_clean(hermes[0])
+
+
+@pytest.mark.parametrize(
+    ("response_format", "words"),
+    [
+        ({"type": "structural_tag", "structures": WEATHER_TAG["structures"]}, "needs structures"),
+        ({**WEATHER_TAG, "triggers": ["<call>"]}, "does not start with any trigger"),
+        ({"type": "structural_tag", "format": {"type": "tag"}}, "format"),
+        ({"type": "json_object", "triggers": [TOOL_CALL]}, "go with type structural_tag"),
+    ],
+)
+def test_a_bad_structural_tag_is_a_400_naming_response_format(hermes, response_format, words):
+    r = requests.post(
+        hermes[0].url + "/v1/chat/completions",
+        json={"model": "m", "messages": ask("Hi"), "response_format": response_format},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and "response_format" in (error["param"] or ""), error

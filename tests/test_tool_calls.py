@@ -272,7 +272,7 @@ def test_a_schema_constrained_decoding_cannot_follow_is_refused_only_where_it_co
 
 
 def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
-    schema = json.loads(ToolPlan("required", TOOLS).constraint())
+    schema = json.loads(ToolPlan("required", TOOLS).constraint()["json_schema"])
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Paris"}}], schema)
     jsonschema.validate([{"name": "add", "arguments": {}}] * 2, schema)
     for bad in (
@@ -283,12 +283,27 @@ def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    single = json.loads(ToolPlan("required", TOOLS, parallel=False).constraint())
+    single = json.loads(ToolPlan("required", TOOLS, parallel=False).constraint()["json_schema"])
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "add", "arguments": {}}] * 2, single)
-    named = json.loads(ToolPlan("named", TOOLS, named="get_weather").constraint())
-    assert named["required"] == ["city"] and named["additionalProperties"] is False
-    assert ToolPlan("auto", TOOLS).constraint() is None
+    named = ToolPlan("named", TOOLS, named="get_weather").constraint()["json_schema"]
+    assert json.loads(named)["required"] == ["city"]
+    assert json.loads(named)["additionalProperties"] is False
+    assert ToolPlan("auto", TOOLS).constraint() == {}  # no strict tool: the output is free
+
+
+def test_strict_tools_under_auto_make_a_structural_tag_of_hermes_blocks():
+    """As SGLang's: each <tool_call> block calls a tool, written as TOOLS_PROMPT asks; a
+    strict tool's arguments follow its (closed) schema, the others' are any object."""
+    weather = Tool(**{**WEATHER, "function": {**WEATHER["function"], "strict": True}})
+    plan = ToolPlan("auto", (weather, TOOLS[1]))
+    tag = json.loads(plan.constraint()["structural_tag"])
+    assert tag["triggers"] == ["<tool_call>"]
+    strict, loose = tag["structures"]
+    assert strict["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert strict["end"] == "}\n</tool_call>" and loose["schema"] == {"type": "object"}
+    assert strict["schema"] == closed_objects(WEATHER["function"]["parameters"])
+    assert ToolPlan("auto", (weather,), family="llama3").constraint() == {}  # not tagged text
 
 
 PERSON = {

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
-from radixserve.constrained.schema import JSON_DEFAULTS, one_line
+from radixserve.constrained.schema import JSON_DEFAULTS, json_schema_problem, one_line
 from radixserve.core.sampling_params import ThinkBlock
+from radixserve.core.structural_tag import StructuralTag, Structure
 
 if TYPE_CHECKING:
     import torch
@@ -117,9 +118,14 @@ class LLGuidanceBackend(GrammarBackend):
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     constraint.spec, defaults=JSON_DEFAULTS
                 )
+            elif constraint.kind == "structural_tag":
+                grammar = self._structural_tag(
+                    StructuralTag.parse(constraint.spec), self._opening(constraint.think)
+                )
             else:
                 grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
-        except ValueError as e:  # the JSON schema is not JSON, or the EBNF does not convert
+        except ValueError as e:  # the JSON schema is not JSON, the EBNF does not convert, a
+            # structural tag's schema is invalid
             raise GrammarError(f"invalid {constraint.kind}: {e}", constraint.kind) from None
         if constraint.think is not None:
             grammar = self._after_thinking(grammar, constraint.think)
@@ -160,6 +166,65 @@ class LLGuidanceBackend(GrammarBackend):
             start = f"start: block? @answer\nblock: {opening} thought GAP?"
         top = f"{start}\n{thought}\nGAP: /[ \\t\\r\\n]{{1,{MAX_GAP}}}/\n"
         return json.dumps({"grammars": [{"lark_grammar": top}, *answer]})
+
+    def _structural_tag(self, tag: StructuralTag, shunned: str | None = None) -> str:
+        """The Lark grammar of a structural tag: text, then any number of tagged parts,
+        each followed by text. A trigger written as text ends the text before it (a lazy
+        lexeme: the first occurrence of the trigger, not the last); one that is a special
+        token is that token. After the trigger come the choices of the structures it
+        starts; each JSON value is written as the json_schema constraint writes one.
+
+        With `shunned`, the output may not start with that text: it opens an optional block
+        of reasoning before this grammar (`_after_thinking`), and the lazy lexemes of free
+        text that could start with it too would end the block at a trigger inside it."""
+        for i, structure in enumerate(tag.structures):  # an error that names the structure
+            problem = json_schema_problem(structure.schema)
+            if problem is not None:  # (`_compile` says it is the structural_tag's)
+                raise ValueError(f"structures[{i}].schema: {problem.message}")
+        lines = ["%llguidance {}", "TEXT: /(?s:.*)/"]
+        if shunned is not None:
+            lines.append(f"FIRST: /(?s:.*)/ & ~({_lark_string(shunned)} /(?s:.*)/)")
+        calls, firsts = [], []
+        for k, (trigger, structures) in enumerate(tag.by_trigger().items()):
+            bodies = " | ".join(self._tagged(s, len(trigger)) for s in structures)
+            lines.append(f"tagged_{k}: {bodies}")
+            special = self._special(trigger)
+            for text, name, names in (("TEXT", "call", calls), ("FIRST", "first", firsts)):
+                if text == "FIRST" and shunned is None:
+                    continue
+                if special is None:  # `name_k_text`: the text and the trigger after it
+                    lines.append(f"{name}_{k}_text[lazy]: {text} {_lark_string(trigger)}")
+                    head = f"{name}_{k}_text"
+                else:
+                    head = f"{text} {special}"
+                lines.append(f"{name}_{k}: {head} tagged_{k}")
+                names.append(f"{name}_{k}")
+        parts = f"({' | '.join(calls)})* TEXT"
+        if shunned is None:
+            lines.insert(1, f"start: {parts}")
+        else:
+            lines.insert(1, f"start: ({' | '.join(firsts)}) {parts} | FIRST")
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _tagged(structure: Structure, after: int) -> str:
+        """One structure past its trigger's first `after` characters, as a Lark sequence."""
+        schema, options = structure.schema, structure.schema.get("x-guidance", {})
+        if isinstance(options, dict):  # else llguidance refuses the schema's options
+            schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **options}}
+        parts = [structure.begin[after:], None, structure.end]
+        return " ".join(
+            f"%json {json.dumps(schema)}" if part is None else _lark_string(part)
+            for part in parts
+            if part != ""
+        )
+
+    def _opening(self, think: ThinkBlock | None) -> str | None:
+        """The text that opens an optional block of reasoning, if the output may write it
+        (None where the block is open already, or opens with a special token)."""
+        if think is None or think.inside or self._special(think.start) is not None:
+            return None
+        return think.start
 
     def _special(self, text: str) -> str | None:
         """`text` as Lark's reference to a special token, if it is one (Lark strings never

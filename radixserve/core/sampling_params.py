@@ -18,9 +18,10 @@ import msgspec
 import regex
 
 from radixserve.core.regex_cost import unrolled_size
+from radixserve.core.structural_tag import StructuralTag, StructuralTagError
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (argmax)
-CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
 MAX_N = 128  # samples per prompt (OpenAI's cap on n)
 MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range, [-100, 100])
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's seed
@@ -91,6 +92,8 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema, as a JSON string
     regex: str | None = None
     ebnf: str | None = None  # a GBNF/EBNF or Lark grammar
+    # free text whose tagged parts follow schemas, as JSON (core/structural_tag.py)
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,8 +116,9 @@ class SamplingParams:
         for key in set(CONSTRAINTS) & set(params):  # an empty string means "no constraint"
             if params[key] == "":
                 del params[key]
-        if isinstance(params.get("json_schema"), dict):  # a schema object: accept it as is
-            params["json_schema"] = json.dumps(params["json_schema"])
+        for key in ("json_schema", "structural_tag"):  # an object: accept it as is
+            if isinstance(params.get(key), dict):
+                params[key] = json.dumps(params[key])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known, key=str)
         if unknown:
@@ -153,9 +157,15 @@ class SamplingParams:
         given = [name for name in CONSTRAINTS if getattr(self, name)]
         if len(given) > 1:
             raise SamplingParamsError(
-                f"at most one of json_schema, regex, ebnf may be given, got {', '.join(given)}",
+                f"at most one of {', '.join(CONSTRAINTS)} may be given, got {', '.join(given)}",
                 given[1],
             )
+        if self.structural_tag:
+            try:
+                StructuralTag.parse(self.structural_tag)
+            except StructuralTagError as e:
+                message = f"invalid structural_tag: {e}"
+                raise SamplingParamsError(message, "structural_tag") from None
 
     def _check(self, ok: bool, name: str, rule: str) -> None:
         if not ok:

@@ -269,6 +269,4 @@ class Sampler:
             logprobs = all_lp.gather(1, next_ids[:, None]).squeeze(1)
             if top_logprobs_num:
                 top_lp, top_ids = all_lp.topk(top_logprobs_num, dim=-1)
-        return SampleOutput(
-            next_ids, logprobs, top_lp, top_ids, all_lp if keep_logprobs else None
-        )
+        return SampleOutput(next_ids, logprobs, top_lp, top_ids, all_lp if keep_logprobs else None)

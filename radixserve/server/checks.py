@@ -52,7 +52,11 @@ def native_fields(prompt: str) -> Fields:
     return Fields(prompt, sampling_prefix="sampling_params.")
 
 
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_OPENAI_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "structural_tag": "response_format",  # the only way OpenAI's routes take one
+}
 COMPLETION_FIELDS = Fields(
     "prompt", renamed={**_OPENAI_NAMES, "sampling_seed": "seed", "top_logprobs_num": "logprobs"}
 )

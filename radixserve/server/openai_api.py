@@ -55,28 +55,53 @@ class JsonSchemaFormat(StrictBody):
     strict: bool | None = None
 
 
+class StructureFormat(StrictBody):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    begin: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
 class ResponseFormat(StrictBody):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type structural_tag (SGLang's): free text whose tagged parts follow schemas
+    structures: list[StructureFormat] | None = None
+    triggers: list[str] | None = None
+    format: Any = None  # xgrammar's newer form of a structural tag: refused, by name
 
     @model_validator(mode="after")
     def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is json_schema")
+        if self.format is not None:
+            raise ValueError(
+                "format (xgrammar's form of a structural tag) is not supported; "
+                "give structures and triggers"
+            )
+        tagged = self.type == "structural_tag"
+        if tagged and (self.structures is None or self.triggers is None):
+            raise ValueError("type structural_tag needs structures and triggers")
+        if not tagged and (self.structures is not None or self.triggers is not None):
+            raise ValueError("structures and triggers go with type structural_tag")
         return self
 
-    def constraint(self) -> str | None:
-        """The JSON schema the output must follow (any JSON object for json_object)."""
+    def constraint(self) -> dict[str, str]:
+        """The sampling parameter that constrains the output: a JSON schema (any JSON object
+        for json_object) or a structural tag; none for text."""
         if self.type == "json_object":
-            return json.dumps({"type": "object"})
+            return {"json_schema": json.dumps({"type": "object"})}
         if self.type == "json_schema":
             assert self.json_schema is not None
             schema = self.json_schema.schema_ or {}
             if self.json_schema.strict:  # OpenAI's strict mode: no undeclared keys
                 schema = closed_objects(schema)
-            return json.dumps(schema)
-        return None
+            return {"json_schema": json.dumps(schema)}
+        if self.type == "structural_tag":
+            tag = self.model_dump(include={"type", "structures", "triggers"}, by_alias=True)
+            return {"structural_tag": json.dumps(tag)}
+        return {}
 
 
 def _accepts_none(annotation: Any) -> bool:
@@ -146,8 +171,8 @@ class _SamplingFields(StrictBody):
         return options
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
-        schema = self.response_format.constraint() if self.response_format else None
-        if schema is not None and (self.json_schema or self.regex or self.ebnf):
+        formatted = self.response_format.constraint() if self.response_format else {}
+        if formatted and self.has_own_constraint:
             raise bad_request(
                 "response_format cannot be combined with json_schema, regex or ebnf",
                 param="response_format",
@@ -171,10 +196,23 @@ class _SamplingFields(StrictBody):
             "logit_bias": self.logit_bias,
             "sampling_seed": self.seed,
             "n": self.n,
-            "json_schema": schema or self.json_schema,
+            "json_schema": self.json_schema,
             "regex": self.regex,
             "ebnf": self.ebnf,
+            **formatted,
         }
+
+    @property
+    def has_own_constraint(self) -> bool:
+        return bool(self.json_schema or self.regex or self.ebnf)
+
+    @property
+    def constrained(self) -> bool:
+        """The request constrains its output itself (a response_format other than text, or
+        SGLang's json_schema, regex or ebnf)."""
+        return self.has_own_constraint or bool(
+            self.response_format and self.response_format.constraint()
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -284,8 +322,7 @@ class ChatCompletionRequest(_SamplingFields):
             mode = tool_mode(self.tools, self.tool_choice)
         except ToolFieldError as e:
             raise bad_request(str(e), param=e.param) from None
-        constrained = self.response_format or self.json_schema or self.regex or self.ebnf
-        if mode in ("required", "named") and constrained:
+        if mode in ("required", "named") and self.constrained:
             raise bad_request(
                 f"tool_choice {'required' if mode == 'required' else 'naming a function'} "
                 "constrains the output to the tools' arguments; it cannot be combined with "
@@ -404,7 +441,7 @@ def chat_call(
         reqs = expand_request(
             tokenizer.encode,
             None,
-            {**body.sampling_params(max_tokens), **_tool_constraint(plan)},
+            {**body.sampling_params(max_tokens), **_tool_constraint(plan, body)},
             ids,
             return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs or 0,
@@ -417,9 +454,12 @@ def chat_call(
     return ChatCall(prompt, reqs)
 
 
-def _tool_constraint(plan: ToolPlan) -> dict[str, Any]:
-    schema = plan.constraint()
-    return {} if schema is None else {"json_schema": schema}
+def _tool_constraint(plan: ToolPlan, body: ChatCompletionRequest) -> dict[str, str]:
+    """What the tools constrain the output to. Under `auto`, a constraint of the request's
+    own (response_format...) comes first: its strict tools' arguments go unchecked."""
+    if plan.mode == "auto" and body.constrained:
+        return {}
+    return plan.constraint()
 
 
 # -- responses ------------------------------------------------------------------------------

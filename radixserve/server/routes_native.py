@@ -204,9 +204,8 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
     }
     if not answer["success"]:
         if any(r.success for r in replies):  # data parallelism: say what each serves now
-            answer["message"] = (
-                "the replicas now serve different weights: "
-                + "; ".join(f"replica {i}: {r.message}" for i, r in enumerate(replies))
+            answer["message"] = "the replicas now serve different weights: " + "; ".join(
+                f"replica {i}: {r.message}" for i, r in enumerate(replies)
             )
         error = bad_request(answer["message"], param="model_path")
         return JSONResponse({**answer, **error.body()}, status_code=400)

@@ -4,7 +4,8 @@ model's text back into OpenAI `tool_calls`.
 
     tool_choice   prompt gets the tools   output constrained to            parsed by
     none          no                      nothing                          nothing
-    auto          yes                     nothing                          the family's parser
+    auto          yes                     nothing; with a strict tool,     the family's parser
+                                          its Hermes <tool_call> blocks
     required      yes                     [{"name", "arguments"}, ...]     RequiredParser
     {function}    yes                     that function's parameters       NamedParser
 
@@ -199,12 +200,20 @@ class ToolPlan:
         """The tools as chat templates read them (transformers' JSON-schema shape)."""
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def constraint(self) -> str | None:
-        """The JSON schema the output must follow, for `required` and a named function."""
+    def constraint(self) -> dict[str, str]:
+        """The sampling parameter that constrains the output: a JSON schema for `required`
+        and a named function; under `auto` with a strict tool, a structural tag (as
+        SGLang's), where the family's calls are tagged text (Hermes)."""
         if self.mode == "named":
-            return json.dumps(self._tool(self.named).schema())
-        if self.mode != "required":
-            return None
+            return {"json_schema": json.dumps(self._tool(self.named).schema())}
+        if self.mode == "required":
+            return {"json_schema": json.dumps(self._required_schema())}
+        if self.mode == "auto" and self.family == "hermes":
+            if any(t.function.strict for t in self.tools):
+                return {"structural_tag": json.dumps(self._hermes_tag())}
+        return {}
+
+    def _required_schema(self) -> dict[str, Any]:
         calls = [
             {
                 "type": "object",
@@ -220,7 +229,22 @@ class ToolPlan:
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
-        return json.dumps(array)
+        return array
+
+    def _hermes_tag(self) -> dict[str, Any]:
+        """Text, in which every <tool_call> block is a call of one of the tools, written as
+        TOOLS_PROMPT asks: a strict tool's arguments follow its schema, the others' are an
+        object."""
+        structures = [
+            {
+                "begin": f'{HermesParser.OPEN}\n{{"name": {json.dumps(t.function.name)}, '
+                '"arguments": ',
+                "schema": t.schema() if t.function.strict else {"type": "object"},
+                "end": f"}}\n{HermesParser.CLOSE}",
+            }
+            for t in self.tools
+        ]
+        return {"type": "structural_tag", "structures": structures, "triggers": [HermesParser.OPEN]}
 
     def parser(self) -> ToolParser:
         names = frozenset(t.function.name for t in self.tools)

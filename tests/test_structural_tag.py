@@ -1,0 +1,254 @@
+"""Structural tags (SGLang's `structural_tag`): free text in which every tagged part follows
+its schema. What a request may give (a 400 naming the field otherwise), the grammar the
+llguidance backend builds on the committed tiny tokenizer, and the Engine on the tiny
+random-weight model, which a bias pushes to write the trigger: every part it then writes
+validates because the masks made it so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from radixserve import Engine
+from radixserve.constrained.base import Constraint, GrammarError, unpack_bitmask
+from radixserve.constrained.llguidance_backend import LLGuidanceBackend
+from radixserve.core.sampling_params import SamplingParams, SamplingParamsError, ThinkBlock
+from radixserve.core.structural_tag import MAX_STRUCTURES, StructuralTag
+from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER, build_tiny_model
+
+VOCAB = TINY_SHAPE["vocab_size"]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+DIGIT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+def call(name: str, schema: dict | None = None) -> dict:
+    structure = {"begin": f'<tool_call>{{"name": "{name}", "arguments": ', "end": "}</tool_call>"}
+    return structure if schema is None else {**structure, "schema": schema}
+
+
+TOOLS_TAG = {
+    "type": "structural_tag",
+    "triggers": ["<tool_call>"],
+    "structures": [call("get_weather", WEATHER), call("anything")],
+}
+
+
+@pytest.fixture(scope="module")
+def backend() -> LLGuidanceBackend:
+    return LLGuidanceBackend(AutoTokenizer.from_pretrained(TINY_TOKENIZER), VOCAB)
+
+
+def tagged(tag: dict) -> Constraint:
+    constraint = Constraint.of(SamplingParams.from_dict({"structural_tag": tag}))
+    assert constraint is not None and constraint.kind == "structural_tag"
+    return constraint
+
+
+def follows(backend: LLGuidanceBackend, constraint: Constraint, text: str) -> bool:
+    """The whole text is one the grammar allows, and may end there."""
+    matcher = backend.matcher(constraint)
+    tokens = backend.tokenize_bytes(text.encode())
+    return matcher.accept(tokens) and matcher.is_accepting
+
+
+WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        ("Any text at all, {even} JSON-ish [1, 2] without the trigger.", True),
+        (f"Let me look. {WEATHER_CALL}</tool_call> Done.", True),
+        (
+            f'{WEATHER_CALL}</tool_call>\n<tool_call>{{"name": "anything", "arguments": [1]}}'
+            "</tool_call>",
+            True,
+        ),
+        (f"{WEATHER_CALL}</tool_call>", True),
+        # the trigger commits the text to a structure
+        ("<tool_call> and then some prose", False),
+        ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', False),
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}'
+            "</tool_call>",
+            False,
+        ),
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', False),
+        (WEATHER_CALL, False),  # its end is missing
+    ],
+)
+def test_tagged_parts_follow_their_schemas_and_the_rest_is_free(backend, text, valid):
+    assert follows(backend, tagged(TOOLS_TAG), text) == valid
+
+
+def test_after_the_trigger_the_grammar_forces_what_the_structures_share(backend):
+    matcher = backend.matcher(tagged(TOOLS_TAG))
+    assert matcher.forced_bytes() == b""  # free text: anything may come
+    assert matcher.accept(backend.tokenize_bytes(b"Sure. <tool_call>"))
+    assert matcher.forced_bytes() == b'{"name": "'  # jump-forward appends it
+    assert matcher.accept(
+        backend.tokenize_bytes(b'{"name": "get_weather", "arguments": {"city": "Oslo"')
+    )
+    assert matcher.forced_bytes() == b', "days": '  # written as json_schema writes JSON
+    assert matcher.accept(backend.tokenize_bytes(b', "days": 12}'))  # more digits may come
+    assert matcher.forced_bytes() == b"}</tool_call>"
+
+
+def test_a_trigger_inside_another_starts_the_structures_of_both(backend):
+    """Triggers "<f" and "<fn=": writing "<fn=" writes "<f" first, so every structure
+    either begins is one "<f" may go on to."""
+    tag = {
+        "triggers": ["<fn=", "<f"],
+        "structures": [
+            {"begin": "<fn=a>", "schema": DIGIT, "end": "</fn>"},
+            {"begin": "<flag>", "schema": {"enum": [True]}, "end": ""},
+        ],
+    }
+    assert StructuralTag.parse(json.dumps(tag)).by_trigger().keys() == {"<f"}
+    constraint = tagged(tag)
+    assert follows(backend, constraint, 'x <fn=a>{"x": 4}</fn> y <flag>true z')
+    assert not follows(backend, constraint, "x <fn=b>")
+    assert not follows(backend, constraint, "x <f y")
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        (f"<think>Maybe <tool_call> it.</think>\n\nSure. {WEATHER_CALL}</tool_call>", True),
+        (f"Sure. {WEATHER_CALL}</tool_call>", True),  # the block is optional
+        ("<think>hm</think> <tool_call> prose", False),  # after the block, the tag holds
+        ("<tool_call> prose", False),
+    ],
+)
+def test_a_structural_tag_after_a_block_of_reasoning(backend, text, valid):
+    """The reasoning is free, triggers and all (the lazy lexemes of the tag's free text do
+    not end the block: that text cannot start with the block's opening)."""
+    think = ThinkBlock("<think>", "</think>", inside=False)
+    constraint = dataclasses.replace(tagged(TOOLS_TAG), think=think)
+    assert follows(backend, constraint, text) == valid
+
+
+def test_a_trigger_that_is_a_special_token_is_that_token():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    special = LLGuidanceBackend(tokenizer, VOCAB + 1)
+    tag = {
+        "triggers": ["<|python_tag|>"],
+        "structures": [{"begin": '<|python_tag|>{"x": ', "schema": DIGIT, "end": "}"}],
+    }
+    matcher = special.matcher(tagged(tag))
+    bitmask = torch.full((1, (VOCAB + 1 + 31) // 32), -1, dtype=torch.int32)
+    special.fill_masks([matcher], bitmask)
+    assert unpack_bitmask(bitmask, VOCAB + 1)[0][VOCAB]  # the token is offered in free text
+    assert matcher.accept([*special.tokenize_bytes(b"Call: "), VOCAB])
+    assert matcher.forced_bytes() == b'{"x": {"x": '
+    assert matcher.accept(special.tokenize_bytes(b'{"x": {"x": 7}} ok'))
+    assert matcher.is_accepting
+
+
+@pytest.mark.parametrize(
+    ("tag", "words"),
+    [
+        ("{not json", "not JSON"),
+        ([1, 2], "must be a JSON object"),
+        ({"structures": [call("f")]}, "triggers must be a non-empty array"),
+        ({"triggers": ["<tool_call>"], "structures": []}, "structures must be a non-empty"),
+        ({"triggers": [""], "structures": [call("f")]}, "non-empty strings"),
+        ({"triggers": ["<fn"], "structures": [call("f")]}, "does not start with any trigger"),
+        ({"triggers": ["<"], "structures": [{"begin": "<a"}]}, "needs begin and end strings"),
+        (
+            {"triggers": ["<"], "structures": [{"begin": "<", "end": "", "schema": [1]}]},
+            r"structures\[0\].schema must be a JSON schema object",
+        ),
+        ({**TOOLS_TAG, "type": "json_schema"}, "type must be structural_tag"),
+        ({**TOOLS_TAG, "extra": 1}, "unknown key"),
+        ({"type": "structural_tag", "format": {"type": "tag"}}, "`format` form"),
+        (
+            {"triggers": ["<"], "structures": [{"begin": "<", "end": ""}] * (MAX_STRUCTURES + 1)},
+            f"at most {MAX_STRUCTURES} structures",
+        ),
+    ],
+)
+def test_a_malformed_structural_tag_is_refused_naming_what_is_wrong(tag, words):
+    spec = tag if isinstance(tag, str) else json.dumps(tag)
+    with pytest.raises(SamplingParamsError, match=words) as caught:
+        SamplingParams.from_dict({"structural_tag": spec})
+    assert caught.value.field == "structural_tag"
+    assert str(caught.value).startswith("invalid structural_tag: ")
+
+
+def test_one_constraint_per_request(backend):
+    with pytest.raises(SamplingParamsError, match="at most one of") as caught:
+        SamplingParams.from_dict({"structural_tag": TOOLS_TAG, "regex": "a"})
+    assert caught.value.field == "structural_tag"
+    bad_schema = {
+        "triggers": ["<"],
+        "structures": [
+            {
+                "begin": "<",
+                "end": "",
+                "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+            }
+        ],
+    }
+    words = r"^invalid structural_tag: structures\[0\].schema: .*nonsense"
+    with pytest.raises(GrammarError, match=words) as refused:
+        backend.matcher(tagged(bad_schema))
+    assert refused.value.param == "structural_tag"
+
+
+def test_the_engine_writes_only_valid_parts_where_a_bias_pushes_the_trigger(tmp_path):
+    """A bias makes the random model write "<" (one token here) whenever it may: after
+    each part's end the next part begins, so the output is many parts, each chosen and
+    filled by the model, and each one valid."""
+    tag = {
+        "triggers": ["<"],
+        "structures": [
+            {"begin": "<digit>", "schema": DIGIT, "end": "</>"},
+            {"begin": "<weather>", "schema": WEATHER, "end": "</>"},
+        ],
+    }
+    lt = AutoTokenizer.from_pretrained(TINY_TOKENIZER).convert_tokens_to_ids("<")
+    folder = build_tiny_model(tmp_path / "model", "llama")
+    params = {
+        "temperature": 1.0,
+        "max_new_tokens": 120,
+        "logit_bias": {str(lt): 30.0},
+        "structural_tag": tag,
+    }
+    with Engine(str(folder), progress=False, max_total_tokens=4096, dtype=FP32) as e:
+        outs = [
+            e.generate(input_ids=[5, 6, 7], sampling_params={**params, "sampling_seed": s})
+            for s in range(4)
+        ]
+    schemas = {"digit": DIGIT, "weather": WEATHER}
+    kinds = set()
+    for out in outs:
+        text = out["text"]
+        parts = re.findall(r"<(digit|weather)>(.*?)</>", text)
+        assert len(parts) >= 2, text
+        for kind, body in parts:
+            jsonschema.validate(json.loads(body), schemas[kind])
+            kinds.add(kind)
+        # every "<" began a part: outside them, one may only start the part max_new_tokens cut
+        rest = re.sub(r"<(digit|weather)>.*?</>", "", text)
+        if "<" in rest:
+            assert out["meta_info"]["finish_reason"]["type"] == "length", text
+            assert text.endswith(rest[rest.index("<") :]), text
+    assert kinds == {"digit", "weather"}  # the model chose between the structures
