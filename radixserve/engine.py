@@ -16,10 +16,10 @@ import logging
 import multiprocessing
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve import __version__
 from radixserve.chat_roles import ChatRoles, derive_chat_roles
@@ -46,6 +46,9 @@ from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scoring import check_fits, plan_scoring
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +400,33 @@ class Engine:
         emptied. Returns `{"success", "message", "num_paused_requests"}`; on a failure the
         old weights stay."""
         args = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        return self._control("update_weights", args).answer()
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Serve these tensors in place of the loaded ones, as SGLang's Engine does for a
+        trainer in the same process: (name, tensor) pairs (or a dict) by the checkpoint's
+        Hugging Face names, any of them (a full set needs no checkpoint on disk), each of
+        its checkpoint tensor's shape. The update waits for the running requests as
+        `update_weights_from_disk` does; the prefix cache is emptied unless `flush_cache`
+        is false. Returns `{"success", "message", "num_paused_requests"}`; on a failure (a
+        name or shape that does not fit) nothing changes."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r}: only the default (None) is supported")
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise TypeError(f"named_tensors: a (name, tensor) pair is needed, got {pair!r}")
+        args = {
+            "named_tensors": pairs,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         return self._control("update_weights", args).answer()
 
     def flush_cache(self) -> bool:

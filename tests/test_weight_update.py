@@ -12,8 +12,10 @@ import time
 
 import pytest
 import requests
+import torch
 
 from radixserve import Engine
+from radixserve.model.loader import iter_safetensors
 from tests.conftest import FP32, build_tiny_model
 from tests.reference import greedy_of_folder, greedy_params
 from tests.server_utils import ServerProcess, assert_kv_clean
@@ -113,6 +115,82 @@ def test_abort_all_requests_ends_the_running_ones_for_the_update(checkpoints):
         assert last["finish_reason"] == {"type": "abort", "message": "aborted for a weight update"}
         assert last["completion_tokens"] < LONG
         engine.check_kv_accounting()
+
+
+# -- from tensors (the Engine's update_weights_from_tensor) ---------------------------------
+def tensors_of(folder) -> dict[str, torch.Tensor]:
+    return {name: tensor for name, tensor in iter_safetensors(folder)}
+
+
+def test_tensors_given_in_process_replace_the_weights(checkpoints, tmp_path):
+    """A trainer in the same process gives tensors by their checkpoint names: all of them
+    (the outputs are then the later checkpoint's), or some, which stay through a later
+    update of others (two halves make the later checkpoint). The prefix cache forgets the
+    old K/V (or keeps them, with flush_cache false)."""
+    first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
+    new = tensors_of(later)
+    names = sorted(new)
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        run = lambda: engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))  # noqa: E731
+        assert run()["output_ids"] == expected[first]
+        result = engine.update_weights_from_tensor(list(new.items()))
+        assert result == {
+            "success": True,
+            "message": f"updated {len(new)} tensors of the weights",
+            "num_paused_requests": 0,
+        }
+        after = run()
+        assert after["output_ids"] == expected[later]
+        assert after["meta_info"]["cached_tokens"] == 0
+
+        assert engine.update_weights_from_disk(str(first))["success"]  # forgets the tensors
+        assert run()["output_ids"] == expected[first]
+        half = len(names) // 2
+        assert engine.update_weights_from_tensor({n: new[n] for n in names[:half]})["success"]
+        mixed = run()["output_ids"]
+        assert mixed not in (expected[first], expected[later])  # some of each
+        result = engine.update_weights_from_tensor(
+            [(n, new[n]) for n in names[half:]], flush_cache=False
+        )
+        assert result["success"], result
+        kept = run()  # the cache kept the K/V the mixed weights computed
+        assert kept["meta_info"]["cached_tokens"] > 0
+        engine.flush_cache()
+        assert run()["output_ids"] == expected[later]  # both halves, the first half kept
+        engine.check_kv_accounting()
+
+
+def test_tensors_that_do_not_fit_are_refused_and_the_weights_stay(checkpoints):
+    first, expected = checkpoints["first"], checkpoints["expected"]
+    name, tensor = next(iter(tensors_of(checkpoints["later"]).items()))
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        for named, words in [
+            ([("layers.0.mlp.up_proj.weight", tensor)], "is not a tensor of the loaded"),
+            ([(name, tensor[:1])], "the checkpoint's is"),
+            ([(name, tensor.to(torch.int32))], "a floating-point torch.Tensor is needed"),
+        ]:
+            result = engine.update_weights_from_tensor(named)
+            assert not result["success"] and words in result["message"], result
+        with pytest.raises(TypeError, match="a \\(name, tensor\\) pair"):
+            engine.update_weights_from_tensor([tensor])
+        with pytest.raises(ValueError, match="load_format"):
+            engine.update_weights_from_tensor([(name, tensor)], load_format="flattened_bucket")
+        out = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))
+        assert out["output_ids"] == expected[first]
+
+
+def test_a_full_set_of_tensors_needs_no_checkpoint_on_disk(checkpoints, tmp_path):
+    step1 = tmp_path / "step1"
+    shutil.copytree(checkpoints["first"], step1)
+    new = tensors_of(checkpoints["later"])
+    with Engine(str(step1), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        shutil.rmtree(step1)
+        name = next(iter(new))
+        result = engine.update_weights_from_tensor([(name, new[name])])
+        assert not result["success"] and "is gone" in result["message"], result
+        assert engine.update_weights_from_tensor(new)["success"]
+        out = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))
+        assert out["output_ids"] == checkpoints["expected"][checkpoints["later"]]
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,9 @@ ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting", "update_w
 class ControlReq(Message):
     call_id: int
     op: ControlOp
-    # update_weights: {"model_path": str, "abort_all_requests": bool}
+    # update_weights: {"model_path": str, "abort_all_requests": bool}, or in place of the
+    # path (in-process only: the Engine's) {"named_tensors": [(name, tensor)...],
+    # "flush_cache": bool}
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -124,6 +124,46 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
                     yield name, CheckpointTensor(file, name, f)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"weights file {file} is unreadable or truncated: {e}") from e
+
+
+class MemoryTensor:
+    """A tensor given in memory (a weight update's), read as a CheckpointTensor is."""
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name, self.tensor = name, tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        return self.tensor if dim is None else self.tensor.narrow(dim, start, stop - start)
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape in the checkpoint (read off the files' headers)."""
+    return {name: tensor.shape for name, tensor in iter_checkpoint(folder)}
+
+
+def with_overrides(
+    folder: Path, names: Iterable[str], overrides: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, CheckpointTensor | MemoryTensor]]:
+    """The checkpoint's tensors (`names`) with `overrides` in place of theirs. The folder is
+    read only for those the overrides leave out: where they are all of them, it may be
+    gone (RL trainers keep only their latest checkpoints)."""
+    names = list(names)
+    if set(overrides) >= set(names):
+        for name in names:
+            yield name, MemoryTensor(name, overrides[name])
+        return
+    if not any(folder.glob("*.safetensors")):
+        left = len(set(names) - set(overrides))
+        raise ModelLoadError(
+            f"the loaded checkpoint {folder} is gone, and {left} of its tensors were not "
+            "given: give them all"
+        )
+    for name, source in iter_checkpoint(folder):
+        yield name, MemoryTensor(name, overrides[name]) if name in overrides else source
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,10 +53,14 @@ from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
 from radixserve.model.layers import Linear, PackedRows, RotaryEmbedding, RowKernels, product_shape
 from radixserve.model.loader import (
+    CheckpointTensor,
+    MemoryTensor,
     ModelLoadError,
+    checkpoint_shapes,
     iter_checkpoint,
     read_architecture,
     resolve_model_folder,
+    with_overrides,
 )
 from radixserve.model.parallel import (
     SINGLE,
@@ -147,6 +151,11 @@ class ModelRunner:
         )
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
         self.architecture = read_architecture(self.model_folder)  # (the folder may go)
+        # what a weight update from tensors may replace (by the checkpoint's names), and
+        # the tensors given since the checkpoint was read: the model is built again from
+        # both, so that an update of some tensors keeps what earlier ones gave
+        self.checkpoint_shapes = checkpoint_shapes(self.model_folder)
+        self.weight_overrides: dict[str, torch.Tensor] = {}
         self.model = build_model(
             self.model_folder,
             self.hf_config,
@@ -269,6 +278,60 @@ class ModelRunner:
             raise ModelLoadError(
                 f"{folder} is not the loaded model's shape: {', '.join(differences)}"
             )
+        shapes = checkpoint_shapes(folder)
+        self._swap_in(self._build(folder, hf_config))
+        self.model_folder, self.hf_config = folder, hf_config
+        self.checkpoint_shapes, self.weight_overrides = shapes, {}
+        return folder
+
+    def update_weights_from_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Serve the loaded checkpoint with these tensors (by the checkpoint's names, as
+        Hugging Face writes them: `model.layers.0.self_attn.q_proj.weight`) in place of
+        its own, and of those earlier updates gave: SGLang's update_weights_from_tensor, for
+        a trainer in the same process. The model is built again (beside the old one, as
+        `update_weights` does), so every kernel choice follows the new values; the tensors
+        given are kept (a copy on the CPU) for later updates of some of them. Where they
+        cover every tensor, the checkpoint is not read, and may be gone. Returns how many
+        tensors were given."""
+        if self.tp.size > 1:
+            raise ModelLoadError("updating weights is not supported under tensor parallelism")
+        given = self._checked_tensors(named)
+        overrides = {**self.weight_overrides, **given}
+        weights = with_overrides(self.model_folder, self.checkpoint_shapes, overrides)
+        self._swap_in(self._build(self.model_folder, self.hf_config, weights))
+        self.weight_overrides = overrides
+        return len(given)
+
+    def _checked_tensors(
+        self, named: Sequence[tuple[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """The tensors by name, copied to the CPU; ModelLoadError naming the first that is
+        not one of the checkpoint's, or not its shape."""
+        given: dict[str, torch.Tensor] = {}
+        for name, tensor in named:
+            shape = self.checkpoint_shapes.get(name)
+            if shape is None:
+                example = next(iter(self.checkpoint_shapes))
+                raise ModelLoadError(
+                    f"{name!r} is not a tensor of the loaded checkpoint (its names are as "
+                    f"Hugging Face writes them, e.g. {example!r})"
+                )
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ModelLoadError(f"{name!r}: a floating-point torch.Tensor is needed")
+            if tuple(tensor.shape) != shape:
+                raise ModelLoadError(
+                    f"{name!r} has shape {tuple(tensor.shape)}, the checkpoint's is {shape}"
+                )
+            given[name] = tensor.detach().to("cpu", copy=True)
+        return given
+
+    def _build(
+        self,
+        folder: Path,
+        hf_config: PretrainedConfig,
+        weights: Iterable[tuple[str, CheckpointTensor | MemoryTensor]] | None = None,
+    ) -> CausalLM:
+        """A model of the loaded one's architecture and settings, with these weights."""
         start = time.perf_counter()
         model = build_model(
             folder,
@@ -279,6 +342,8 @@ class ModelRunner:
             self.config.model.cache_dir,
             self.kernels,
             self.tp,
+            weights,
+            self.architecture,
         )
         # what the attention backend took from the loaded model must hold for this one
         if (model.attention_scale, model.attention_windows) != (
@@ -286,11 +351,14 @@ class ModelRunner:
             self.model.attention_windows,
         ):
             raise ModelLoadError(f"{folder}: its attention scale or windows differ")
+        logger.info("new weights built in %.1fs", time.perf_counter() - start)
+        return model
+
+    def _swap_in(self, model: CausalLM) -> None:
+        """Serve `model` from the next step on, its CUDA graphs built first (a failure
+        leaves the loaded model in place)."""
         graphs = None if self.decode_graphs is None else self._decode_graphs(self.config, model)
-        self.model, self.model_folder, self.hf_config = model, folder, hf_config
-        self.decode_graphs = graphs
-        logger.info("weights updated from %s in %.1fs", folder, time.perf_counter() - start)
-        return folder
+        self.model, self.decode_graphs = model, graphs
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
@@ -493,13 +561,17 @@ def build_model(
     cache_dir: Path | None = None,
     kernels: KernelPlan | None = None,
     tp: TensorParallel = SINGLE,
+    weights: Iterable[tuple[str, CheckpointTensor | MemoryTensor]] | None = None,
+    architecture: str | None = None,
 ) -> CausalLM:
     """The model with its weights loaded, on `device` in `dtype`; with quantization "int8"
     its linear layers are then replaced by int8 ones; where the kernel plan says so, the
     weights are pre-blocked for oneDNN (AVX-512 CPUs), and single rows (or a few) not
     packed go to the project's row kernels (kernels cached under `cache_dir`). Under tensor
-    parallelism (`tp`), this rank's slice of the model, and only that is read."""
-    cls = MODEL_CLASSES[read_architecture(folder)]
+    parallelism (`tp`), this rank's slice of the model, and only that is read. The weights
+    are the folder's checkpoint unless `weights` gives them (and `architecture`, the
+    folder's, where it may be gone)."""
+    cls = MODEL_CLASSES[architecture or read_architecture(folder)]
     try:
         with torch.device("meta"):
             model = cls(hf_config, max_positions=hf_config.max_position_embeddings, tp=tp)
@@ -510,7 +582,7 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
     try:
-        model.load_weights(iter_checkpoint(folder))
+        model.load_weights(iter_checkpoint(folder) if weights is None else weights)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights in {folder} do not fit {cls.__name__}: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()

@@ -176,11 +176,21 @@ class SchedulerLoop:
         msg, self._update = self._update, None
         assert msg is not None
         after, self._after_update = self._after_update, []
+        args = msg.args
+        source = "the tensors given" if "named_tensors" in args else args["model_path"]
         try:
-            folder = self.scheduler.update_weights(msg.args["model_path"])
-            update = WeightUpdate(True, f"loaded the weights of {folder}", len(after), folder)
+            if "named_tensors" in args:  # from the Engine's caller, in this process
+                count = self.scheduler.update_weights_from_tensors(
+                    args["named_tensors"], args.get("flush_cache", True)
+                )
+                folder = self.scheduler.info.model_path
+                message = f"updated {count} tensors of the weights"
+            else:
+                folder = self.scheduler.update_weights(args["model_path"])
+                message = f"loaded the weights of {folder}"
+            update = WeightUpdate(True, message, len(after), folder)
         except Exception as e:  # the old weights stay: say why, keep serving
-            logger.warning("the weight update from %s failed: %s", msg.args["model_path"], e)
+            logger.warning("the weight update from %s failed: %s", source, e)
             update = WeightUpdate(False, str(e), len(after))
         self.transport.reply(ControlReply(msg.call_id, update=update))
         for queued in after:

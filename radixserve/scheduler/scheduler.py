@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -182,15 +182,31 @@ class Scheduler:
         live request: the caller waits for that), then empty the prefix cache, whose K/V the
         old weights computed. Raises ModelLoadError (nothing changed) if it cannot; returns
         the folder read."""
+        self._check_weights_may_change()
+        folder = self.runner.update_weights(model_path)
+        self.kv.flush()
+        self.info = msgspec.structs.replace(self.info, model_path=str(folder))
+        return str(folder)
+
+    def update_weights_from_tensors(
+        self, named: Sequence[tuple[str, torch.Tensor]], flush_cache: bool = True
+    ) -> int:
+        """Serve these tensors in place of the loaded ones (`ModelRunner.
+        update_weights_from_tensors`), then empty the prefix cache unless `flush_cache` is
+        false (SGLang's: a caller whose update barely changes the K/V keeps them). Returns
+        how many tensors were given."""
+        self._check_weights_may_change()
+        count = self.runner.update_weights_from_tensors(named)
+        if flush_cache:
+            self.kv.flush()
+        return count
+
+    def _check_weights_may_change(self) -> None:
         assert not self.has_work, "weights change only between requests"
         if self.kv.storage is not None:  # its pages outlive the process, keyed by model path
             raise ModelLoadError(
                 "updating weights is not supported with the hierarchical cache's disk tier"
             )
-        folder = self.runner.update_weights(model_path)
-        self.kv.flush()
-        self.info = msgspec.structs.replace(self.info, model_path=str(folder))
-        return str(folder)
 
     def state(self) -> SchedulerStats:
         """Counters, constrained-decoding figures and where every KV slot is."""
