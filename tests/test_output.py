@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from radixserve.core.messages import ControlReply, ControlReq, WeightUpdate
 from radixserve.core.output import FinishReason, ModelInfo, ReqOutput, StrOut
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
@@ -512,3 +513,27 @@ def test_the_text_shown_only_grows_and_ends_where_the_stop_that_fired_begins(cas
     assert full.startswith(final + reason.matched)
     assert len(final) >= stops_from
     assert not any(stop in final[stops_from:] for stop in params.stop)
+
+
+def test_a_weight_update_that_ends_after_its_caller_gave_up_still_shows():
+    """An update waits for the running requests, past the route's timeout if need be: its
+    reply, when it comes, still sets the model path and weight version the server reports
+    (as the scheduler serves them), and the 503 said it would."""
+
+    async def scenario() -> None:
+        sender = RecordingSender()
+        manager = ready_manager(sender)
+        late = "it still applies"
+        with pytest.raises(APIError) as raised:
+            await manager.control("update_weights", 0.01, {"weight_version": "step-9"}, late)
+        assert raised.value.status == 503 and "(it still applies)" in raised.value.message
+        (request,) = [m for m in sender.sent if isinstance(m, ControlReq)]
+        update = WeightUpdate(True, "loaded", 0, "/ckpt/step-9", "step-9")
+        manager._on_control_reply(ControlReply(request.call_id, update=update))
+        assert manager.info.model_path == "/ckpt/step-9"
+        assert manager.weight_version == "step-9"
+        failed = WeightUpdate(False, "does not fit", 0, None, "step-10")
+        manager._on_control_reply(ControlReply(request.call_id + 1, update=failed))
+        assert manager.weight_version == "step-9"  # a failed one changes nothing
+
+    asyncio.run(scenario())

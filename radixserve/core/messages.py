@@ -88,7 +88,8 @@ ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting", "update_w
 class ControlReq(Message):
     call_id: int
     op: ControlOp
-    # update_weights: {"model_path": str, "abort_all_requests": bool}, or in place of the
+    # update_weights: {"model_path": str, "abort_all_requests": bool, "weight_version":
+    # str | None}, or in place of the
     # path (in-process only: the Engine's) {"named_tensors": [(name, tensor)...],
     # "flush_cache": bool}
     args: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -111,6 +112,7 @@ class WeightUpdate(msgspec.Struct):
     message: str
     num_paused_requests: int = 0  # requests that waited for it
     model_path: str | None = None
+    weight_version: str | None = None  # the update's name for the weights, if it gave one
 
     def answer(self) -> dict[str, Any]:
         return {

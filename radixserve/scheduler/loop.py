@@ -188,7 +188,8 @@ class SchedulerLoop:
             else:
                 folder = self.scheduler.update_weights(args["model_path"])
                 message = f"loaded the weights of {folder}"
-            update = WeightUpdate(True, message, len(after), folder)
+            version = args.get("weight_version")
+            update = WeightUpdate(True, message, len(after), folder, version)
         except Exception as e:  # the old weights stay: say why, keep serving
             logger.warning("the weight update from %s failed: %s", source, e)
             update = WeightUpdate(False, str(e), len(after))

@@ -195,8 +195,16 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
     a failure (the old weights stay) is a 400 that also carries the error shape."""
     if body.load_format not in (None, "auto"):
         raise bad_request("load_format: only auto is supported", param="load_format")
-    args = {"model_path": body.model_path, "abort_all_requests": body.abort_all_requests}
-    replies = await state.manager.control("update_weights", UPDATE_WEIGHTS_TIMEOUT_S, args)
+    args = {
+        "model_path": body.model_path,
+        "abort_all_requests": body.abort_all_requests,
+        "weight_version": body.weight_version,  # the manager takes it from the reply
+    }
+    late = (
+        "it waits for the running requests to end, and still applies once they have: "
+        "/get_weight_version and /get_model_info will say so"
+    )
+    replies = await state.manager.control("update_weights", UPDATE_WEIGHTS_TIMEOUT_S, args, late)
     answer = {  # the replicas' answers as one
         "success": all(r.success for r in replies),
         "message": "; ".join(dict.fromkeys(r.message for r in replies)),
@@ -209,7 +217,6 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
             )
         error = bad_request(answer["message"], param="model_path")
         return JSONResponse({**answer, **error.body()}, status_code=400)
-    state.manager.weights_updated(replies[0].model_path, body.weight_version)
     return JSONResponse(answer)
 
 

@@ -147,10 +147,11 @@ class TokenizerManager:
             self.info = msg.info
         self.starting.discard(msg.role)
 
-    def weights_updated(self, folder: str, version: str | None) -> None:
+    def weights_updated(self, folder: str | None, version: str | None) -> None:
         """The schedulers serve the weights of `folder` now (named `version`, if given)."""
         assert self.info is not None
-        self.info = msgspec.structs.replace(self.info, model_path=folder)
+        if folder is not None:
+            self.info = msgspec.structs.replace(self.info, model_path=folder)
         if version is not None:
             self.weight_version = version
 
@@ -227,9 +228,14 @@ class TokenizerManager:
             self.to_scheduler.send(AbortReq(rid, message))
 
     async def control(
-        self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None
+        self,
+        op: str,
+        timeout: float = 30.0,
+        args: dict[str, Any] | None = None,
+        late: str = "a long step is running; retry later",
     ) -> list[Any]:
-        """Every replica's answer to a control request, in replica order."""
+        """Every replica's answer to a control request, in replica order; after `timeout`
+        seconds a 503 (`late` says why, and what to do)."""
         self.check_available()
         call_id = next(self.call_ids)
         future = asyncio.get_running_loop().create_future()
@@ -239,8 +245,7 @@ class TokenizerManager:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise EngineUnavailable(
-                f"the scheduler did not answer {op} within {timeout:g} s (a long step is "
-                "running); retry later"
+                f"the scheduler did not answer {op} within {timeout:g} s ({late})"
             ) from None
         finally:
             self.controls.pop(call_id, None)
@@ -327,6 +332,9 @@ class TokenizerManager:
             track.call.queue.put_nowait(APIError(status, msg.message, param=msg.param))
 
     def _on_control_reply(self, msg: ControlReply) -> None:
+        if msg.update is not None and msg.update.success:  # whether or not its caller waits
+            # still (it may have timed out): what the scheduler serves now
+            self.weights_updated(msg.update.model_path, msg.update.weight_version)
         gather = self.controls.get(msg.call_id)
         if gather is None or gather.future.done():
             return
