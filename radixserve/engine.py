@@ -27,12 +27,14 @@ from radixserve.config import Config, free_loopback_addr
 from radixserve.core.embedding import EmbedParams
 from radixserve.core.errors import DuplicateRid, rejection
 from radixserve.core.messages import (
+    PAUSE_MODES,
     AbortReq,
     ControlOp,
     ControlReply,
     ControlReq,
     GenerateReq,
     Message,
+    PauseMode,
     Rejected,
     SchedulerState,
 )
@@ -428,6 +430,18 @@ class Engine:
             "abort_all_requests": abort_all_requests,
         }
         return self._control("update_weights", args).answer()
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop generating until `continue_generation` (SGLang's): `abort` ends every
+        request first, `retract` takes the running ones back to the queue (generated tokens
+        kept), `in_place` leaves them as they are. Calls made meanwhile wait; a weight
+        update goes ahead once no request holds K/V."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._control("pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._control("continue_generation")
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing done) while requests are running."""

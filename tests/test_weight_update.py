@@ -193,6 +193,97 @@ def test_a_full_set_of_tensors_needs_no_checkpoint_on_disk(checkpoints, tmp_path
         assert out["output_ids"] == checkpoints["expected"][checkpoints["later"]]
 
 
+# -- pausing generation (SGLang's pause_generation / continue_generation) --------------------
+def started(engine, params) -> tuple:
+    """A streamed request that has written a few tokens (it is running), and them."""
+    stream = engine.generate(input_ids=PROMPT, sampling_params=params, stream=True)
+    seen = [next(stream) for _ in range(3)]
+    return stream, seen[-1]["output_ids"]
+
+
+def test_a_retracted_request_resumes_its_greedy_output_unchanged(checkpoints):
+    """Paused in retract mode, a running request goes back to the queue with its tokens;
+    on continuing it is prefilled again and its output is the uninterrupted one."""
+    first = checkpoints["first"]
+    long = greedy_params(LONG)
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        whole = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
+        engine.flush_cache()
+        stream, seen = started(engine, long)
+        engine.pause_generation("retract")
+        state = engine.get_server_info()["internal_states"][0]
+        assert state["paused"] == "retract" and state["num_running"] == 0
+        assert state["num_waiting"] == 1
+        engine.continue_generation()
+        last = list(stream)[-1]
+        assert last["output_ids"] == whole and last["output_ids"][: len(seen)] == seen
+        assert engine.get_server_info()["internal_states"][0]["paused"] is None
+        engine.check_kv_accounting()
+
+
+def test_pause_update_continue_runs_the_rest_on_the_new_weights(checkpoints):
+    """An RL trainer's weight sync: pause (retract), update, continue. The update goes
+    ahead while the retracted request waits; the request's tokens before the pause are the
+    old weights' greedy ones, and those after are the new weights' greedy continuation of
+    them (transformers on the later checkpoint)."""
+    first, later = checkpoints["first"], checkpoints["later"]
+    long = greedy_params(LONG)
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        old = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
+        stream, seen = started(engine, long)
+        engine.pause_generation("retract")
+        result = engine.update_weights_from_disk(str(later))
+        assert result["success"] and result["num_paused_requests"] == 0, result
+        engine.continue_generation()
+        out = list(stream)[-1]["output_ids"]
+        engine.check_kv_accounting()
+    cut = next(i for i, (a, b) in enumerate(zip(out, old, strict=True)) if a != b)
+    assert len(seen) <= cut < len(out)  # some on the old weights, the rest on the new
+    rest = greedy_of_folder(later, [PROMPT + out[:cut]], len(out) - cut)[0]
+    assert out[cut:] == rest
+
+
+def test_paused_requests_wait_and_aborts_still_end_them(checkpoints):
+    """Abort mode ends the running requests; a request sent while paused waits (no token)
+    until generation continues, unless it is aborted, which ends it at once. Paused in
+    place, a running request keeps its K/V: a weight update is refused, and the request
+    ends as it would have."""
+    first, expected = checkpoints["first"], checkpoints["expected"]
+    long = greedy_params(LONG)
+    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+        whole = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
+        stream, _ = started(engine, long)
+        engine.pause_generation("abort")
+        ended = list(stream)[-1]["meta_info"]
+        assert ended["finish_reason"] == {"type": "abort", "message": "aborted: generation paused"}
+
+        box: dict = {}
+        waiter = threading.Thread(
+            target=lambda: box.update(
+                out=engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))
+            )
+        )
+        waiter.start()
+        doomed = engine.generate(input_ids=PROMPT, sampling_params=long, stream=True, rid="d")
+        waiter.join(0.5)
+        assert waiter.is_alive() and "out" not in box  # it waits for continue_generation
+        engine.abort("d")
+        assert list(doomed)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        engine.continue_generation()
+        waiter.join(TIMEOUT)
+        assert box["out"]["output_ids"] == expected[first]
+
+        stream, _ = started(engine, long)
+        engine.pause_generation("in_place")
+        result = engine.update_weights_from_disk(str(checkpoints["later"]))
+        assert not result["success"] and "paused in place" in result["message"], result
+        engine.continue_generation()
+        assert list(stream)[-1]["output_ids"] == whole
+        with pytest.raises(ValueError, match="mode must be one of"):
+            engine.pause_generation("later")
+        engine.check_kv_accounting()
+
+
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     log = tmp_path_factory.mktemp("weights-server") / "server.log"
@@ -235,4 +326,26 @@ def test_the_route_answers_as_sglang_and_names_the_version(server, checkpoints):
     assert r.json()["error"]["param"] == "model_path" and "missing" in r.json()["message"]
     out = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT).json()
     assert out["output_ids"] == expected[later]
+    assert_kv_clean(server)
+
+
+def test_the_pause_routes_answer_as_sglang(server):
+    def post(path: str, body: dict | None = None) -> requests.Response:
+        return requests.post(server.url + path, json=body, timeout=TIMEOUT)
+
+    r = post("/pause_generation", {"mode": "sideways"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
+    r = post("/pause_generation", {"mode": "retract"})
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    info = requests.get(server.url + "/get_server_info", timeout=TIMEOUT).json()
+    assert info["internal_states"][0]["paused"] == "retract"
+    health = requests.get(server.url + "/health_generate", timeout=TIMEOUT)
+    assert health.status_code == 503 and "paused" in health.json()["error"]["message"]
+    r = post("/continue_generation")
+    assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
+    body = {"input_ids": PROMPT, "sampling_params": greedy_params(STEPS)}
+    assert post("/generate", body).status_code == 200
+    assert requests.get(server.url + "/health_generate", timeout=TIMEOUT).status_code == 200
+    assert post("/pause_generation", {}).status_code == 200  # abort, SGLang's default
+    assert post("/continue_generation").status_code == 200
     assert_kv_clean(server)

@@ -82,16 +82,27 @@ class AbortReq(Message):
     message: str = "aborted"
 
 
-ControlOp = Literal["flush_cache", "get_state", "check_kv_accounting", "update_weights"]
+ControlOp = Literal[
+    "flush_cache",
+    "get_state",
+    "check_kv_accounting",
+    "update_weights",
+    "pause_generation",
+    "continue_generation",
+]
+# how pause_generation treats the live requests (SGLang's modes): end them, take the running
+# ones back to the queue, or keep them where they are
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
 
 
 class ControlReq(Message):
     call_id: int
     op: ControlOp
     # update_weights: {"model_path": str, "abort_all_requests": bool, "weight_version":
-    # str | None}, or in place of the
-    # path (in-process only: the Engine's) {"named_tensors": [(name, tensor)...],
-    # "flush_cache": bool}
+    # str | None}, or in place of the path (in-process only: the Engine's)
+    # {"named_tensors": [(name, tensor)...], "flush_cache": bool};
+    # pause_generation: {"mode": PauseMode}
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

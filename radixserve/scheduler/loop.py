@@ -23,6 +23,7 @@ from radixserve.core.messages import (
     ControlReq,
     GenerateReq,
     Message,
+    PauseMode,
     Rejected,
     SchedulerState,
     WeightUpdate,
@@ -85,6 +86,9 @@ class SchedulerLoop:
         # wait for it (they run on the new weights)
         self._update: ControlReq | None = None
         self._after_update: list[GenerateReq] = []
+        # pause_generation's mode while generation is paused (nothing steps; requests queue
+        # and aborts end them), None while it runs
+        self.paused: PauseMode | None = None
 
     def run(self) -> None:
         try:
@@ -95,21 +99,26 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         scheduler = self.scheduler
-        if scheduler.can_step or self._mapping:
+        stepping = scheduler.can_step and self.paused is None
+        if stepping or self._mapping:
             wait = 0.0
-        else:
-            wait = GRAMMAR_POLL_S if scheduler.has_work else IDLE_WAIT_S
+        else:  # (while paused, queued requests wait for continue_generation)
+            wait = GRAMMAR_POLL_S if scheduler.grammars.compiling else IDLE_WAIT_S
         messages = self.transport.receive(wait)
         start = time.perf_counter()
         for msg in messages:
             self.handle(msg)
         if self._compiling:
             self.settle_compiled()
-        if self._update is not None and not scheduler.has_work:
+        if self._update is not None and self.may_update():
             self.update_weights()
         if self._mapping and not messages and not scheduler.can_step:
             self._mapping = scheduler.map_idle_pages()
-        if scheduler.has_work:
+        if self.paused is not None:  # nothing steps; an abort still ends its request
+            outputs = scheduler.settle_aborts()
+            if outputs:
+                self.transport.send_outputs(outputs)
+        elif scheduler.has_work:
             step_start = time.perf_counter()
             outputs = scheduler.step()
             decoded = scheduler.last_step == "decode"
@@ -160,15 +169,42 @@ class SchedulerLoop:
         self.scheduler.abort(msg.rid, msg.message)
 
     def wait_to_update(self, msg: ControlReq) -> None:
-        """A weight update runs once no request is live (`update_weights`); with
-        abort_all_requests, the live ones are aborted for it."""
+        """A weight update runs once no request is live (`update_weights`), or while
+        generation is paused once none holds K/V; with abort_all_requests, the live ones
+        are aborted for it."""
+        message = None
         if self._update is not None:
             message = "another weight update is waiting for the running requests to end"
+        elif self.paused == "in_place" and self.scheduler.holds_kv:
+            message = (
+                "generation is paused in place, its running requests holding K/V of the "
+                "current weights; pause with mode retract (or abort) to update them"
+            )
+        if message is not None:
             self.transport.reply(ControlReply(msg.call_id, update=WeightUpdate(False, message)))
             return
         self._update = msg
         if msg.args.get("abort_all_requests"):
             self.scheduler.abort(None, "aborted for a weight update")
+
+    def may_update(self) -> bool:
+        """The waiting weight update may run: no request is live, or generation is paused
+        and none holds K/V (the queued ones run on the new weights once it continues)."""
+        if self.paused is not None:
+            return not self.scheduler.holds_kv
+        return not self.scheduler.has_work
+
+    def pause(self, mode: PauseMode) -> None:
+        """SGLang's pause_generation: stop stepping until `continue_generation`; `abort`
+        ends every live request first, `retract` takes the running ones back to the queue
+        (their generated tokens kept; they prefill again on continuing), `in_place` keeps
+        them as they are."""
+        if mode == "abort":
+            self.scheduler.abort(None, "aborted: generation paused")
+        elif mode == "retract":
+            count = self.scheduler.retract_all()
+            logger.info("generation paused: %d running requests back in the queue", count)
+        self.paused = mode
 
     def update_weights(self) -> None:
         """Apply the waiting weight update (no request is live), answer it, then admit the
@@ -236,6 +272,12 @@ class SchedulerLoop:
             raise InvalidRequest(str(e), getattr(e, "param", None)) from e
 
     def control(self, msg: ControlReq) -> ControlReply:
+        if msg.op == "pause_generation":
+            self.pause(msg.args.get("mode", "abort"))
+            return ControlReply(msg.call_id, True)
+        if msg.op == "continue_generation":
+            self.paused = None
+            return ControlReply(msg.call_id, True)
         if msg.op == "flush_cache":
             return ControlReply(msg.call_id, self.scheduler.flush_cache())
         if msg.op == "get_state":
@@ -251,6 +293,7 @@ class SchedulerLoop:
         stats.decode_loop_seconds = self.decode_loop_seconds
         stats.pid = os.getpid()
         stats.dp_rank = self.dp_rank
+        stats.paused = self.paused
         return stats
 
     def publish_state(self) -> None:

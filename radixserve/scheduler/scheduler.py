@@ -142,6 +142,30 @@ class Scheduler:
         return self.can_step or bool(self.grammars.compiling)
 
     @property
+    def holds_kv(self) -> bool:
+        """A request is running or being chunked (its K/V are in the pool)."""
+        return bool(self.running or self.chunked)
+
+    def retract_all(self) -> int:
+        """Every running request, and the one whose prompt is being chunked, back to the
+        front of the waiting queue, generated tokens kept (pause_generation's retract
+        mode): their K/V go to the tree, for their admission to reuse unless a weight update
+        flushes it. Returns how many."""
+        reqs = self.running + ([self.chunked] if self.chunked is not None else [])
+        for req in reversed(reqs):
+            self.kv.release(req)
+            if req is self.chunked:
+                req.restart_prompt()  # its prefill starts over, from what the tree keeps
+            self.waiting.insert(0, req)
+        self.running.clear()
+        self.chunked = None
+        return len(reqs)
+
+    def settle_aborts(self) -> list[ReqOutput]:
+        """End the requests aborted since the last step, without stepping (while paused)."""
+        return self._finish_aborted()
+
+    @property
     def can_step(self) -> bool:
         """A request is waiting for its turn, running, or being chunked."""
         return bool(self.waiting or self.running or self.chunked)
@@ -179,7 +203,7 @@ class Scheduler:
 
     def update_weights(self, model_path: str) -> str:
         """Serve a checkpoint of the same model in place of the loaded weights (only with no
-        live request: the caller waits for that), then empty the prefix cache, whose K/V the
+        request holding K/V: the caller waits for that), then empty the prefix cache, whose K/V the
         old weights computed. Raises ModelLoadError (nothing changed) if it cannot; returns
         the folder read."""
         self._check_weights_may_change()
@@ -202,7 +226,7 @@ class Scheduler:
         return count
 
     def _check_weights_may_change(self) -> None:
-        assert not self.has_work, "weights change only between requests"
+        assert not self.holds_kv, "weights change only with no request's K/V in the pool"
         if self.kv.storage is not None:  # its pages outlive the process, keyed by model path
             raise ModelLoadError(
                 "updating weights is not supported with the hierarchical cache's disk tier"

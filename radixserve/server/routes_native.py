@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ConfigDict, WithJsonSchema
 
 from radixserve import __version__
+from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
@@ -126,6 +127,8 @@ async def health(state: State) -> Response:
 @router.get("/health_generate")
 async def health_generate(state: State) -> Response:
     manager = state.manager
+    if manager.paused is not None:  # it would wait for /continue_generation
+        raise APIError(503, "generation is paused (/pause_generation): nothing generates")
     ids = manager.tokenizer.encode("ping") or [0]
     reqs = expand_request(manager.tokenizer.encode, None, {"max_new_tokens": 1}, ids).reqs
     call = manager.submit(reqs)
@@ -218,6 +221,33 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
         error = bad_request(answer["message"], param="model_path")
         return JSONResponse({**answer, **error.body()}, status_code=400)
     return JSONResponse(answer)
+
+
+class PauseRequest(StrictBody):
+    """SGLang's /pause_generation body."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: PauseMode = "abort"
+
+
+@router.post("/pause_generation")
+async def pause_generation(body: PauseRequest, state: State) -> dict[str, Any]:
+    """Stop generating until /continue_generation, as SGLang's route (RL trainers pause
+    rollouts to update the weights): `abort` ends every request first, `retract` takes the
+    running ones back to the queue (they resume, prefilled again, on continuing), `in_place`
+    leaves them as they are. Requests sent meanwhile wait in the queue; aborts still end
+    theirs. A weight update goes ahead once no request holds K/V (at once after `abort` or
+    `retract`; refused while paused in place with running requests)."""
+    await state.manager.control("pause_generation", args={"mode": body.mode})
+    state.manager.paused = body.mode
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(state: State) -> dict[str, Any]:
+    await state.manager.control("continue_generation")
+    state.manager.paused = None
+    return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @router.get("/get_weight_version")

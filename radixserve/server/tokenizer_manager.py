@@ -122,6 +122,7 @@ class TokenizerManager:
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
         self.weight_version = "default"  # as the latest weight update named it (SGLang's)
+        self.paused: str | None = None  # the mode of /pause_generation until it continues
         replicas = {f"scheduler{i}" for i in range(to_scheduler.size)}
         self.starting = {"detokenizer", *replicas}  # processes not ready yet
         self.to_scheduler = to_scheduler
