@@ -193,7 +193,7 @@ def test_the_text_of_an_added_token_is_text(backend):
     tokenizer.add_tokens(["<think>", "</think>"])
     added = LLGuidanceBackend(tokenizer, VOCAB + 2)
     think = Constraint("regex", "<think>\n[ab]")
-    pieces = added.tokenize_bytes(b"<think>\na")
+    pieces = added.tokenizer.tokenize_bytes(b"<think>\na")  # llguidance's BPE: in pieces
     assert VOCAB not in pieces
     for tokens in ([VOCAB, *added.tokenize_bytes(b"\na")], pieces):
         matcher = added.matcher(think)
@@ -201,6 +201,15 @@ def test_the_text_of_an_added_token_is_text(backend):
     bitmask = torch.full((1, (VOCAB + 2 + 31) // 32), -1, dtype=torch.int32)
     added.fill_masks([added.matcher(Constraint("regex", "x|<think>y"))], bitmask)
     assert unpack_bitmask(bitmask, VOCAB + 2)[0][VOCAB]  # offered where not forced
+    # forced text is written as the model's tokenizer writes it: the added token whole
+    # (llguidance's BPE has no merge that makes it), as jump-forward appends it
+    text = "a <think></think>\n<think>b"
+    assert added.tokenize_bytes(text.encode()) == tokenizer.encode(text, add_special_tokens=False)
+    matcher = added.matcher(Constraint("regex", "a <think>\n[ab]"))
+    sampled = added.tokenize_bytes(b"a")
+    assert matcher.accept(sampled)
+    space = added.tokenize_bytes(b" ")
+    assert jump_forward(matcher, added, sampled[0], room=8)[:3] == [*sampled, *space, VOCAB]
 
 
 def test_a_block_the_prompt_opened_comes_first_and_ends_with_a_special_token(backend):

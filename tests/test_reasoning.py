@@ -15,6 +15,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.reasoning import (
     REASONING_FORMATS,
     ReasoningStream,
+    Split,
     reasoning_plan,
     split,
     think_first,
@@ -48,6 +49,16 @@ def test_every_parser_flag_has_a_format():
 def test_a_finished_output_splits_into_reasoning_and_content(text, inside, reasoning, content):
     part = split(QWEN3, text, inside, final=True)
     assert (part.reasoning, part.content, part.closed) == (reasoning, content, True)
+
+
+def test_after_a_constrained_block_only_the_end_tag_ends_it():
+    """Where the constraint applies after the reasoning, its grammar ends the block at
+    </think> alone; so does the split: a <tool_call> inside is reasoning, not a call."""
+    text = "<think>maybe <tool_call>{}</tool_call></think>\n\nok"
+    plain = reasoning_plan("qwen3", True, True, "<|im_start|>assistant\n")
+    assert plain.split(text).reasoning == "maybe"
+    strict = reasoning_plan("qwen3", True, True, "<|im_start|>assistant\n", end_tag_only=True)
+    assert strict.split(text) == Split("maybe <tool_call>{}</tool_call>", "ok", closed=True)
 
 
 def test_a_tool_call_closes_only_the_formats_that_say_so():

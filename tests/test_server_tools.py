@@ -617,6 +617,7 @@ def test_a_structural_tag_response_format_on_both_routes(hermes):
         ({**WEATHER_TAG, "triggers": ["<call>"]}, "does not start with any trigger"),
         ({"type": "structural_tag", "format": {"type": "tag"}}, "format"),
         ({"type": "json_object", "triggers": [TOOL_CALL]}, "go with type structural_tag"),
+        ({**WEATHER_TAG, "json_schema": {"name": "x"}}, "goes with type json_schema"),
     ],
 )
 def test_a_bad_structural_tag_is_a_400_naming_response_format(hermes, response_format, words):

@@ -193,6 +193,55 @@ def test_a_malformed_structural_tag_is_refused_naming_what_is_wrong(tag, words):
     assert str(caught.value).startswith("invalid structural_tag: ")
 
 
+def test_any_text_may_be_a_trigger_begin_or_end(backend):
+    """Quotes, backslashes, newlines, DEL, non-ASCII: written into the grammar as Lark
+    strings (JSON's escapes), each is matched as the text it is."""
+    text = 'a"b\\c\n\x7f\u00e9\U0001f600'
+    tag = {"triggers": [f"<{text}"], "structures": [{"begin": f"<{text}:", "end": text}]}
+    assert follows(backend, tagged(tag), f"x <{text}:[1]{text} y")
+    assert not follows(backend, tagged(tag), f"x <{text}[1]")
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"$ref": "#"}, r"structures\[1\]\.schema: no text satisfies it"),
+        ({"x-guidance": 5}, r"structures\[1\]\.schema: x-guidance must be an object"),
+        ({"type": "nonsense"}, r"structures\[1\]\.schema: .*nonsense"),
+    ],
+)
+def test_a_structure_whose_schema_cannot_be_followed_is_refused(backend, schema, words):
+    """As the json_schema constraint is: up front, naming the structure (such a part would
+    abort its request once the model began it)."""
+    structures = [call("f", DIGIT), {**call("g"), "schema": schema}]
+    tag = {"triggers": ["<tool_call>"], "structures": structures}
+    with pytest.raises(GrammarError, match="^invalid structural_tag: " + words) as refused:
+        backend.matcher(tagged(tag))
+    assert refused.value.param == "structural_tag"
+
+
+def test_a_trigger_that_begins_as_the_reasoning_opening_is_refused_after_reasoning(backend):
+    """Its lazy lexeme would end the text at "<" before "<think>" could open the block."""
+    think = ThinkBlock("<think>", "</think>", inside=False)
+    for trigger in ("<", "<think>"):
+        tag = {"triggers": [trigger], "structures": [{"begin": f"{trigger}x", "end": ""}]}
+        constraint = dataclasses.replace(tagged(tag), think=think)
+        with pytest.raises(GrammarError, match="begins as the reasoning block's opening"):
+            backend.matcher(constraint)
+    inside = dataclasses.replace(think, inside=True)  # the block is open: nothing to tell
+    tag = {"triggers": ["<"], "structures": [{"begin": "<x", "end": ""}]}
+    assert follows(backend, dataclasses.replace(tagged(tag), think=inside), "hm</think>a <x0")
+
+
+def test_the_params_take_the_tag_as_an_object_too():
+    built = SamplingParams(structural_tag=TOOLS_TAG)
+    assert json.loads(built.structural_tag) == TOOLS_TAG
+    assert (
+        built.structural_tag
+        == SamplingParams.from_dict({"structural_tag": TOOLS_TAG}).structural_tag
+    )
+
+
 def test_one_constraint_per_request(backend):
     with pytest.raises(SamplingParamsError, match="at most one of") as caught:
         SamplingParams.from_dict({"structural_tag": TOOLS_TAG, "regex": "a"})

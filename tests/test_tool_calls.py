@@ -292,6 +292,20 @@ def test_the_required_constraint_accepts_calls_and_refuses_anything_else():
     assert ToolPlan("auto", TOOLS).constraint() == {}  # no strict tool: the output is free
 
 
+def test_a_strict_tool_under_auto_must_have_parameters_the_grammar_can_follow():
+    """Its arguments are constrained (Hermes family): a schema llguidance does not compile
+    is a 400 naming the tool's parameters, as under `required`; not with Llama 3's parser,
+    which leaves them free."""
+    odd = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    tool = Tool(type="function", function={"name": "f", "parameters": odd, "strict": True})
+    with pytest.raises(ToolFieldError, match="Unimplemented keys.*strict") as e:
+        tool_mode([TOOLS[0], tool], "auto")
+    assert e.value.param == "tools[1].function.parameters"
+    assert tool_mode([TOOLS[0], tool], "auto", family="llama3") == "auto"
+    loose = Tool(type="function", function={"name": "f", "parameters": odd})
+    assert tool_mode([TOOLS[0], loose], "auto") == "auto"
+
+
 def test_strict_tools_under_auto_make_a_structural_tag_of_hermes_blocks():
     """As SGLang's: each <tool_call> block calls a tool, written as TOOLS_PROMPT asks; a
     strict tool's arguments follow its (closed) schema, the others' are any object."""

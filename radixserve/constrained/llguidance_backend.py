@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -71,7 +72,11 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = text_tokenizer(tokenizer, vocab_size)
+        self.tokenizer, added = text_tokenizer(tokenizer, vocab_size)
+        # the added tokens it holds as text, which the model's tokenizer writes as one token
+        self._added = {text.encode(): token for text, token in added.items()}
+        pattern = b"|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
+        self._added_split = re.compile(b"(" + pattern + b")") if self._added else None
         self.executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         # each constraint compiled, most recently used last: the validated matcher at the
         # start of its grammar (requests get copies), or the error that refused it. Refusals
@@ -177,10 +182,15 @@ class LLGuidanceBackend(GrammarBackend):
         With `shunned`, the output may not start with that text: it opens an optional block
         of reasoning before this grammar (`_after_thinking`), and the lazy lexemes of free
         text that could start with it too would end the block at a trigger inside it."""
-        for i, structure in enumerate(tag.structures):  # an error that names the structure
-            problem = json_schema_problem(structure.schema)
-            if problem is not None:  # (`_compile` says it is the structural_tag's)
-                raise ValueError(f"structures[{i}].schema: {problem.message}")
+        for i, structure in enumerate(tag.structures):  # errors that name the structure
+            self._check_structure(structure, f"structures[{i}]")
+        for trigger in tag.triggers if shunned is not None else ():
+            if trigger.startswith(shunned) or shunned.startswith(trigger):
+                raise ValueError(  # its lazy lexeme would end the text before the block
+                    f"the trigger {trigger!r} begins as the reasoning block's opening "
+                    f"{shunned!r} does, so the block could not be told from it; "
+                    "require_reasoning false applies the tag to the whole output"
+                )
         lines = ["%llguidance {}", "TEXT: /(?s:.*)/"]
         if shunned is not None:
             lines.append(f"FIRST: /(?s:.*)/ & ~({_lark_string(shunned)} /(?s:.*)/)")
@@ -206,12 +216,32 @@ class LLGuidanceBackend(GrammarBackend):
             lines.insert(1, f"start: ({' | '.join(firsts)}) {parts} | FIRST")
         return "\n".join(lines) + "\n"
 
+    def _check_structure(self, structure: Structure, where: str) -> None:
+        """ValueError (`_compile` says it is the structural_tag's) naming the structure
+        whose schema is invalid, or admits no text, as the json_schema constraint would be
+        refused: such a part would abort its request once the model began it."""
+        options = structure.schema.get("x-guidance", {})
+        if not isinstance(options, dict):
+            raise ValueError(f"{where}.schema: x-guidance must be an object of options")
+        problem = json_schema_problem(structure.schema)
+        if problem is not None:
+            raise ValueError(f"{where}.schema: {problem.message}")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            structure.schema, defaults=JSON_DEFAULTS
+        )
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        if matcher.is_error():
+            raise ValueError(f"{where}.schema: {_reason(matcher.get_error())}")
+        try:
+            _check_it_can_start(matcher, "schema")
+        except GrammarError as e:
+            raise ValueError(f"{where}.schema: {str(e).removeprefix('invalid schema: ')}") from None
+
     @staticmethod
     def _tagged(structure: Structure, after: int) -> str:
         """One structure past its trigger's first `after` characters, as a Lark sequence."""
-        schema, options = structure.schema, structure.schema.get("x-guidance", {})
-        if isinstance(options, dict):  # else llguidance refuses the schema's options
-            schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **options}}
+        options = structure.schema.get("x-guidance", {})
+        schema = {**structure.schema, "x-guidance": {**JSON_DEFAULTS, **options}}
         parts = [structure.begin[after:], None, structure.end]
         return " ".join(
             f"%json {json.dumps(schema)}" if part is None else _lark_string(part)
@@ -245,17 +275,32 @@ class LLGuidanceBackend(GrammarBackend):
         return self.tokenizer.decode_bytes(list(tokens))
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
-        return self.tokenizer.tokenize_bytes(data)
+        """As the model's tokenizer writes `data`: the added tokens first (Qwen's
+        `<tool_call>` is one token, which llguidance's BPE alone would spell in pieces,
+        having no merges for it), the text between them by llguidance's tokenizer."""
+        if self._added_split is None:
+            return self.tokenizer.tokenize_bytes(data)
+        tokens: list[int] = []
+        for i, piece in enumerate(self._added_split.split(data)):
+            if i % 2:  # an added token's text (split keeps the separators at odd places)
+                tokens.append(self._added[piece])
+            elif piece:
+                tokens.extend(self.tokenizer.tokenize_bytes(piece))
+        return tokens
 
 
-def text_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> llguidance.LLTokenizer:
+def text_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, n_vocab: int
+) -> tuple[llguidance.LLTokenizer, dict[str, int]]:
     """llguidance's wrapper of a fast tokenizer (as `llguidance.hf.from_tokenizer`), with
     the added tokens that are not special (Qwen's `<think>`, `<tool_call>`) made the text
-    they stand for. llguidance 1.9.1 holds every added token special: where a grammar
-    forced the text of one, its mask offered only that token, which its parser then
-    refused (a regex writing `<think>` was refused, or aborted mid-output). Moved into the
-    BPE vocabulary, such a token matches its text like any other; those whose text the
-    vocabulary would spell otherwise (spaces, non-ASCII) stay as they are."""
+    they stand for; and those tokens (text → id). llguidance 1.9.1 holds every added
+    token special: where a grammar forced the text of one, its mask offered only that
+    token, which its parser then refused (a regex writing `<think>` was refused, or aborted
+    mid-output). Moved into the BPE vocabulary, such a token matches its text like any
+    other; those whose text the vocabulary would spell otherwise (spaces, non-ASCII) stay
+    as they are. (No merge makes one: `LLGuidanceBackend.tokenize_bytes` puts them in.)"""
+    plain: list[dict] = []
     backend = copy.copy(tokenizer.backend_tokenizer)  # type: ignore[attr-defined]
     backend.no_padding()
     backend.no_truncation()
@@ -276,7 +321,8 @@ def text_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int) -> llguidan
             vocab[added["content"]] = added["id"]
         spec["added_tokens"] = [a for a in spec["added_tokens"] if a not in plain]
     eos = tokenizer.eos_token_id
-    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos)
+    text = llguidance.LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos)
+    return text, {added["content"]: added["id"] for added in plain}
 
 
 def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
@@ -302,7 +348,9 @@ def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
 
 
 def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)  # Lark reads JSON's escapes (quote, newline...)
+    """`text` as a Lark string: JSON's escapes (quote, newline, \\u007f...), which Lark reads;
+    raw, a control character such as DEL is a lexer error."""
+    return json.dumps(text)
 
 
 def _reason(error: str) -> str:

@@ -100,6 +100,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.stop_regex, str):
             self.stop_regex = [self.stop_regex]
+        if isinstance(self.structural_tag, dict):  # as from_dict takes it
+            self.structural_tag = json.dumps(self.structural_tag)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         self.verify()
 

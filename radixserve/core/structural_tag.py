@@ -19,7 +19,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MAX_STRUCTURES = 512  # each is compiled into the request's grammar
+# each is compiled into the request's grammar (OpenAI allows 128 tools; 512 of 40 keys each
+# exceed llguidance's 65,535 grammar symbols)
+MAX_STRUCTURES = 128
 MAX_TRIGGERS = 64  # each is looked for in the free text at every step
 
 

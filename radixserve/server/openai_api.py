@@ -56,7 +56,7 @@ class JsonSchemaFormat(StrictBody):
 
 
 class StructureFormat(StrictBody):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
     begin: str
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     end: str
@@ -80,6 +80,8 @@ class ResponseFormat(StrictBody):
                 "format (xgrammar's form of a structural tag) is not supported; "
                 "give structures and triggers"
             )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("json_schema goes with type json_schema")
         tagged = self.type == "structural_tag"
         if tagged and (self.structures is None or self.triggers is None):
             raise ValueError("type structural_tag needs structures and triggers")
@@ -319,7 +321,8 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_plan(self, parser_flag: str | None, chat_template: str | None) -> ToolPlan:
         """What the tools fields ask for, or a 400 naming the field that is inconsistent."""
         try:
-            mode = tool_mode(self.tools, self.tool_choice)
+            family = parser_family(chat_template, parser_flag)
+            mode = tool_mode(self.tools, self.tool_choice, family)
         except ToolFieldError as e:
             raise bad_request(str(e), param=e.param) from None
         if mode in ("required", "named") and self.constrained:
@@ -335,7 +338,7 @@ class ChatCompletionRequest(_SamplingFields):
             tuple(self.tools or ()),
             named,
             parallel=self.parallel_tool_calls is not False,
-            family=parser_family(chat_template, parser_flag),
+            family=family,
         )
 
 

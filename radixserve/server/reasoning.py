@@ -19,6 +19,7 @@ reassembles to the non-streamed message.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,13 +106,22 @@ class ReasoningPlan:
 
 
 def reasoning_plan(
-    parser: str | None, separate: bool, stream_reasoning: bool, prompt: str
+    parser: str | None,
+    separate: bool,
+    stream_reasoning: bool,
+    prompt: str,
+    end_tag_only: bool = False,
 ) -> ReasoningPlan | None:
     """The split a chat request asks for: None without a parser, or with separate_reasoning
-    off. `prompt` is the rendered chat template."""
+    off. `prompt` is the rendered chat template. With `end_tag_only` (the output's
+    constraint applies after the reasoning, whose grammar ends the block at its end tag
+    alone), the format's `closed_by` text does not end it either: a `<tool_call>` inside
+    the block is reasoning, not a call the constraint never checked."""
     if parser is None or not separate:
         return None
     fmt = REASONING_FORMATS[parser]
+    if end_tag_only:
+        fmt = dataclasses.replace(fmt, closed_by=())
     return ReasoningPlan(fmt, fmt.opened_by(prompt), stream_reasoning)
 
 

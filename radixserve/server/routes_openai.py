@@ -97,6 +97,7 @@ async def chat_completions(
         body.separate_reasoning,
         body.stream_reasoning,
         chat.prompt,
+        end_tag_only=any(r.think is not None for r in chat.reqs),
     )
     shape = _Chat(token_bytes, plan, thinking)
     return await _serve(request, state, body, chat.reqs, shape)

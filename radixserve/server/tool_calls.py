@@ -144,9 +144,10 @@ class ToolFieldError(ValueError):
 
 
 def tool_mode(
-    tools: list[Tool] | None, choice: ToolChoice | None
+    tools: list[Tool] | None, choice: ToolChoice | None, family: str = "hermes"
 ) -> Literal["none", "auto", "required", "named"]:
-    """The mode the request asks for; ToolFieldError names what is inconsistent."""
+    """The mode the request asks for; ToolFieldError names what is inconsistent. `family`:
+    the `auto` parser's (where it is Hermes, strict tools constrain their arguments)."""
     if not tools:
         if choice not in (None, "none"):
             raise ToolFieldError("tool_choice is only allowed when tools are given", "tool_choice")
@@ -157,16 +158,23 @@ def tool_mode(
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if named is not None and named not in names:
         raise ToolFieldError(f"tool_choice names {named!r}, which is not in tools", "tool_choice")
+    mode = "named" if named is not None else choice or "auto"
     for i, tool in enumerate(tools):
-        _check_parameters(tool, i, constrained=choice == "required" or tool.function.name == named)
-    return "named" if named is not None else choice or "auto"
+        if mode == "required" or tool.function.name == named:
+            why: str | None = "tool_choice constrains the arguments to it"
+        elif mode == "auto" and family == "hermes" and tool.function.strict:
+            why = "strict: each call's arguments are constrained to it"
+        else:
+            why = None
+        _check_parameters(tool, i, why)
+    return mode
 
 
-def _check_parameters(tool: Tool, index: int, constrained: bool) -> None:
+def _check_parameters(tool: Tool, index: int, constrained: str | None) -> None:
     """Refuse a function's parameters as OpenAI does, whatever tool_choice is: not an object
     schema, or not a valid JSON schema. A valid schema that constrained decoding cannot
-    follow is refused only where the output is `constrained` to it. None or {} declare no
-    parameters (`Tool.schema` reads both as an empty object)."""
+    follow is refused only where the output is `constrained` to it (which says why). None
+    or {} declare no parameters (`Tool.schema` reads both as an empty object)."""
     parameters = tool.function.parameters
     if not parameters:
         return
@@ -179,7 +187,7 @@ def _check_parameters(tool: Tool, index: int, constrained: bool) -> None:
     problem = json_schema_problem(tool.schema())
     if problem is None or (problem.unsupported and not constrained):
         return
-    reason = " (tool_choice constrains the arguments to it)" if problem.unsupported else ""
+    reason = f" ({constrained})" if problem.unsupported else ""
     raise ToolFieldError(f"{prefix}: {problem.message}{reason}", param)
 
 
