@@ -26,6 +26,10 @@ LONG = 400  # a request long enough to be running when an update comes
 TIMEOUT = 120
 
 
+def engine_on(folder) -> Engine:
+    return Engine(str(folder), progress=False, dtype=FP32, max_total_tokens=4096)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict:
     """The tiny Llama, a later checkpoint of it (other weights, same shapes), and what
@@ -39,7 +43,7 @@ def checkpoints(tiny_model_dirs, tmp_path_factory) -> dict:
 
 def test_the_engine_serves_the_new_weights_and_forgets_the_old_cache(checkpoints, tiny_model_dirs):
     first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         run = lambda: engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))  # noqa: E731
         assert run()["output_ids"] == expected[first]
         result = engine.update_weights_from_disk(str(later))
@@ -66,7 +70,7 @@ def test_the_loaded_checkpoint_may_be_gone_from_disk(checkpoints, tmp_path):
     been deleted by the time the next one comes."""
     step1 = tmp_path / "step1"
     shutil.copytree(checkpoints["first"], step1)
-    with Engine(str(step1), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(step1) as engine:
         shutil.rmtree(step1)
         result = engine.update_weights_from_disk(str(checkpoints["later"]))
         assert result["success"], result
@@ -79,7 +83,7 @@ def test_an_update_waits_for_the_running_requests_and_runs_before_later_ones(che
     update waits for it runs after it, on the new weights."""
     first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
     long = greedy_params(LONG)
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         old = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
         stream = engine.generate(input_ids=PROMPT, sampling_params=long, stream=True)
         next(stream)  # running
@@ -106,7 +110,7 @@ def test_an_update_waits_for_the_running_requests_and_runs_before_later_ones(che
 
 def test_abort_all_requests_ends_the_running_ones_for_the_update(checkpoints):
     first, later = checkpoints["first"], checkpoints["later"]
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         stream = engine.generate(input_ids=PROMPT, sampling_params=greedy_params(LONG), stream=True)
         next(stream)
         result = engine.update_weights_from_disk(str(later), abort_all_requests=True)
@@ -130,7 +134,7 @@ def test_tensors_given_in_process_replace_the_weights(checkpoints, tmp_path):
     first, later, expected = checkpoints["first"], checkpoints["later"], checkpoints["expected"]
     new = tensors_of(later)
     names = sorted(new)
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         run = lambda: engine.generate(input_ids=PROMPT, sampling_params=greedy_params(STEPS))  # noqa: E731
         assert run()["output_ids"] == expected[first]
         result = engine.update_weights_from_tensor(list(new.items()))
@@ -163,7 +167,7 @@ def test_tensors_given_in_process_replace_the_weights(checkpoints, tmp_path):
 def test_tensors_that_do_not_fit_are_refused_and_the_weights_stay(checkpoints):
     first, expected = checkpoints["first"], checkpoints["expected"]
     name, tensor = next(iter(tensors_of(checkpoints["later"]).items()))
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         for named, words in [
             ([("layers.0.mlp.up_proj.weight", tensor)], "is not a tensor of the loaded"),
             ([(name, tensor[:1])], "the checkpoint's is"),
@@ -183,7 +187,7 @@ def test_a_full_set_of_tensors_needs_no_checkpoint_on_disk(checkpoints, tmp_path
     step1 = tmp_path / "step1"
     shutil.copytree(checkpoints["first"], step1)
     new = tensors_of(checkpoints["later"])
-    with Engine(str(step1), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(step1) as engine:
         shutil.rmtree(step1)
         name = next(iter(new))
         result = engine.update_weights_from_tensor([(name, new[name])])
@@ -206,7 +210,7 @@ def test_a_retracted_request_resumes_its_greedy_output_unchanged(checkpoints):
     on continuing it is prefilled again and its output is the uninterrupted one."""
     first = checkpoints["first"]
     long = greedy_params(LONG)
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         whole = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
         engine.flush_cache()
         stream, seen = started(engine, long)
@@ -228,7 +232,7 @@ def test_pause_update_continue_runs_the_rest_on_the_new_weights(checkpoints):
     them (transformers on the later checkpoint)."""
     first, later = checkpoints["first"], checkpoints["later"]
     long = greedy_params(LONG)
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         old = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
         stream, seen = started(engine, long)
         engine.pause_generation("retract")
@@ -250,7 +254,7 @@ def test_paused_requests_wait_and_aborts_still_end_them(checkpoints):
     ends as it would have."""
     first, expected = checkpoints["first"], checkpoints["expected"]
     long = greedy_params(LONG)
-    with Engine(str(first), progress=False, dtype=FP32, max_total_tokens=4096) as engine:
+    with engine_on(first) as engine:
         whole = engine.generate(input_ids=PROMPT, sampling_params=long)["output_ids"]
         stream, _ = started(engine, long)
         engine.pause_generation("abort")
