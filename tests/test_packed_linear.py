@@ -305,9 +305,12 @@ def test_only_weights_that_are_codes_are_read_as_codes(form):
     assert coded.pack(torch.randn(64, 96, generator=gen)) is None
     if form == "q4_1":
         assert coded.pack(as_codes(torch.randn(64, 96, generator=gen), other)) is None
-    nudged = weight.clone()
-    nudged[17, 40] = torch.nextafter(nudged[17, 40], torch.tensor(float("inf")))
-    assert coded.pack(nudged) is None
+    for row in (3, 17):  # in the rows coded_runs probes first, and past them
+        nudged = weight.clone()
+        nudged[row, 40] = torch.nextafter(nudged[row, 40], torch.tensor(float("inf")))
+        assert coded.pack(nudged) is None
+        assert coded_runs(nudged, form) is None
+    assert coded_runs(weight, form) is not None
     assert coded.pack(weight[:, :48].contiguous()) is None
     assert coded.pack(weight.to(BF16)) is None
     flat = weight.clone()

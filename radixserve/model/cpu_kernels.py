@@ -534,6 +534,9 @@ class CodedLinear(BlockedLinear):
         return codes.reshape(-1).contiguous()
 
 
+# rows `coded_runs` tries first: the whole check of a weight of SmolLM2's takes ~40 ms, four
+# times over where it is no codes (every candidate d fails), ~8 s a model
+CODED_PROBE_ROWS = 16
 # a weight's codes as `coded_runs` finds them: (d, m, q)
 Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -545,6 +548,8 @@ def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
     is exact), d the greatest magnitude over 127 (q = +-127 there); d as the GGUF stores it
     (fp16) or as fp32 computes it."""
     n, k = weight.shape
+    if n > CODED_PROBE_ROWS and coded_runs(weight[:CODED_PROBE_ROWS], form) is None:
+        return None  # weights that are no codes (a trainer's) show it in their first rows
     runs = weight.view(n, k // CODED_RUN, CODED_RUN)
     low, high = CODE_RANGE[form]
     if form == "q4_1":
