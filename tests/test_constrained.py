@@ -427,6 +427,25 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_there(engine, monkeyp
     )
 
 
+def test_a_pause_that_aborts_ends_a_request_whose_grammar_compiles(engine, monkeypatch):
+    """pause_generation("abort") (or an abort while paused) ends a request still waiting
+    for its grammar, as it would unpaused: its caller gets the abort."""
+    regex = r"paused-[a-c]{2}"
+    try:
+        with compiles_held(engine, monkeypatch) as (entered, _):
+            thread, result = in_thread(
+                engine.generate, input_ids=PROMPTS[1], sampling_params=greedy(regex=regex)
+            )
+            assert entered.wait(60)
+            engine.pause_generation("abort")
+            thread.join(60)
+            assert not thread.is_alive()
+    finally:
+        engine.continue_generation()
+    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_kv_accounting()
+
+
 @pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "no-jump-forward"])
 def test_jump_forward_on_and_off_both_valid_and_retraction_changes_nothing(tiny_model_dirs, jump):
     """With a pool too small for the batch, requests are retracted and re-admitted (their

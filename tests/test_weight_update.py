@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 import torch
+from safetensors.torch import save_file
 
 from radixserve import Engine
 from radixserve.model.loader import iter_safetensors
@@ -183,6 +184,19 @@ def test_tensors_that_do_not_fit_are_refused_and_the_weights_stay(checkpoints):
         assert out["output_ids"] == expected[first]
 
 
+def test_a_tied_head_is_updated_through_the_embeddings(tiny_model_dirs, tmp_path):
+    """A checkpoint may store lm_head.weight beside the embeddings it is tied to (the model
+    reads the embeddings): an update of it alone would change nothing, so it is refused."""
+    folder = tmp_path / "tied"
+    shutil.copytree(tiny_model_dirs["qwen2"], folder)
+    tensors = tensors_of(folder)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with engine_on(folder) as engine:
+        result = engine.update_weights_from_tensor({"lm_head.weight": tensors["lm_head.weight"]})
+        assert not result["success"] and "tied to model.embed_tokens.weight" in result["message"]
+
+
 def test_a_full_set_of_tensors_needs_no_checkpoint_on_disk(checkpoints, tmp_path):
     step1 = tmp_path / "step1"
     shutil.copytree(checkpoints["first"], step1)
@@ -223,6 +237,54 @@ def test_a_retracted_request_resumes_its_greedy_output_unchanged(checkpoints):
         assert last["output_ids"] == whole and last["output_ids"][: len(seen)] == seen
         assert engine.get_server_info()["internal_states"][0]["paused"] is None
         engine.check_kv_accounting()
+
+
+def retracted_mid_prompt(engine, run) -> dict:
+    """`run()`'s result where a pause (retract) lands while its prompt is prefilled in
+    chunks (each step slowed by the caller, so that it does), then generation continues."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(out=run()))
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while engine.scheduler.chunked is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    engine.pause_generation("retract")
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_running"] == 0 and state["num_waiting"] == 1
+    engine.continue_generation()
+    thread.join(TIMEOUT)
+    return box["out"]
+
+
+def test_a_prompt_retracted_mid_chunk_resumes_with_the_same_results(checkpoints, monkeypatch):
+    """Retracted while its prompt is prefilled in chunks, a request prefills again: its
+    output, input logprobs, and cached_tokens (its first admission's: its own chunks, which
+    the tree kept, are no cache hit) are those of the uninterrupted run."""
+    prompt = [(7 * i) % 400 + 30 for i in range(300)]
+    params = greedy_params(6)
+    with Engine(
+        str(checkpoints["first"]), progress=False, dtype=FP32, max_total_tokens=4096,
+        chunked_prefill_size=32,
+    ) as engine:  # fmt: skip
+        plain = lambda: engine.generate(input_ids=prompt, sampling_params=params)  # noqa: E731
+        scored = lambda: engine.generate(  # noqa: E731
+            input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=0
+        )
+        whole, whole_scored = plain(), scored()
+        engine.flush_cache()
+        step = engine.scheduler.step
+        monkeypatch.setattr(engine.scheduler, "step", lambda: (step(), time.sleep(0.1))[0])
+        again = retracted_mid_prompt(engine, plain)
+        engine.flush_cache()
+        again_scored = retracted_mid_prompt(engine, scored)
+        engine.check_kv_accounting()
+    assert again["output_ids"] == whole["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == whole["meta_info"]["cached_tokens"] == 0
+    assert again_scored["output_ids"] == whole["output_ids"]
+    ours, theirs = (o["meta_info"]["input_token_logprobs"] for o in (again_scored, whole_scored))
+    assert len(ours) == len(theirs) == len(prompt)
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours[1:], theirs[1:], strict=True)) < 1e-5
 
 
 def test_pause_update_continue_runs_the_rest_on_the_new_weights(checkpoints):

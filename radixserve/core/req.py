@@ -97,12 +97,6 @@ class Req:
                 f"{info.max_total_num_tokens}"
             )
 
-    def restart_prompt(self) -> None:
-        """Forget what the prefill of the prompt gathered so far (its input logprobs, an
-        embedding's pooling), for a request taken out mid-prompt that will prefill again."""
-        self.input_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs = [], [], []
-        self.pooled = None
-
     def tokens_left(self, context_len: int) -> int:
         """Tokens the request may still gain: within max_new_tokens and the context."""
         done = len(self.input_ids) + len(self.output_ids)

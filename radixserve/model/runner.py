@@ -316,6 +316,10 @@ class ModelRunner:
                     f"{name!r} is not a tensor of the loaded checkpoint (its names are as "
                     f"Hugging Face writes them, e.g. {example!r})"
                 )
+            if name == "lm_head.weight" and self.model.tie_word_embeddings:
+                raise ModelLoadError(
+                    f"{name!r}: the head is tied to model.embed_tokens.weight; update that"
+                )
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 raise ModelLoadError(f"{name!r}: a floating-point torch.Tensor is needed")
             if tuple(tensor.shape) != shape:

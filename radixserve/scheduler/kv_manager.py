@@ -214,7 +214,7 @@ class KVManager:
         self.tree.lock(match.last_node)
         req.last_node = match.last_node
         self.builder.attach_prefix(req, match.slots.to(self.builder.device))
-        if not req.output_ids:
+        if not req.output_ids and not req.retractions:  # (retracted: its first count holds)
             req.cached_tokens = match.length
             if req.cached_lower is not None:  # what this request loaded, within its prefix
                 host, disk = req.cached_lower

@@ -99,8 +99,7 @@ class SchedulerLoop:
 
     def run_once(self) -> None:
         scheduler = self.scheduler
-        stepping = scheduler.can_step and self.paused is None
-        if stepping or self._mapping:
+        if self.stepping or self._mapping:  # (mapping goes on while paused: nothing steps)
             wait = 0.0
         else:  # (while paused, queued requests wait for continue_generation)
             wait = GRAMMAR_POLL_S if scheduler.grammars.compiling else IDLE_WAIT_S
@@ -112,28 +111,35 @@ class SchedulerLoop:
             self.settle_compiled()
         if self._update is not None and self.may_update():
             self.update_weights()
-        if self._mapping and not messages and not scheduler.can_step:
+        if self._mapping and not messages and not self.stepping:
             self._mapping = scheduler.map_idle_pages()
         if self.paused is not None:  # nothing steps; an abort still ends its request
-            outputs = scheduler.settle_aborts()
-            if outputs:
-                self.transport.send_outputs(outputs)
+            self.send(scheduler.settle_aborts())
         elif scheduler.has_work:
             step_start = time.perf_counter()
             outputs = scheduler.step()
             decoded = scheduler.last_step == "decode"
             if decoded:  # where decode time goes, for the benchmarks
                 scheduler.stats.decode_step_seconds += time.perf_counter() - step_start
-            if outputs:
-                for out in outputs:  # aborted while its grammar compiled: accepted first
-                    if out.rid in self._compiling:
-                        self.transport.accepted(self._compiling.pop(out.rid))
-                self.transport.send_outputs(outputs)
+            self.send(outputs)
             if decoded:
                 self.decode_loop_seconds += time.perf_counter() - start
         scheduler.keep_alive()
         self.publish_cache_events()
         self.publish_state()
+
+    @property
+    def stepping(self) -> bool:
+        """A forward pass has work: requests may step, and generation is not paused."""
+        return self.scheduler.can_step and self.paused is None
+
+    def send(self, outputs: list[ReqOutput]) -> None:
+        if not outputs:
+            return
+        for out in outputs:  # aborted while its grammar compiled: accepted first
+            if out.rid in self._compiling:
+                self.transport.accepted(self._compiling.pop(out.rid))
+        self.transport.send_outputs(outputs)
 
     def publish_cache_events(self) -> None:
         if self.cache_events:

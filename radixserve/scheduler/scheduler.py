@@ -152,10 +152,10 @@ class Scheduler:
         mode): their K/V go to the tree, for their admission to reuse unless a weight update
         flushes it. Returns how many."""
         reqs = self.running + ([self.chunked] if self.chunked is not None else [])
-        for req in reversed(reqs):
+        for req in reversed(reqs):  # (what a chunked prompt gathered holds: its input
+            # logprobs record each position once, mean pooling restarts at position 0)
             self.kv.release(req)
-            if req is self.chunked:
-                req.restart_prompt()  # its prefill starts over, from what the tree keeps
+            req.retractions += 1
             self.waiting.insert(0, req)
         self.running.clear()
         self.chunked = None

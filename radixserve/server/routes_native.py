@@ -201,7 +201,7 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
     args = {
         "model_path": body.model_path,
         "abort_all_requests": body.abort_all_requests,
-        "weight_version": body.weight_version,  # the manager takes it from the reply
+        "weight_version": body.weight_version,  # back in the reply, for one that comes late
     }
     late = (
         "it waits for the running requests to end, and still applies once they have: "
@@ -220,6 +220,7 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
             )
         error = bad_request(answer["message"], param="model_path")
         return JSONResponse({**answer, **error.body()}, status_code=400)
+    state.manager.weights_updated(replies[0].model_path, body.weight_version)
     return JSONResponse(answer)
 
 

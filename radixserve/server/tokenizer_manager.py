@@ -333,11 +333,11 @@ class TokenizerManager:
             track.call.queue.put_nowait(APIError(status, msg.message, param=msg.param))
 
     def _on_control_reply(self, msg: ControlReply) -> None:
-        if msg.update is not None and msg.update.success:  # whether or not its caller waits
-            # still (it may have timed out): what the scheduler serves now
-            self.weights_updated(msg.update.model_path, msg.update.weight_version)
         gather = self.controls.get(msg.call_id)
         if gather is None or gather.future.done():
+            if msg.update is not None and msg.update.success:  # its route gave up waiting
+                # (timed out): what the scheduler serves now, all the same
+                self.weights_updated(msg.update.model_path, msg.update.weight_version)
             return
         gather.replies.append(msg)
         if len(gather.replies) < gather.expected:
