@@ -933,6 +933,23 @@ def test_abort_by_the_rid_the_client_gave_ends_every_sequence_of_the_request(url
     assert state["num_running"] == 0 and state["kv_held_by_requests"] == 0, state
 
 
+def test_get_load_counts_what_runs_and_the_kv_it_holds(url):
+    """SGLang's /get_load, one entry per replica: a running request counts, and so do the
+    KV tokens it holds; none once it has ended (the cache's evictable K/V do not count)."""
+    rid = f"load-{uuid.uuid4().hex[:8]}"
+    sse = stream(url, long_body(rid, True))
+    chunks = iter(sse)
+    next(chunks)
+    (load,) = requests.get(url + "/get_load", timeout=30).json()
+    assert load["dp_rank"] == 0 and load["num_reqs"] >= 1 and load["num_tokens"] > 0, load
+    assert set(load) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    post(url, "/abort_request", {"rid": rid})
+    list(chunks)
+    wait_idle(url)
+    idle = requests.get(url + "/get_load", timeout=30).json()
+    assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
 def test_abort_all(url):
     rid = f"abort-all-{uuid.uuid4().hex[:8]}"
     thread, box = run_in_thread(lambda: generate(url, long_body(rid, False)))

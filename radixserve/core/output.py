@@ -205,6 +205,7 @@ class SchedulerStats(msgspec.Struct):
     num_running: int = 0
     num_waiting: int = 0
     num_grammar_queue: int = 0  # waiting for their grammar to compile (not in num_waiting)
+    num_waiting_tokens: int = 0  # the tokens of those and the waiting ones, not in KV yet
     paused: str | None = None  # the mode of pause_generation while paused (None: running)
     grammar: dict[str, float] = msgspec.field(default_factory=dict)
     hicache: dict[str, float] = msgspec.field(default_factory=dict)  # tiers, when on

@@ -240,6 +240,8 @@ class Scheduler:
         stats.num_running = len(self.running) + (self.chunked is not None)
         stats.num_waiting = len(self.waiting)
         stats.num_grammar_queue = len(self.grammars.compiling)
+        queued = self.waiting + self.grammars.compiling
+        stats.num_waiting_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in queued)
         stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
         stats.grammar = self.grammars.stats.as_dict()
         stats.hicache = self.kv.tier_usage()

@@ -80,9 +80,9 @@ class ResponseFormat(StrictBody):
                 "format (xgrammar's form of a structural tag) is not supported; "
                 "give structures and triggers"
             )
-        if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError("json_schema goes with type json_schema")
         tagged = self.type == "structural_tag"
+        if tagged and self.json_schema is not None:
+            raise ValueError("json_schema goes with type json_schema, not structural_tag")
         if tagged and (self.structures is None or self.triggers is None):
             raise ValueError("type structural_tag needs structures and triggers")
         if not tagged and (self.structures is not None or self.triggers is not None):

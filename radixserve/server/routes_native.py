@@ -168,6 +168,28 @@ async def get_server_info(state: State) -> dict[str, Any]:
     }
 
 
+@router.get("/get_load")
+async def get_load(state: State) -> list[dict[str, int]]:
+    """Each replica's load, as SGLang's route gives it (sglang-router's load-aware policies
+    and RL frameworks waiting for a drain read it): requests running or queued
+    (`num_reqs`), those queued (`num_waiting_reqs`, grammars compiling included), and KV
+    tokens in use by requests or asked for by the queued ones (`num_tokens`; the prefix
+    cache's evictable K/V are not counted)."""
+    loads = []
+    for stats in await state.manager.control("get_state"):  # one per replica
+        waiting = stats["num_waiting"] + stats["num_grammar_queue"]
+        in_use = stats["kv_tree_protected"] + stats["kv_held_by_requests"]
+        loads.append(
+            {
+                "dp_rank": stats["dp_rank"],
+                "num_reqs": stats["num_running"] + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": in_use + stats["num_waiting_tokens"],
+            }
+        )
+    return loads
+
+
 @router.get("/flush_cache", operation_id="flush_cache_get")
 @router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(state: State) -> Response:
