@@ -614,9 +614,10 @@ def test_a_structural_tag_response_format_on_both_routes(hermes):
     ("response_format", "words"),
     [
         ({"type": "structural_tag", "structures": WEATHER_TAG["structures"]}, "needs structures"),
+        ({**WEATHER_TAG, "format": {"type": "any_text"}}, "needs format, or structures"),
         ({**WEATHER_TAG, "triggers": ["<call>"]}, "does not start with any trigger"),
-        ({"type": "structural_tag", "format": {"type": "tag"}}, "format"),
         ({"type": "json_object", "triggers": [TOOL_CALL]}, "go with type structural_tag"),
+        ({"type": "structural_tag", "format": {"type": "token"}}, "'token' is not supported"),
         ({**WEATHER_TAG, "json_schema": {"name": "x"}}, "goes with type json_schema"),
     ],
 )
@@ -628,4 +629,24 @@ def test_a_bad_structural_tag_is_a_400_naming_response_format(hermes, response_f
     )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert words in error["message"] and "response_format" in (error["param"] or ""), error
+    assert words in error["message"], error
+    assert (error["param"] or "").split(".")[0] in ("response_format", "structural_tag"), error
+
+
+def test_a_format_tree_response_format(hermes):
+    """xgrammar's form (vLLM's and newer SGLang's): the output is what the tree says."""
+    tree = {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": "City: "},
+            {"type": "json_schema", "json_schema": {"enum": ["Oslo", "Rome"]}},
+        ],
+    }
+    r = hermes_client(hermes).chat.completions.create(
+        model="m",
+        messages=ask("Where?"),
+        max_tokens=20,
+        response_format={"type": "structural_tag", "format": tree},
+        extra_body={"require_reasoning": False},
+    )
+    assert re.fullmatch(r'City: "(Oslo|Rome)"', r.choices[0].message.content), r

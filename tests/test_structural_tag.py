@@ -19,7 +19,7 @@ from radixserve import Engine
 from radixserve.constrained.base import Constraint, GrammarError, unpack_bitmask
 from radixserve.constrained.llguidance_backend import LLGuidanceBackend
 from radixserve.core.sampling_params import SamplingParams, SamplingParamsError, ThinkBlock
-from radixserve.core.structural_tag import MAX_STRUCTURES, StructuralTag
+from radixserve.core.structural_tag import MAX_STRUCTURES
 from tests.conftest import FP32, TINY_SHAPE, TINY_TOKENIZER, build_tiny_model
 
 VOCAB = TINY_SHAPE["vocab_size"]
@@ -120,7 +120,6 @@ def test_a_trigger_inside_another_starts_the_structures_of_both(backend):
             {"begin": "<flag>", "schema": {"enum": [True]}, "end": ""},
         ],
     }
-    assert StructuralTag.parse(json.dumps(tag)).by_trigger().keys() == {"<f"}
     constraint = tagged(tag)
     assert follows(backend, constraint, 'x <fn=a>{"x": 4}</fn> y <flag>true z')
     assert not follows(backend, constraint, "x <fn=b>")
@@ -178,7 +177,8 @@ def test_a_trigger_that_is_a_special_token_is_that_token():
         ),
         ({**TOOLS_TAG, "type": "json_schema"}, "type must be structural_tag"),
         ({**TOOLS_TAG, "extra": 1}, "unknown key"),
-        ({"type": "structural_tag", "format": {"type": "tag"}}, "`format` form"),
+        ({"format": {"type": "any_text"}, "triggers": ["<"]}, "either format or structures"),
+        ({"format": [1]}, "format must be a format object"),
         (
             {"triggers": ["<"], "structures": [{"begin": "<", "end": ""}] * (MAX_STRUCTURES + 1)},
             f"at most {MAX_STRUCTURES} structures",
@@ -301,3 +301,147 @@ def test_the_engine_writes_only_valid_parts_where_a_bias_pushes_the_trigger(tmp_
             assert out["meta_info"]["finish_reason"]["type"] == "length", text
             assert text.endswith(rest[rest.index("<") :]), text
     assert kinds == {"digit", "weather"}  # the model chose between the structures
+
+
+# -- xgrammar's format trees (`{"type": "structural_tag", "format": {...}}`) ------------------
+def fmt(tree: dict) -> Constraint:
+    return tagged({"type": "structural_tag", "format": tree})
+
+
+def tag(begin: str, content: dict, end) -> dict:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+ANY_TEXT = {"type": "any_text"}
+JSON_DIGIT = {"type": "json_schema", "json_schema": DIGIT}
+CALLS = {
+    "type": "triggered_tags",
+    "triggers": ["<call="],
+    "tags": [tag("<call=d>", JSON_DIGIT, "</call>"), tag("<call=t>", ANY_TEXT, "</call>")],
+}
+FORMATS = {
+    "think-then-json": {
+        "type": "sequence",
+        "elements": [
+            tag("<think>", ANY_TEXT, "</think>"),
+            {"type": "const_string", "value": "\n"},
+            JSON_DIGIT,
+        ],
+    },
+    "calls": CALLS,
+    "calls-first": {**CALLS, "at_least_one": True},
+    "one-call": {**CALLS, "stop_after_first": True},
+    "no-xml-text": {**CALLS, "excludes": ["<xml"]},
+    "choices": {
+        "type": "sequence",
+        "elements": [
+            {
+                "type": "or",
+                "elements": [
+                    {"type": "const_string", "value": "yes"},
+                    {"type": "const_string", "value": "no"},
+                ],
+            },
+            {"type": "optional", "content": {"type": "const_string", "value": "!"}},
+            {
+                "type": "repeat",
+                "min": 2,
+                "max": 3,
+                "content": {"type": "regex", "pattern": "[0-9]"},
+            },
+            {"type": "plus", "content": {"type": "const_string", "value": "."}},
+        ],
+    },  # fmt: skip
+    "list": {
+        "type": "tags_with_separator",
+        "tags": [tag("<n>", JSON_DIGIT, "</n>")],
+        "separator": ",",
+        "at_least_one": True,
+    },
+    "ebnf": {"type": "grammar", "grammar": 'root ::= "a" [0-9]+ "/" "b"'},
+    "ends": tag("[", {"type": "regex", "pattern": "[a-z]+"}, ["]", ")"]),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "valid"),
+    [
+        ("think-then-json", '<think>free <b> text</think>\n{"x": 3}', True),
+        ("think-then-json", '<think>free</think>{"x": 3}', False),
+        ("think-then-json", '<think>free</think>\n{"x": 13}', False),
+        ("calls", 'Hi <call=d>{"x": 1}</call> then <call=t>any <text></call> bye', True),
+        ("calls", "Hi <call=q>", False),
+        ("calls-first", '<call=d>{"x": 1}</call> then text', True),
+        ("calls-first", 'Hi <call=d>{"x": 1}</call>', False),
+        ("one-call", "Hi <call=t>x</call>", True),
+        ("one-call", "Only text", True),
+        ("one-call", "Hi <call=t>x</call> and more", False),
+        ("no-xml-text", "free text", True),
+        ("no-xml-text", "free <xml> text", False),
+        ("choices", "yes!12.", True),
+        ("choices", "no123...", True),
+        ("choices", "no1.", False),
+        ("choices", "maybe12.", False),
+        ("list", '<n>{"x": 1}</n>,<n>{"x": 2}</n>', True),
+        ("list", "", False),
+        ("list", '<n>{"x": 1}</n><n>{"x": 2}</n>', False),
+        ("ebnf", "a123/b", True),
+        ("ebnf", "a/b", False),
+        ("ends", "[abc]", True),
+        ("ends", "[abc)", True),
+        ("ends", "[abc}", False),
+    ],
+)
+def test_a_format_tree_is_the_grammar_it_describes(backend, name, text, valid):
+    assert follows(backend, fmt(FORMATS[name]), text) == valid, FORMATS[name]
+
+
+@pytest.mark.parametrize(
+    ("tree", "words"),
+    [
+        ({"type": "token", "token": "<|x|>"}, r"format\.type 'token' is not supported"),
+        ({**JSON_DIGIT, "style": "qwen_xml"}, r"format\.style 'qwen_xml' is not supported"),
+        (
+            {"type": "sequence", "elements": [ANY_TEXT, JSON_DIGIT]},
+            r"format\.elements\[0\]: any_text is supported as a tag's content or at the end",
+        ),
+        (
+            {
+                "type": "sequence",
+                "elements": [JSON_DIGIT, {**JSON_DIGIT, "json_schema": {"$ref": "#"}}],
+            },
+            r"format\.elements\[1\]\.json_schema: no text satisfies it",
+        ),
+        ({**CALLS, "tags": [tag("<fn>", ANY_TEXT, "</fn>")]}, r"does not start with any trigger"),
+        ({"type": "repeat", "min": 3, "max": 2, "content": JSON_DIGIT}, r"format: min and max"),
+        ({**ANY_TEXT, "max_tokens": 8}, r"format\.max_tokens is not supported"),
+        ({"type": "const_string", "value": ""}, "matches the empty text only"),
+    ],
+)
+def test_a_format_the_grammar_cannot_follow_is_refused_naming_the_node(backend, tree, words):
+    with pytest.raises(GrammarError, match="^invalid structural_tag: .*" + words) as refused:
+        backend.matcher(fmt(tree))
+    assert refused.value.param == "structural_tag"
+
+
+def test_the_engine_follows_a_format_tree(tmp_path):
+    """Free text up to "]" (a tag's any_text: it ends at the tag's end), then a JSON
+    document: the random model, pushed to close the bracket, writes both as the tree says
+    (the document made valid by the masks)."""
+    folder = build_tiny_model(tmp_path / "model", "llama")
+    tree = {"type": "sequence", "elements": [tag("[", ANY_TEXT, "]"), JSON_DIGIT]}
+    close = AutoTokenizer.from_pretrained(TINY_TOKENIZER).convert_tokens_to_ids("]")
+    params = {"temperature": 1.0, "max_new_tokens": 40, "logit_bias": {str(close): 4.0}}
+    params["structural_tag"] = {"type": "structural_tag", "format": tree}
+    with Engine(str(folder), progress=False, max_total_tokens=4096, dtype=FP32) as e:
+        outs = [
+            e.generate(input_ids=[5, 6, 7], sampling_params={**params, "sampling_seed": s})
+            for s in range(4)
+        ]
+    texts = [o["text"] for o in outs]
+    done = [o["text"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert done, texts
+    for text in done:
+        inside, _, answer = text.removeprefix("[").partition("]")
+        assert text.startswith("[") and inside, text  # some free text first
+        jsonschema.validate(json.loads(answer), DIGIT)

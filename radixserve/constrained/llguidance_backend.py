@@ -16,8 +16,9 @@ import llguidance
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
 from radixserve.constrained.schema import JSON_DEFAULTS, json_schema_problem, one_line
+from radixserve.constrained.structural_format import FormatGrammar, lark_string, legacy_format
 from radixserve.core.sampling_params import ThinkBlock
-from radixserve.core.structural_tag import StructuralTag, Structure
+from radixserve.core.structural_tag import StructuralTag
 
 if TYPE_CHECKING:
     import torch
@@ -161,93 +162,51 @@ class LLGuidanceBackend(GrammarBackend):
         answer[0]["name"] = "answer"
         end = self._special(think.end)
         if end is None:
-            thought = f"thought[suffix={_lark_string(think.end)}]: /(?s:.*)/"
+            thought = f"thought[suffix={lark_string(think.end)}]: /(?s:.*)/"
         else:
             thought = f"thought: THOUGHT {end}\nTHOUGHT: /(?s:.*)/"
         if think.inside:
             start = "start: thought GAP? @answer"
         else:
-            opening = self._special(think.start) or _lark_string(think.start)
+            opening = self._special(think.start) or lark_string(think.start)
             start = f"start: block? @answer\nblock: {opening} thought GAP?"
         top = f"{start}\n{thought}\nGAP: /[ \\t\\r\\n]{{1,{MAX_GAP}}}/\n"
         return json.dumps({"grammars": [{"lark_grammar": top}, *answer]})
 
     def _structural_tag(self, tag: StructuralTag, shunned: str | None = None) -> str:
-        """The Lark grammar of a structural tag: text, then any number of tagged parts,
-        each followed by text. A trigger written as text ends the text before it (a lazy
-        lexeme: the first occurrence of the trigger, not the last); one that is a special
-        token is that token. After the trigger come the choices of the structures it
-        starts; each JSON value is written as the json_schema constraint writes one.
+        """The grammar of a structural tag (`structural_format.FormatGrammar`): SGLang's
+        structures and triggers as xgrammar's `triggered_tags`, or the format tree given.
 
         With `shunned`, the output may not start with that text: it opens an optional block
         of reasoning before this grammar (`_after_thinking`), and the lazy lexemes of free
         text that could start with it too would end the block at a trigger inside it."""
-        for i, structure in enumerate(tag.structures):  # errors that name the structure
-            self._check_structure(structure, f"structures[{i}]")
-        for trigger in tag.triggers if shunned is not None else ():
-            if trigger.startswith(shunned) or shunned.startswith(trigger):
-                raise ValueError(  # its lazy lexeme would end the text before the block
-                    f"the trigger {trigger!r} begins as the reasoning block's opening "
-                    f"{shunned!r} does, so the block could not be told from it; "
-                    "require_reasoning false applies the tag to the whole output"
-                )
-        lines = ["%llguidance {}", "TEXT: /(?s:.*)/"]
-        if shunned is not None:
-            lines.append(f"FIRST: /(?s:.*)/ & ~({_lark_string(shunned)} /(?s:.*)/)")
-        calls, firsts = [], []
-        for k, (trigger, structures) in enumerate(tag.by_trigger().items()):
-            bodies = " | ".join(self._tagged(s, len(trigger)) for s in structures)
-            lines.append(f"tagged_{k}: {bodies}")
-            special = self._special(trigger)
-            for text, name, names in (("TEXT", "call", calls), ("FIRST", "first", firsts)):
-                if text == "FIRST" and shunned is None:
-                    continue
-                if special is None:  # `name_k_text`: the text and the trigger after it
-                    lines.append(f"{name}_{k}_text[lazy]: {text} {_lark_string(trigger)}")
-                    head = f"{name}_{k}_text"
-                else:
-                    head = f"{text} {special}"
-                lines.append(f"{name}_{k}: {head} tagged_{k}")
-                names.append(f"{name}_{k}")
-        parts = f"({' | '.join(calls)})* TEXT"
-        if shunned is None:
-            lines.insert(1, f"start: {parts}")
+        if tag.format is not None:
+            tree, check = tag.format, self._check_schema
         else:
-            lines.insert(1, f"start: ({' | '.join(firsts)}) {parts} | FIRST")
-        return "\n".join(lines) + "\n"
+            for i, structure in enumerate(tag.structures):  # errors that name the structure
+                self._check_schema(structure.schema, f"structures[{i}].schema")
+            parts = [(s.begin, s.schema, s.end) for s in tag.structures]
+            tree, check = legacy_format(parts, list(tag.triggers)), _checked_already
+        return FormatGrammar(self._special, check, shunned).build(tree)
 
-    def _check_structure(self, structure: Structure, where: str) -> None:
-        """ValueError (`_compile` says it is the structural_tag's) naming the structure
-        whose schema is invalid, or admits no text, as the json_schema constraint would be
-        refused: such a part would abort its request once the model began it."""
-        options = structure.schema.get("x-guidance", {})
+    def _check_schema(self, schema: dict, where: str) -> None:
+        """ValueError (`_compile` says it is the structural_tag's) naming the schema that is
+        invalid, or admits no text, as the json_schema constraint would be refused: such a
+        part would abort its request once the model began it."""
+        options = schema.get("x-guidance", {})
         if not isinstance(options, dict):
-            raise ValueError(f"{where}.schema: x-guidance must be an object of options")
-        problem = json_schema_problem(structure.schema)
+            raise ValueError(f"{where}: x-guidance must be an object of options")
+        problem = json_schema_problem(schema)
         if problem is not None:
-            raise ValueError(f"{where}.schema: {problem.message}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            structure.schema, defaults=JSON_DEFAULTS
-        )
+            raise ValueError(f"{where}: {problem.message}")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise ValueError(f"{where}.schema: {_reason(matcher.get_error())}")
+            raise ValueError(f"{where}: {_reason(matcher.get_error())}")
         try:
             _check_it_can_start(matcher, "schema")
         except GrammarError as e:
-            raise ValueError(f"{where}.schema: {str(e).removeprefix('invalid schema: ')}") from None
-
-    @staticmethod
-    def _tagged(structure: Structure, after: int) -> str:
-        """One structure past its trigger's first `after` characters, as a Lark sequence."""
-        options = structure.schema.get("x-guidance", {})
-        schema = {**structure.schema, "x-guidance": {**JSON_DEFAULTS, **options}}
-        parts = [structure.begin[after:], None, structure.end]
-        return " ".join(
-            f"%json {json.dumps(schema)}" if part is None else _lark_string(part)
-            for part in parts
-            if part != ""
-        )
+            raise ValueError(f"{where}: {str(e).removeprefix('invalid schema: ')}") from None
 
     def _opening(self, think: ThinkBlock | None) -> str | None:
         """The text that opens an optional block of reasoning, if the output may write it
@@ -347,10 +306,8 @@ def _check_it_can_start(matcher: llguidance.LLMatcher, kind: str) -> None:
     raise GrammarError(f"invalid {kind}: constrained decoding cannot follow it: {said}", kind)
 
 
-def _lark_string(text: str) -> str:
-    """`text` as a Lark string: JSON's escapes (quote, newline, \\u007f...), which Lark reads;
-    raw, a control character such as DEL is a lexer error."""
-    return json.dumps(text)
+def _checked_already(schema: dict, where: str) -> None:
+    pass  # SGLang's structures: their schemas are checked under their own names first
 
 
 def _reason(error: str) -> str:

@@ -10,7 +10,9 @@ their schemas. The request gives it as JSON (OpenAI's `response_format` of type
 The output is any text until it writes a trigger; from there it must go on as one of the
 structures whose `begin` starts with that trigger: the rest of `begin`, a JSON value that
 follows `schema` (any JSON where it is null or left out), then `end`; then free text again.
-Plain data here; constrained/ turns it into a grammar.
+xgrammar's newer form, `{"type": "structural_tag", "format": {...}}`, is a tree of formats
+(`constrained/structural_format.py`). Plain data here; constrained/ turns it into a
+grammar.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Structure:
 class StructuralTag:
     structures: tuple[Structure, ...]
     triggers: tuple[str, ...]
+    # or xgrammar's format tree (`{"type": "structural_tag", "format": {...}}`), checked as
+    # it is compiled (constrained/structural_format.py)
+    format: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, text: str) -> StructuralTag:
@@ -51,10 +56,13 @@ class StructuralTag:
         if not isinstance(spec, dict):
             raise StructuralTagError("must be a JSON object with structures and triggers")
         if "format" in spec:
-            raise StructuralTagError(
-                "the `format` form (xgrammar's structural tag) is not supported; "
-                "give `structures` and `triggers`"
-            )
+            if set(spec) - {"type", "format"}:
+                raise StructuralTagError("give either format or structures and triggers")
+            if not isinstance(spec["format"], dict):
+                raise StructuralTagError("format must be a format object")
+            if spec.get("type", "structural_tag") != "structural_tag":
+                raise StructuralTagError(f"type must be structural_tag, got {spec['type']!r}")
+            return cls((), (), spec["format"])
         unknown = sorted(set(spec) - {"type", "structures", "triggers"})
         if unknown:
             raise StructuralTagError(f"unknown key(s): {', '.join(unknown)}")
@@ -68,18 +76,6 @@ class StructuralTag:
             raise StructuralTagError(f"at most {MAX_STRUCTURES} structures, got {len(structures)}")
         parsed = tuple(_structure(s, i, triggers) for i, s in enumerate(structures))
         return cls(parsed, triggers)
-
-    def trigger_of(self, structure: Structure) -> str:
-        """The trigger that starts `structure`: the shortest whose text begins it (the
-        output writes a shorter trigger before a longer one that extends it)."""
-        return min((t for t in self.triggers if structure.begin.startswith(t)), key=len)
-
-    def by_trigger(self) -> dict[str, list[Structure]]:
-        """The structures under each trigger that starts one, in the order given."""
-        groups: dict[str, list[Structure]] = {}
-        for structure in self.structures:
-            groups.setdefault(self.trigger_of(structure), []).append(structure)
-        return groups
 
 
 def _strings(value: Any, name: str, limit: int) -> tuple[str, ...]:

@@ -66,27 +66,26 @@ class ResponseFormat(StrictBody):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
-    # type structural_tag (SGLang's): free text whose tagged parts follow schemas
+    # type structural_tag (SGLang's): free text whose tagged parts follow schemas, or
+    # xgrammar's format tree (vLLM's and newer SGLang's form; core/structural_tag.py)
     structures: list[StructureFormat] | None = None
     triggers: list[str] | None = None
-    format: Any = None  # xgrammar's newer form of a structural tag: refused, by name
+    format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is json_schema")
-        if self.format is not None:
-            raise ValueError(
-                "format (xgrammar's form of a structural tag) is not supported; "
-                "give structures and triggers"
-            )
         tagged = self.type == "structural_tag"
         if tagged and self.json_schema is not None:
             raise ValueError("json_schema goes with type json_schema, not structural_tag")
-        if tagged and (self.structures is None or self.triggers is None):
+        listed = self.structures is not None or self.triggers is not None
+        if not tagged and (listed or self.format is not None):
+            raise ValueError("structures, triggers and format go with type structural_tag")
+        if tagged and (self.format is not None) == listed:
+            raise ValueError("type structural_tag needs format, or structures and triggers")
+        if tagged and listed and (self.structures is None or self.triggers is None):
             raise ValueError("type structural_tag needs structures and triggers")
-        if not tagged and (self.structures is not None or self.triggers is not None):
-            raise ValueError("structures and triggers go with type structural_tag")
         return self
 
     def constraint(self) -> dict[str, str]:
@@ -101,7 +100,8 @@ class ResponseFormat(StrictBody):
                 schema = closed_objects(schema)
             return {"json_schema": json.dumps(schema)}
         if self.type == "structural_tag":
-            tag = self.model_dump(include={"type", "structures", "triggers"}, by_alias=True)
+            given = {"format"} if self.format is not None else {"structures", "triggers"}
+            tag = self.model_dump(include={"type", *given}, by_alias=True)
             return {"structural_tag": json.dumps(tag)}
         return {}
 
