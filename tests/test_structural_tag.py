@@ -126,6 +126,22 @@ def test_a_trigger_inside_another_starts_the_structures_of_both(backend):
     assert not follows(backend, constraint, "x <f y")
 
 
+def test_a_format_that_may_begin_empty_keeps_the_reasoning_free(backend):
+    """An optional prefix before triggered_tags: the tags' text may still begin the output,
+    so a trigger inside the reasoning block stays reasoning there too."""
+    calls = {
+        "type": "triggered_tags",
+        "triggers": ["<tool_call>"],
+        "tags": [tag("<tool_call>", JSON_DIGIT, "</tool_call>")],
+    }
+    note = {"type": "optional", "content": {"type": "const_string", "value": "Note:"}}
+    tree = {"type": "sequence", "elements": [note, calls]}
+    think = ThinkBlock("<think>", "</think>", inside=False)
+    constraint = dataclasses.replace(fmt(tree), think=think)
+    text = '<think>Maybe <tool_call> it.</think>\n\nSure. <tool_call>{"x": 1}</tool_call>'
+    assert follows(backend, constraint, text)
+
+
 @pytest.mark.parametrize(
     ("text", "valid"),
     [
@@ -303,6 +319,13 @@ def test_the_engine_writes_only_valid_parts_where_a_bias_pushes_the_trigger(tmp_
     assert kinds == {"digit", "weather"}  # the model chose between the structures
 
 
+def nested(depth: int) -> dict:
+    tree: dict = JSON_DIGIT
+    for _ in range(depth):
+        tree = {"type": "optional", "content": tree}
+    return tree
+
+
 # -- xgrammar's format trees (`{"type": "structural_tag", "format": {...}}`) ------------------
 def fmt(tree: dict) -> Constraint:
     return tagged({"type": "structural_tag", "format": tree})
@@ -360,6 +383,13 @@ FORMATS = {
     },
     "ebnf": {"type": "grammar", "grammar": 'root ::= "a" [0-9]+ "/" "b"'},
     "ends": tag("[", {"type": "regex", "pattern": "[a-z]+"}, ["]", ")"]),
+    "slashes": {"type": "regex", "pattern": "a\\/b/c"},  # "\/" and "/" both a slash
+    "clean-tail": {
+        "type": "sequence",
+        "elements": [{"type": "const_string", "value": "x"}, {**ANY_TEXT, "excludes": ["bad"]}],
+    },
+    "open-end": tag("<a>", ANY_TEXT, ["", "</a>"]),  # to </a>, or to the end of the output
+    "none": {"type": "repeat", "min": 0, "max": 0, "content": JSON_DIGIT},
 }
 
 
@@ -390,6 +420,13 @@ FORMATS = {
         ("ends", "[abc]", True),
         ("ends", "[abc)", True),
         ("ends", "[abc}", False),
+        ("slashes", "a/b/c", True),
+        ("slashes", "a", False),
+        ("clean-tail", "x all good", True),
+        ("clean-tail", "x not bad", False),
+        ("open-end", "<a>text</a>", True),
+        ("open-end", "<a>text to the end", True),
+        ("open-end", "<a>text</a>more", False),
     ],
 )
 def test_a_format_tree_is_the_grammar_it_describes(backend, name, text, valid):
@@ -416,12 +453,27 @@ def test_a_format_tree_is_the_grammar_it_describes(backend, name, text, valid):
         ({"type": "repeat", "min": 3, "max": 2, "content": JSON_DIGIT}, r"format: min and max"),
         ({**ANY_TEXT, "max_tokens": 8}, r"format\.max_tokens is not supported"),
         ({"type": "const_string", "value": ""}, "matches the empty text only"),
+        (FORMATS["none"], "matches the empty text only"),
+        ({"type": "regex", "pattern": "a\\"}, r"format\.pattern ends in a lone backslash"),
+        (nested(70), "nest more than 64 deep"),
+        (
+            {"type": "sequence", "elements": [tag("<a>", ANY_TEXT, ""), JSON_DIGIT]},
+            r"format\.elements\[0\]\.end: an empty end cannot end any_text here",
+        ),
     ],
 )
 def test_a_format_the_grammar_cannot_follow_is_refused_naming_the_node(backend, tree, words):
     with pytest.raises(GrammarError, match="^invalid structural_tag: .*" + words) as refused:
         backend.matcher(fmt(tree))
     assert refused.value.param == "structural_tag"
+
+
+def test_a_regex_cannot_write_grammar_outside_itself(backend):
+    """Its slashes are escaped, unless escaped already: `a\\/ | "evil" #` is the regex of
+    `a/ ` or ` "evil" #`, not a regex `a\\` then a Lark alternative "evil"."""
+    constraint = fmt({"type": "regex", "pattern": 'a\\/ | "evil" #'})
+    assert not follows(backend, constraint, "evil")
+    assert follows(backend, constraint, "a/ ") and follows(backend, constraint, ' "evil" #')
 
 
 def test_the_engine_follows_a_format_tree(tmp_path):

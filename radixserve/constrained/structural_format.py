@@ -34,6 +34,7 @@ import llguidance
 from radixserve.constrained.schema import JSON_DEFAULTS
 
 ANY = "/(?s:.*)/"
+MAX_DEPTH = 64  # formats within formats
 SUPPORTED = (
     "const_string", "json_schema", "regex", "grammar", "any_text", "sequence", "or",
     "optional", "plus", "star", "repeat", "tag", "triggered_tags", "tags_with_separator",
@@ -68,6 +69,7 @@ class FormatGrammar:
     rules: list[str] = field(default_factory=list)
     subgrammars: list[dict] = field(default_factory=list)
     count: int = 0
+    depth: int = 0
 
     def build(self, node: Any) -> str:
         """The grammar: Lark text, or llguidance's JSON form where there are sub-grammars."""
@@ -88,13 +90,14 @@ class FormatGrammar:
         """The Lark expression of `node` (None: it matches the empty text only). `tail`: the
         output ends where it does (free text may run to the end); `first`: it begins the
         output (where a reasoning block may open before it)."""
-        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
-            raise ValueError(f"{path}: a format object with a type is needed")
-        kind = node["type"]
-        if kind not in SUPPORTED:
-            supported = ", ".join(SUPPORTED)
-            raise ValueError(f"{path}.type {kind!r} is not supported (supported: {supported})")
-        return getattr(self, f"_{kind}")(node, path, tail, first)
+        _check_node(node, path)
+        if self.depth >= MAX_DEPTH:
+            raise ValueError(f"{path}: formats nest more than {MAX_DEPTH} deep")
+        self.depth += 1
+        try:
+            return getattr(self, f"_{node['type']}")(node, path, tail, first)
+        finally:
+            self.depth -= 1
 
     def _const_string(self, node: dict, path: str, tail: bool, first: bool) -> str | None:
         value = _field(node, "value", str, path)
@@ -112,7 +115,17 @@ class FormatGrammar:
 
     def _regex(self, node: dict, path: str, tail: bool, first: bool) -> str:
         pattern = _field(node, "pattern", str, path)
-        return "/" + pattern.replace("/", "\\/") + "/"
+        out, i = [], 0
+        while i < len(pattern):  # a "/" closes a Lark regex: escaped, unless it is already
+            if pattern[i] == "\\":
+                if i + 1 == len(pattern):
+                    raise ValueError(f"{path}.pattern ends in a lone backslash")
+                out.append(pattern[i : i + 2])
+                i += 2
+                continue
+            out.append("\\/" if pattern[i] == "/" else pattern[i])
+            i += 1
+        return "/" + "".join(out) + "/"
 
     def _grammar(self, node: dict, path: str, tail: bool, first: bool) -> str:
         text = _field(node, "grammar", str, path)
@@ -130,14 +143,22 @@ class FormatGrammar:
                 f"{path}: any_text is supported as a tag's content or at the end of the "
                 "output, where something marks where it ends"
             )
-        return self.text_terminal(node, path, first)
+        return self.terminal("ANYTEXT", self.text_terminal(node, path, first))
+
+    def terminal(self, prefix: str, expression: str) -> str:
+        """`expression` as a named terminal (Lark's `&` and `~` work in terminals only)."""
+        if expression == ANY:
+            return ANY
+        name = self.fresh(prefix)
+        self.rules.append(f"{name}: {expression}")
+        return name
 
     def _sequence(self, node: dict, path: str, tail: bool, first: bool) -> str | None:
         elements = _elements(node, path)
         parts = []
         for i, element in enumerate(elements):
-            last = i == len(elements) - 1
-            at_start = first and not parts
+            last = all(_empty_only(e) for e in elements[i + 1 :])
+            at_start = first and all(_may_be_empty(e) for e in elements[:i])
             part = self.node(element, f"{path}.elements[{i}]", tail and last, at_start)
             if part is not None:
                 parts.append(part)
@@ -168,6 +189,8 @@ class FormatGrammar:
         low, high = _field(node, "min", int, path), _field(node, "max", int, path)
         if low < 0 or high < -1 or (high != -1 and high < low):
             raise ValueError(f"{path}: min and max must satisfy 0 <= min <= max, or max -1")
+        if high == 0:
+            return None
         return self._repeated(node, path, first, f"{{{low},{'' if high == -1 else high}}}")
 
     def _repeated(self, node: dict, path: str, first: bool, times: str) -> str | None:
@@ -184,13 +207,20 @@ class FormatGrammar:
         content = node.get("content")
         head = [lark_string(begin[skip:])] if begin[skip:] else []
         if isinstance(content, dict) and content.get("type") == "any_text":
-            end = self.fresh("END")
-            self.rules.append(f"{end}: {' | '.join(map(lark_string, ends))}")
+            where = f"{path}.content"
             text = self.fresh("CONTENT")
-            self.rules.append(f"{text}: {self.text_terminal(content, f'{path}.content', False)}")
-            name = self.fresh("text")
-            self.rules.append(f"{name}[suffix={end}]: {text}")
-            return " ".join([*head, name])
+            self.rules.append(f"{text}: {self.text_terminal(content, where, False)}")
+            marked = [e for e in ends if e]
+            if len(marked) < len(ends) and not tail:  # no end: the text runs on
+                raise ValueError(f"{path}.end: an empty end cannot end any_text here")
+            options = [text] if len(marked) < len(ends) else []
+            if marked:
+                end = self.fresh("END")
+                self.rules.append(f"{end}: {' | '.join(map(lark_string, marked))}")
+                name = self.fresh("text")
+                self.rules.append(f"{name}[suffix={end}]: {text}")
+                options.insert(0, name)
+            return " ".join([*head, f"({' | '.join(options)})"])
         if isinstance(content, dict) and content.get("type") == "triggered_tags":
             raise ValueError(f"{path}.content: triggered_tags inside a tag is not supported")
         inner = self.node(content, f"{path}.content", tail=False)
@@ -298,6 +328,53 @@ class FormatGrammar:
         for opening in shunned:
             text += f" & ~({lark_string(opening)} {ANY})"
         return text if text == ANY else f"({text})"
+
+
+def _check_node(node: Any, path: str) -> None:
+    if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+        raise ValueError(f"{path}: a format object with a type is needed")
+    if node["type"] not in SUPPORTED:
+        supported = ", ".join(SUPPORTED)
+        raise ValueError(f"{path}.type {node['type']!r} is not supported (supported: {supported})")
+
+
+def _empty_only(node: Any) -> bool:
+    """The node matches the empty text and nothing else."""
+    if not isinstance(node, dict):
+        return False
+    kind = node.get("type")
+    if kind == "const_string":
+        return node.get("value") == ""
+    if kind in ("sequence", "or"):
+        elements = node.get("elements")
+        return isinstance(elements, list) and all(_empty_only(e) for e in elements)
+    if kind in ("optional", "star", "plus", "repeat"):
+        return node.get("max") == 0 or _empty_only(node.get("content"))
+    return False
+
+
+def _may_be_empty(node: Any) -> bool:
+    """The node may match the empty text (True where that is not sure: a regex, a grammar),
+    so what follows it may begin the output."""
+    if not isinstance(node, dict):
+        return True
+    kind = node.get("type")
+    elements = node.get("elements") if isinstance(node.get("elements"), list) else []
+    if kind == "const_string":
+        return node.get("value") == ""
+    if kind in ("json_schema", "tag"):
+        return kind == "tag" and node.get("begin") == "" and _may_be_empty(node.get("content"))
+    if kind == "sequence":
+        return all(_may_be_empty(e) for e in elements)
+    if kind == "or":
+        return any(_may_be_empty(e) for e in elements)
+    if kind == "plus":
+        return _may_be_empty(node.get("content"))
+    if kind == "repeat":
+        return node.get("min") == 0 or _may_be_empty(node.get("content"))
+    if kind in ("triggered_tags", "tags_with_separator"):
+        return not node.get("at_least_one")
+    return True  # optional, star, any_text, regex, grammar
 
 
 def _field(node: dict, name: str, kind: type, path: str) -> Any:

@@ -120,7 +120,10 @@ class SamplingParams:
                 del params[key]
         for key in ("json_schema", "structural_tag"):  # an object: accept it as is
             if isinstance(params.get(key), dict):
-                params[key] = json.dumps(params[key])
+                try:
+                    params[key] = json.dumps(params[key])
+                except RecursionError:
+                    raise SamplingParamsError(f"{key} nests too deeply", key) from None
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known, key=str)
         if unknown:
