@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from radixserve.constrained.base import Constraint, GrammarBackend, GrammarError, GrammarMatcher
-from radixserve.constrained.schema import JSON_DEFAULTS, json_schema_problem, one_line
+from radixserve.constrained.schema import JSON_DEFAULTS, one_line
 from radixserve.constrained.structural_format import FormatGrammar, lark_string, legacy_format
 from radixserve.core.sampling_params import ThinkBlock
 from radixserve.core.structural_tag import StructuralTag
@@ -194,19 +194,12 @@ class LLGuidanceBackend(GrammarBackend):
         invalid, or admits no text, as the json_schema constraint would be refused: such a
         part would abort its request once the model began it."""
         options = schema.get("x-guidance", {})
-        if not isinstance(options, dict):
+        if not isinstance(options, dict):  # (merged with the defaults in the grammar)
             raise ValueError(f"{where}: x-guidance must be an object of options")
-        problem = json_schema_problem(schema)
-        if problem is not None:
-            raise ValueError(f"{where}: {problem.message}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
-        if matcher.is_error():
-            raise ValueError(f"{where}: {_reason(matcher.get_error())}")
-        try:
-            _check_it_can_start(matcher, "schema")
+        try:  # as the json_schema constraint compiles it
+            self._compile(Constraint("json_schema", json.dumps(schema)))
         except GrammarError as e:
-            raise ValueError(f"{where}: {str(e).removeprefix('invalid schema: ')}") from None
+            raise ValueError(f"{where}: {str(e).removeprefix('invalid json_schema: ')}") from None
 
     def _opening(self, think: ThinkBlock | None) -> str | None:
         """The text that opens an optional block of reasoning, if the output may write it

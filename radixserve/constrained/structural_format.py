@@ -207,9 +207,7 @@ class FormatGrammar:
         content = node.get("content")
         head = [lark_string(begin[skip:])] if begin[skip:] else []
         if isinstance(content, dict) and content.get("type") == "any_text":
-            where = f"{path}.content"
-            text = self.fresh("CONTENT")
-            self.rules.append(f"{text}: {self.text_terminal(content, where, False)}")
+            text = self.terminal("CONTENT", self.text_terminal(content, f"{path}.content", False))
             marked = [e for e in ends if e]
             if len(marked) < len(ends) and not tail:  # no end: the text runs on
                 raise ValueError(f"{path}.end: an empty end cannot end any_text here")
@@ -264,12 +262,10 @@ class FormatGrammar:
                     f"{shunned!r} does, so the block could not be told from it; "
                     "require_reasoning false applies the tag to the whole output"
                 )
-        text = self.fresh("TEXT")
-        self.rules.append(f"{text}: {self.text_terminal(node, path, first=False)}")
+        text = self.terminal("TEXT", self.text_terminal(node, path, first=False))
         leads = [("call", text)]
         if shunned is not None:  # the output's first text may not open the reasoning block
-            leads.append(("first", self.fresh("FIRST")))
-            self.rules.append(f"{leads[1][1]}: {text} & ~({lark_string(shunned)} {ANY})")
+            leads.append(("first", self.terminal("FIRST", self.text_terminal(node, path, True))))
         calls: dict[str, list[str]] = {prefix: [] for prefix, _ in leads}
         bare = []
         for trigger, bodies in groups.items():
