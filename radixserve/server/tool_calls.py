@@ -143,6 +143,12 @@ class ToolFieldError(ValueError):
         self.param = param
 
 
+def strict_calls_tagged(mode: str, family: str) -> bool:
+    """Whether strict tools constrain their calls' arguments: under `auto`, where the
+    family's calls are tagged text in the output (Hermes' <tool_call> blocks)."""
+    return mode == "auto" and family == "hermes"
+
+
 def tool_mode(
     tools: list[Tool] | None, choice: ToolChoice | None, family: str = "hermes"
 ) -> Literal["none", "auto", "required", "named"]:
@@ -162,7 +168,7 @@ def tool_mode(
     for i, tool in enumerate(tools):
         if mode == "required" or tool.function.name == named:
             why: str | None = "tool_choice constrains the arguments to it"
-        elif mode == "auto" and family == "hermes" and tool.function.strict:
+        elif tool.function.strict and strict_calls_tagged(mode, family):
             why = "strict: each call's arguments are constrained to it"
         else:
             why = None
@@ -216,7 +222,7 @@ class ToolPlan:
             return {"json_schema": json.dumps(self._tool(self.named).schema())}
         if self.mode == "required":
             return {"json_schema": json.dumps(self._required_schema())}
-        if self.mode == "auto" and self.family == "hermes":
+        if strict_calls_tagged(self.mode, self.family):
             if any(t.function.strict for t in self.tools):
                 return {"structural_tag": json.dumps(self._hermes_tag())}
         return {}
