@@ -415,6 +415,12 @@ class ServerConfig:
     max_queued_requests: int = _opt(
         2048, "Most requests waiting for admission; past it new requests get 503 at once."
     )
+    responses_store_size: int = _opt(
+        4096,
+        "Responses of /v1/responses kept in memory (store true, the default) for GET, "
+        "previous_response_id and background runs; past it the least recently used go. "
+        "0 keeps none.",
+    )
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )
@@ -440,6 +446,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -120,7 +120,7 @@ def _check_text(text: str, path: Path) -> None:
 _TYPE_TAG = re.compile(r"[A-Z]\w*|(str|int|float|bool|none|bytes)|\w+\[.*\]|function-\w+.*")
 
 
-def _union_member(part: str | int) -> bool:
+def union_member(part: str | int) -> bool:
     return isinstance(part, str) and _TYPE_TAG.fullmatch(part) is not None
 
 
@@ -168,7 +168,7 @@ def _error_field(error: dict[str, Any]) -> str | None:
     loc = list(error["loc"])
     if loc[:1] == ["body"]:
         loc = loc[1:]
-    return field_name([part for part in loc if not _union_member(part)])
+    return field_name([part for part in loc if not union_member(part)])
 
 
 class JSONBodyRoute(APIRoute):

@@ -66,6 +66,26 @@ CHAT_FIELDS = Fields(
 )
 
 
+# /v1/responses: its constraints all come from `text.format` (and its tools)
+RESPONSES_FIELDS = Fields(
+    "input",
+    renamed={
+        "max_new_tokens": "max_output_tokens",
+        "min_new_tokens": "min_tokens",
+        "sampling_seed": "seed",
+        "top_logprobs_num": "top_logprobs",
+        "json_schema": "text.format",
+        "structural_tag": "text.format",
+    },
+)
+
+
+def renamed(e: APIError, fields: Fields) -> APIError:
+    """An error the engine raised about its own field names, in the API's words."""
+    param = fields.name(e.param) if e.param is not None else None
+    return APIError(e.status, fields.message(e.message), e.type, param, e.code)
+
+
 def call_error(e: ValueError, fields: Fields) -> APIError:
     """A ValueError from expanding a call (SamplingParams, expand_request, Req) as a 400
     whose message starts with the field's name when it does not name it already."""

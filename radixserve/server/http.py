@@ -1,5 +1,6 @@
 """The HTTP app: the native routes (`routes_native`) and the OpenAI-compatible routes
-(`routes_openai`) as routers, behind one gate (readiness and the API key).
+(`routes_openai`, and `routes_responses` for the Responses API) as routers, behind one gate
+(readiness and the API key).
 
 Every error leaves as `{"error": {...}}` (OpenAI's shape): 400 for any invalid request
 (never FastAPI's 422), 401 for a bad key, 404 for unknown routes and models, 503 when the
@@ -20,9 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixserve import __version__
 from radixserve.config import Config
 from radixserve.server import openai_api as oai
-from radixserve.server import routes_native, routes_openai
+from radixserve.server import routes_native, routes_openai, routes_responses
 from radixserve.server.body import validation_error
 from radixserve.server.errors import APIError, EngineUnavailable
+from radixserve.server.responses_api import ResponseStore
 from radixserve.server.state import ServerState
 from radixserve.server.tokenizer_manager import TokenizerManager
 
@@ -34,6 +36,8 @@ STARTED = oai.now()
 def build_app(manager: TokenizerManager, config: Config, model_name: str) -> FastAPI:
     app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = ServerState(manager, config, model_name, STARTED)
+    app.state.responses = ResponseStore(config.server.responses_store_size)
+    app.state.background = set()  # the tasks of /v1/responses made in the background
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -41,6 +45,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.add_middleware(Gate, manager=manager, api_key=config.server.resolved_api_key)
     app.include_router(routes_native.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_responses.router)
     return app
 
 

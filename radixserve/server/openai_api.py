@@ -25,6 +25,7 @@ from radixserve.server.checks import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     MAX_SEQUENCES_PER_REQUEST,
+    Fields,
     call_error,
 )
 from radixserve.server.errors import bad_request
@@ -368,11 +369,13 @@ def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]])
         raise call_error(e, COMPLETION_FIELDS) from None
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> str:
+def chat_prompt(
+    body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan, fields: Fields = CHAT_FIELDS
+) -> str:
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as e:
-        raise bad_request(str(e), param="messages") from None
+        raise bad_request(str(e), param=fields.prompt) from None
     if tokenizer.chat_template is None:
         raise bad_request("this model has no chat template; use /v1/completions")
     source = template_source(tokenizer)
@@ -390,7 +393,8 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan) -> 
             **_template_kwargs(body.chat_template_kwargs),
         )
     except (TemplateError, ValueError) as e:  # e.g. roles out of the template's order
-        raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+        message = f"the chat template refused the {fields.prompt}: {e}"
+        raise bad_request(message, fields.prompt) from None
     return text
 
 
@@ -429,11 +433,17 @@ class ChatCall:
 
 
 def chat_call(
-    body: ChatCompletionRequest, tokenizer: Any, max_context: int, plan: ToolPlan
+    body: ChatCompletionRequest,
+    tokenizer: Any,
+    max_context: int,
+    plan: ToolPlan,
+    fields: Fields = CHAT_FIELDS,
 ) -> ChatCall:
+    """The sequences of a chat request; `fields`: how the API that took it names its fields
+    in errors (/v1/responses builds a chat request from its own)."""
     if body.top_logprobs and not body.logprobs:  # as OpenAI: refused, not ignored
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    prompt = chat_prompt(body, tokenizer, plan)
+    prompt = chat_prompt(body, tokenizer, plan, fields)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
@@ -453,7 +463,7 @@ def chat_call(
             max_sequences=MAX_SEQUENCES_PER_REQUEST,
         ).reqs
     except ValueError as e:
-        raise call_error(e, CHAT_FIELDS) from None
+        raise call_error(e, fields) from None
     return ChatCall(prompt, reqs)
 
 

@@ -67,7 +67,7 @@ async def completions(body: oai.CompletionRequest, request: Request, state: Stat
         request, lambda: oai.completion_reqs(body, state.manager.encode)
     )
     check_sequences(reqs, state, COMPLETION_FIELDS)
-    token_bytes = await _token_bytes(request, state) if body.logprobs is not None else None
+    token_bytes = await token_bytes_of(request, state) if body.logprobs is not None else None
     shape = _Completion(body, state.manager.tokenizer.decode, token_bytes)
     return await _serve(request, state, body, reqs, shape)
 
@@ -85,22 +85,30 @@ async def chat_completions(
         request, lambda: oai.chat_call(body, tokenizer, state.model.max_seq_len, plan)
     )
     check_sequences(chat.reqs, state, CHAT_FIELDS)
+    thinking = chat_reasoning(body, chat, state)
+    token_bytes = await token_bytes_of(request, state) if body.logprobs else None
+    shape = _Chat(token_bytes, plan, thinking)
+    return await _serve(request, state, body, chat.reqs, shape)
+
+
+def chat_reasoning(
+    body: oai.ChatCompletionRequest, chat: oai.ChatCall, state: ServerState
+) -> ReasoningPlan | None:
+    """How the output's reasoning is split out (None: it is not), with the constraint of
+    each request moved after its reasoning where the request asks for that."""
     parser = state.config.server.reasoning_parser
     # by default with a parser that splits the reasoning out (else the whole text would reach
     # the tool parsers, reasoning and all)
     default = parser is not None and body.separate_reasoning
     if body.require_reasoning or (body.require_reasoning is None and default):
-        think_first(chat.reqs, parser, tokenizer.decode)
-    token_bytes = await _token_bytes(request, state) if body.logprobs else None
-    thinking = reasoning_plan(
+        think_first(chat.reqs, parser, state.manager.tokenizer.decode)
+    return reasoning_plan(
         parser,
         body.separate_reasoning,
         body.stream_reasoning,
         chat.prompt,
         end_tag_only=any(r.think is not None for r in chat.reqs),
     )
-    shape = _Chat(token_bytes, plan, thinking)
-    return await _serve(request, state, body, chat.reqs, shape)
 
 
 @router.post("/v1/embeddings")
@@ -112,7 +120,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> 
     return JSONResponse(embedding_response(results, body.encoding_format, model))
 
 
-async def _token_bytes(request: Request, state: ServerState) -> oai.TokenBytes:
+async def token_bytes_of(request: Request, state: ServerState) -> oai.TokenBytes:
     """The tokens' raw bytes for logprobs, built once per server process on first use, on a
     worker thread (it takes about 0.4 s); shielded, so a client that leaves while it is
     built does not cancel it for the others."""

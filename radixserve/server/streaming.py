@@ -1,5 +1,6 @@
 """Waiting on a call while watching the client: a disconnect aborts the call (its KV is
-freed), and a stream goes out as server-sent events ending with `data: [DONE]`."""
+freed), and a stream goes out as server-sent events: chunks ending with `data: [DONE]`
+(completions, chat), or typed events each named by an `event:` line (the Responses API)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Call) -> Response:
+async def sse(
+    request: Request, chunks: AsyncIterator[dict[str, Any]], call: Call, typed: bool = False
+) -> Response:
     """Server-sent events. The first chunk is awaited before the response starts, so a
-    request refused by the scheduler (full queue, too long) still gets its 4xx/503 status."""
+    request refused by the scheduler (full queue, too long) still gets its 4xx/503 status.
+    `typed`: each chunk is an event with a `type`, sent as OpenAI sends the Responses API's:
+    named by an `event:` line, and no `[DONE]` after the last."""
     try:
         first = await until_disconnect(request, None, anext(chunks))
     except BaseException:
@@ -55,9 +60,9 @@ async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Cal
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield _event(first)
+            yield _event(first, typed)
             async for chunk in chunks:
-                yield _event(chunk)
+                yield _event(chunk, typed)
         except APIError as e:
             yield _event(e.body())
         except Exception as e:  # a bug met by this stream: it ends with an error event
@@ -65,10 +70,12 @@ async def sse(request: Request, chunks: AsyncIterator[dict[str, Any]], call: Cal
             yield _event(APIError(500, f"internal error in the stream: {e!r}").body())
         finally:
             call.close()  # a disconnect cancels this generator: abort what still runs
-        yield b"data: [DONE]\n\n"
+        if not typed:
+            yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _event(chunk: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+def _event(chunk: dict[str, Any], typed: bool = False) -> bytes:
+    data = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+    return f"event: {chunk['type']}\n".encode() + data if typed else data

@@ -1,0 +1,742 @@
+"""OpenAI's Responses API (/v1/responses), on top of the chat route's parts: a request's
+input items (messages, function calls and their outputs) become chat messages, its flat
+function tools and `text.format` the chat route's tools and response_format; the output
+text is split into reasoning, message text and function calls by the same parsers, and
+becomes the response's output items.
+
+One `OutputBuilder` turns the text as it arrives into output items and the stream events
+that build them (`response.output_item.added`, `...output_text.delta`, `...done`), so a
+streamed response and a whole one are the same items:
+
+    reasoning item (rs_)   --reasoning parser-->  <think>…</think>
+    message item (msg_)    --tool parser------->  text outside calls
+    function_call (fc_)    --tool parser------->  each call, its arguments streamed
+
+Stored responses (`store`, the default) are kept in memory by `ResponseStore`, each with its
+own input items and a link to the response it continues (`previous_response_id`), so a
+conversation is the chain of its turns and each turn is stored once."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError
+
+from radixserve.server import openai_api as oai
+from radixserve.server import tool_calls
+from radixserve.server.body import StrictBody, union_member
+from radixserve.server.errors import APIError, bad_request
+from radixserve.server.reasoning import ReasoningPlan, ReasoningStream
+
+# What `include` may ask for (OpenAI's list). Only the output text's logprobs change the
+# response here: the others are about hosted tools or encrypted reasoning, which a local
+# engine does not have, so they are accepted and add nothing.
+INCLUDABLE = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "code_interpreter_call.outputs",
+]
+LOGPROBS = "message.output_text.logprobs"
+MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+
+
+# -- the request ----------------------------------------------------------------------------
+class TextFormat(StrictBody):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any]:
+        """The chat route's response_format for this format."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        if self.name is None or self.schema_ is None:
+            raise bad_request(
+                "text.format of type json_schema needs a name and a schema", "text.format"
+            )
+        inner = {"name": self.name, "schema": self.schema_, "strict": self.strict}
+        if self.description is not None:
+            inner["description"] = self.description
+        return {"type": "json_schema", "json_schema": inner}
+
+
+class TextConfig(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint this engine ignores
+
+
+class ReasoningConfig(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its old name
+
+
+class ResponsesRequest(StrictBody):
+    """OpenAI's fields, then the sampling extras the chat route takes too (SGLang's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[INCLUDABLE] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool | None = None
+    background: bool | None = None
+    stream: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False  # OpenAI's default: stored
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
+
+    def check(self) -> None:
+        """What one field's type cannot say."""
+        if self.background and not self.stores:
+            raise bad_request("background responses must be stored: leave store true", "store")
+        if self.background and self.streams:
+            raise bad_request(
+                "a background response cannot be streamed here: poll GET /v1/responses/{id}",
+                "stream",
+            )
+        if self.input == "" or self.input == []:
+            raise bad_request("input is empty", "input")
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS:
+            raise bad_request(f"metadata has more than {MAX_METADATA_KEYS} keys", "metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise bad_request(
+                    f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
+                    f"most {MAX_METADATA_VALUE}",
+                    "metadata",
+                )
+
+    def chat_fields(self, tools: list[dict[str, Any]], choice: Any) -> dict[str, Any]:
+        """The chat request's fields other than its messages."""
+        fields = {
+            "model": self.model,
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "logprobs": self.wants_logprobs,
+            "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+            "tools": tools or None,
+            # auto without tools is Responses' default (the chat route refuses any choice
+            # without tools, as OpenAI's chat API does)
+            "tool_choice": None if choice == "auto" and not tools else choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "user": self.user,
+            **{name: getattr(self, name) for name in _EXTRAS},
+            "chat_template_kwargs": self._template_kwargs(),
+        }
+        if self.text is not None and self.text.format is not None:
+            fields["response_format"] = self.text.format.response_format()
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        """`reasoning.effort` as templates read it: `none` turns thinking off (Qwen3's
+        enable_thinking), the others are passed as `reasoning_effort` (gpt-oss')."""
+        effort = self.reasoning.effort if self.reasoning else None
+        kwargs: dict[str, Any] = {}
+        if effort == "none":
+            kwargs = {"enable_thinking": False, "thinking": False}
+        elif effort is not None:
+            kwargs = {"reasoning_effort": effort}
+        return {**kwargs, **(self.chat_template_kwargs or {})} or None
+
+
+_EXTRAS = (
+    *("top_k", "min_p", "min_tokens", "repetition_penalty", "frequency_penalty"),
+    *("presence_penalty", "seed", "stop", "ignore_eos", "logit_bias", "priority"),
+)
+
+
+# -- input items ----------------------------------------------------------------------------
+class _MessageItem(StrictBody):
+    model_config = ConfigDict(extra="ignore")  # an output item sent back has more fields
+    type: Literal["message"] = "message"
+    id: str | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class _FunctionCallItem(StrictBody):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionOutputItem(StrictBody):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str | list[dict[str, Any]]
+
+
+class _ReasoningItem(StrictBody):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+
+
+_ITEMS: dict[str, type[StrictBody]] = {
+    "message": _MessageItem,
+    "function_call": _FunctionCallItem,
+    "function_call_output": _FunctionOutputItem,
+    "reasoning": _ReasoningItem,
+}
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as items in one shape, each with an id (as /input_items lists
+    them): a string is one user message; a message's content becomes text parts. A 400
+    names the item (and part) that is not one this engine serves."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    return [_item(raw, f"input[{i}]") for i, raw in enumerate(given)]
+
+
+def _item(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = raw.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise bad_request(
+            f"{where}.type: items of type {kind!r} are not supported here (message, "
+            "function_call, function_call_output and reasoning are)",
+            f"{where}.type",
+        )
+    try:
+        item = model.model_validate(raw).model_dump(exclude_none=True)
+    except ValidationError as e:
+        raise _field_error(e, where) from None
+    if kind == "message":
+        part_type = "output_text" if item["role"] == "assistant" else "input_text"
+        item["content"] = [_part(p, part_type, f"{where}.content") for p in _parts(item["content"])]
+        item.setdefault("status", "completed")
+        item.setdefault("id", new_id("msg"))
+    elif kind == "function_call_output":
+        item["output"] = _text(item["output"], f"{where}.output")
+        item.setdefault("id", new_id("fco"))
+    elif kind == "function_call":
+        item.setdefault("id", new_id("fc"))
+    return item
+
+
+def _field_error(e: ValidationError, where: str) -> APIError:
+    """A part of the body that failed its model, as a 400 naming the field in it."""
+    error = e.errors()[0]
+    loc = [p for p in error["loc"] if not union_member(p)]
+    path = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    return bad_request(f"{path}: {error['msg'].removeprefix('Value error, ')}", path)
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+
+
+def _part(part: dict[str, Any], part_type: str, where: str) -> dict[str, Any]:
+    text = _text([part], where)
+    out: dict[str, Any] = {"type": part_type, "text": text}
+    return out | {"annotations": []} if part_type == "output_text" else out
+
+
+def _text(content: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a content (a string, or text parts joined by newlines, as the chat route
+    joins them); other parts (images, files, audio) are a 400."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        key = _TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+        if key is None or not isinstance(part.get(key), str):
+            raise bad_request(
+                f"{where}[{j}]: only text parts (input_text, output_text) are supported, got "
+                f"{part.get('type')!r}",
+                f"{where}[{j}]",
+            )
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as the chat route's messages: a function call joins the assistant turn before
+    it (or opens one), its output is a tool message; reasoning is not replayed (chat
+    templates drop earlier turns' reasoning)."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "\n".join(p["text"] for p in item["content"])
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function"}
+            call["function"] = {"name": item["name"], "arguments": item["arguments"]}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+    return messages
+
+
+# -- tools ----------------------------------------------------------------------------------
+class _FunctionTool(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(pattern=tool_calls.FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The flat function tools as the chat route's; other tool types (hosted search, code,
+    MCP...) are a 400."""
+    out = []
+    for i, raw in enumerate(tools or ()):
+        if raw.get("type") != "function":
+            raise bad_request(
+                f"tools[{i}].type: only function tools are supported, got {raw.get('type')!r}",
+                f"tools[{i}].type",
+            )
+        try:
+            tool = _FunctionTool.model_validate(raw)
+        except ValidationError as e:
+            raise _field_error(e, f"tools[{i}]") from None
+        function = tool.model_dump(exclude={"type"}, exclude_none=True)
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(
+    choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]
+) -> tuple[Any, list[dict[str, Any]]]:
+    """(the chat route's tool_choice, the tools it may call): a function by name, or
+    `allowed_tools` (a subset of the tools, under auto or required)."""
+    if choice is None or isinstance(choice, str):
+        return choice, tools
+    kind = choice.get("type")
+    if (
+        kind == "function"
+        and isinstance(choice.get("name"), str)
+        and set(choice) <= {"type", "name"}
+    ):
+        return {"type": "function", "function": {"name": choice["name"]}}, tools
+    if kind == "allowed_tools":
+        mode, allowed = choice.get("mode", "auto"), choice.get("tools")
+        names = _allowed_names(allowed)
+        if mode not in ("auto", "required") or names is None:
+            raise bad_request(
+                "tool_choice allowed_tools needs mode auto or required and tools, a list of "
+                '{"type": "function", "name": ...}',
+                "tool_choice",
+            )
+        known = {t["function"]["name"] for t in tools}
+        if not names <= known:
+            missing = sorted(names - known)
+            raise bad_request(
+                f"tool_choice allows {missing}, which are not in tools", "tool_choice"
+            )
+        return mode, [t for t in tools if t["function"]["name"] in names]
+    raise bad_request(
+        'tool_choice must be none, auto, required, {"type": "function", "name": ...} or '
+        f"allowed_tools (hosted tools are not served here), got type {kind!r}",
+        "tool_choice",
+    )
+
+
+def _allowed_names(allowed: Any) -> set[str] | None:
+    if not isinstance(allowed, list) or not allowed:
+        return None
+    names = set()
+    for tool in allowed:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            return None
+        if not isinstance(tool.get("name"), str):
+            return None
+        names.add(tool["name"])
+    return names
+
+
+def flat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat tools as a response echoes them (Responses' flat shape)."""
+    return [
+        {"type": "function", "strict": None, "description": None, "parameters": None}
+        | t["function"]
+        for t in tools
+    ]
+
+
+# -- the output -----------------------------------------------------------------------------
+@dataclass
+class OutputBuilder:
+    """A response's output items, built from its text as it arrives. `feed` returns the
+    stream events for what is new (without sequence numbers); `close` those that finish
+    the items."""
+
+    thinking: ReasoningPlan | None
+    tools: tool_calls.ToolPlan
+    logprobs: Callable[[dict[str, Any], int], list[dict[str, Any]]] | None
+    max_calls: int | None = None  # max_tool_calls: calls past it are left out
+    items: list[dict[str, Any]] = field(default_factory=list)
+    open: dict[str, Any] | None = None  # the item being written
+    thought: ReasoningStream | None = None
+    calls: tool_calls.ToolStream | None = None
+    pending: list[dict[str, Any]] = field(default_factory=list)  # logprobs not yet sent
+    sent_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.thought = self.thinking.stream() if self.thinking is not None else None
+        self.calls = tool_calls.ToolStream(self.tools.parser()) if self.tools.active else None
+
+    def feed(self, text: str, meta: dict[str, Any], final: bool) -> list[dict[str, Any]]:
+        if self.logprobs is not None:
+            self.pending += self.logprobs(meta, self.sent_logprobs)
+            self.sent_logprobs = len(meta.get("output_token_logprobs", ()))
+        events: list[dict[str, Any]] = []
+        reasoning, content = "", text
+        if self.thought is not None:
+            reasoning, content = self.thought.feed(text, final)
+        if reasoning:
+            self.pending = []  # the reasoning's tokens: the message's logprobs are its own
+            events += self._append("reasoning", reasoning)
+        news = {"content": content}
+        if self.calls is not None:
+            news = self.calls.feed(content, final)
+        if news.get("content"):
+            events += self._append("message", news["content"])
+        for call in news.get("tool_calls", ()):
+            if self.max_calls is None or call["index"] < self.max_calls:
+                events += self._call(call)
+        return events
+
+    def close(self, incomplete: bool) -> list[dict[str, Any]]:
+        """The events that finish the open item; `incomplete`: the output was cut short."""
+        if self.open is None:
+            return []
+        item, self.open = self.open, None
+        item["status"] = "incomplete" if incomplete else "completed"
+        at = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        events = []
+        if item["type"] == "function_call":
+            events.append(
+                {"type": "response.function_call_arguments.done", **at}
+                | {"arguments": item["arguments"], "name": item["name"]}
+            )
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                part["logprobs"] += self.pending
+                self.pending = []
+                done = {"type": "response.output_text.done", "logprobs": part["logprobs"]}
+            else:
+                done = {"type": "response.reasoning_text.done"}
+            events.append({**done, **at, "content_index": 0, "text": part["text"]})
+            part_done = {"content_index": 0, "part": copy.deepcopy(part)}
+            events.append({"type": "response.content_part.done", **at, **part_done})
+        item_done = {"output_index": at["output_index"], "item": copy.deepcopy(item)}
+        events.append({"type": "response.output_item.done", **item_done})
+        return events
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self.close(incomplete=False)
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        added = {"output_index": index, "item": copy.deepcopy(item)}
+        events.append({"type": "response.output_item.added", **added})
+        if item["type"] != "function_call":
+            part = copy.deepcopy(item["content"][0])
+            events.append(
+                {"type": "response.content_part.added", "item_id": item["id"]}
+                | {"output_index": index, "content_index": 0, "part": part}
+            )
+        return events
+
+    def _append(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._open(_new_item(kind))
+        assert self.open is not None
+        part = self.open["content"][0]
+        part["text"] += text
+        at = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        if kind == "reasoning":
+            events.append({"type": "response.reasoning_text.delta", **at, "delta": text})
+        else:
+            logprobs, self.pending = self.pending, []
+            part["logprobs"] += logprobs
+            events.append(
+                {"type": "response.output_text.delta", **at, "delta": text, "logprobs": logprobs}
+            )
+        return events
+
+    def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat stream's tool call delta: a new call (with its id), or more arguments."""
+        events = []
+        function = delta.get("function", {})
+        if "id" in delta:
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": delta["id"]}
+            item |= {"name": function["name"], "arguments": "", "status": "in_progress"}
+            events += self._open(item)
+        assert self.open is not None and self.open["type"] == "function_call"
+        more = function.get("arguments") or ""
+        if more:
+            self.open["arguments"] += more
+            events.append(
+                {"type": "response.function_call_arguments.delta", "item_id": self.open["id"]}
+                | {"output_index": len(self.items) - 1, "delta": more}
+            )
+        return events
+
+
+def _new_item(kind: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        part = {"type": "reasoning_text", "text": ""}
+        return {
+            "type": "reasoning",
+            "id": new_id("rs"),
+            "summary": [],
+            "content": [part],
+            "status": "in_progress",
+        }
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return {
+        "type": "message",
+        "id": new_id("msg"),
+        "role": "assistant",
+        "status": "in_progress",
+        "content": [part],
+    }
+
+
+def output_logprobs(token_bytes: oai.TokenBytes) -> Callable[[dict[str, Any], int], list[dict]]:
+    """Logprob entries of the output tokens from a start, as output_text parts carry them
+    (the chat route's entries: token, logprob, bytes, top_logprobs)."""
+
+    def entries(meta: dict[str, Any], start: int) -> list[dict[str, Any]]:
+        return oai.chat_logprobs(meta, token_bytes, start)["content"]
+
+    return entries
+
+
+# -- the response ---------------------------------------------------------------------------
+def outcome(meta: dict[str, Any]) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """(status, incomplete_details, error) of a finished output."""
+    reason = meta["finish_reason"] or {}
+    if reason.get("type") == "length":
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    if reason.get("type") == "abort":
+        error = {"code": "server_error", "message": reason.get("message") or "aborted"}
+        return "failed", None, error
+    return "completed", None, None
+
+
+def response_usage(meta: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
+    prompt, output = meta["prompt_tokens"], meta["completion_tokens"]
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": meta["cached_tokens"], "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt + output,
+    }
+
+
+def response_object(
+    response_id: str,
+    body: ResponsesRequest,
+    model: str,
+    tools: list[dict[str, Any]],
+    tool_choice: Any,
+) -> dict[str, Any]:
+    """A response as created: in progress, no output yet; the request's settings echoed as
+    OpenAI's responses echo them (the resolved sampling defaults among them)."""
+    text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {}
+    reasoning = body.reasoning.model_dump(include={"effort", "summary"}) if body.reasoning else {}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": bool(body.background),
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": body.max_tool_calls,
+        "metadata": body.metadata or {},
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": None, "summary": None} | reasoning,
+        "service_tier": body.service_tier or "default",
+        "store": body.stores,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": {"type": "text"}} | text,
+        "tool_choice": tool_choice if tool_choice is not None else "auto",
+        "tools": flat_tools(tools),
+        "top_logprobs": body.top_logprobs or 0,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": body.truncation or "disabled",
+        "usage": None,
+        "user": body.user,
+    }
+
+
+def finished(
+    response: dict[str, Any],
+    items: list[dict[str, Any]],
+    meta: dict[str, Any],
+    reasoning_tokens: int,
+) -> dict[str, Any]:
+    status, incomplete, error = outcome(meta)
+    return response | {
+        "status": status,
+        "incomplete_details": incomplete,
+        "error": error,
+        "output": items,
+        "usage": response_usage(meta, reasoning_tokens),
+        "completed_at": int(time.time()) if status == "completed" else None,
+    }
+
+
+# -- stored responses -----------------------------------------------------------------------
+@dataclass
+class Stored:
+    response: dict[str, Any]  # as last reported (a background one changes as it runs)
+    inputs: list[dict[str, Any]]  # its own input items (the turns before it: `previous`)
+    previous: str | None
+    task: asyncio.Task | None = None  # a background response's, while it runs
+
+
+class ResponseStore:
+    """Stored responses in memory, the least recently used dropped past `capacity`. A
+    conversation is a chain: each response keeps only its own input and the id of the one
+    it continues."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, stored: Stored) -> None:
+        if self.capacity == 0:
+            return
+        self.entries[stored.response["id"]] = stored
+        self.entries.move_to_end(stored.response["id"])
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> Stored:
+        stored = self.entries.get(response_id)
+        if stored is None:
+            raise APIError(
+                404, f"Response with id {response_id!r} not found.", param=param, code="not_found"
+            )
+        self.entries.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        stored = self.get(response_id)
+        if stored.task is not None:
+            stored.task.cancel()
+        del self.entries[response_id]
+
+    def context(self, response_id: str) -> list[dict[str, Any]]:
+        """The items a response continuing `response_id` starts from: every earlier turn's
+        input and output, oldest first. A 404 when a link of the chain is gone."""
+        chain: list[Stored] = []
+        at: str | None = response_id
+        while at is not None:
+            try:
+                stored = self.get(at, param="previous_response_id")
+            except APIError as e:
+                if at != response_id:
+                    e.message = (
+                        f"Response with id {at!r}, which {response_id!r} continues, is no "
+                        "longer stored."
+                    )
+                raise
+            status = stored.response["status"]
+            if status in ("queued", "in_progress"):
+                raise bad_request(
+                    f"Response {at!r} is still {status}: continue it once it has finished",
+                    "previous_response_id",
+                )
+            chain.append(stored)
+            at = stored.previous
+        items: list[dict[str, Any]] = []
+        for stored in reversed(chain):
+            items += stored.inputs + stored.response["output"]
+        return items

@@ -1,0 +1,291 @@
+"""OpenAI's Responses API: POST /v1/responses (whole, streamed, or in the background), and
+the stored responses' routes: GET /v1/responses/{id}, its /input_items, POST .../cancel and
+DELETE. A request becomes a chat request (`responses_api`) and runs as one; its output is
+built into items by one `OutputBuilder`, whether streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from radixserve.server import openai_api as oai
+from radixserve.server import responses_api as rapi
+from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
+from radixserve.server.checks import RESPONSES_FIELDS, check_sequences, renamed
+from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.responses_api import OutputBuilder, ResponsesRequest, ResponseStore, Stored
+from radixserve.server.routes_openai import chat_reasoning, token_bytes_of
+from radixserve.server.state import ServerState, State
+from radixserve.server.streaming import sse, until_disconnect
+from radixserve.server.tokenizer_manager import Call
+
+router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
+
+
+@dataclass
+class _Run:
+    """One response being made: its chat request's sequence and how its output is read."""
+
+    response: dict[str, Any]  # the response object as created
+    stored: Stored
+    chat: oai.ChatCall
+    builder: OutputBuilder
+    count_tokens: Any  # text -> its number of tokens (the reasoning's, for usage)
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, given the sequence's final result (its text all fed)."""
+        meta = result["meta_info"]
+        reasoning = "".join(
+            p["text"] for i in self.builder.items if i["type"] == "reasoning" for p in i["content"]
+        )
+        tokens = self.count_tokens(reasoning) if reasoning else 0
+        return rapi.finished(self.response, self.builder.items, meta, tokens)
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
+    body.check()
+    store = _store(request)
+    run = await off_the_loop_if_large(request, lambda: _prepare(body, store, state))
+    if body.wants_logprobs:
+        run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
+    rid = run.response["id"]
+    try:
+        call = state.manager.submit(run.chat.reqs, stream=body.streams, rid=rid)
+    except APIError as e:
+        raise renamed(e, RESPONSES_FIELDS) from None
+    if body.background:
+        run.stored.response = run.response | {"status": "queued"}
+        store.put(run.stored)
+        task = asyncio.ensure_future(_in_background(run, call))
+        run.stored.task = task
+        request.app.state.background.add(task)
+        task.add_done_callback(request.app.state.background.discard)
+        return JSONResponse(run.stored.response)
+    if body.streams:
+        events = _events(run, call, store if body.stores else None)
+        return await sse(request, events, call, typed=True)
+    try:
+        (result,) = await until_disconnect(request, call, call.results())
+    except APIError as e:
+        raise renamed(e, RESPONSES_FIELDS) from None
+    run.builder.feed(result["text"], result["meta_info"], final=True)
+    run.builder.close(incomplete=_cut_short(result["meta_info"]))
+    run.stored.response = run.finish(result)
+    if body.stores:
+        store.put(run.stored)
+    return JSONResponse(run.stored.response)
+
+
+def _prepare(body: ResponsesRequest, store: ResponseStore, state: ServerState) -> _Run:
+    """The chat request a Responses request asks for, ready to submit; 400s name the
+    Responses fields."""
+    earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+    items = rapi.input_items(body.input)
+    tools = rapi.chat_tools(body.tools)
+    choice, callable_tools = rapi.chat_tool_choice(body.tool_choice, tools)
+    messages = rapi.chat_messages(earlier + items)
+    response_id = rapi.new_id("resp")
+    chat_body, plan, chat = _chat(body, messages, callable_tools, choice, response_id, state)
+    thinking = chat_reasoning(chat_body, chat, state)
+    builder = OutputBuilder(thinking, plan, None, body.max_tool_calls)
+    model = body.model or state.model_name
+    response = rapi.response_object(response_id, body, model, tools, body.tool_choice)
+    stored = Stored(response, items, body.previous_response_id)
+    count = lambda text: len(state.manager.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    return _Run(response, stored, chat, builder, count)
+
+
+def _chat(
+    body: ResponsesRequest,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    choice: Any,
+    rid: str,
+    state: ServerState,
+) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
+    """The chat request, its tool plan and its sequences. With truncation `auto`, a
+    conversation too long for the context loses its oldest turns (each from a user message
+    to the next) until it fits, as OpenAI's does."""
+    tokenizer = state.manager.tokenizer
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    while True:
+        fields = {"messages": system + messages, "rid": rid, **body.chat_fields(tools, choice)}
+        try:
+            chat_body = oai.ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:  # what the Responses fields could not say apart
+            reason = e.errors()[0]["msg"]
+            raise bad_request(f"the request cannot be served as a chat: {reason}") from None
+        try:
+            parser_flag = state.config.server.tool_call_parser
+            plan = chat_body.tool_plan(parser_flag, oai.template_source(tokenizer))
+        except APIError as e:
+            raise _flat_tool_error(e) from None
+        try:
+            max_context = state.model.max_seq_len
+            chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS)
+            check_sequences(chat.reqs, state, RESPONSES_FIELDS)
+            return chat_body, plan, chat
+        except APIError as e:
+            if body.truncation != "auto" or e.code != "context_length_exceeded":
+                raise renamed(e, RESPONSES_FIELDS) from None
+            messages = _without_oldest_turn(messages)
+            if not messages:
+                raise renamed(e, RESPONSES_FIELDS) from None
+
+
+def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation less its first turn: its first message and what follows up to the
+    next user message (so no tool result is left without its call)."""
+    rest = messages[1:]
+    while rest and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return rest
+
+
+def _flat_tool_error(e: APIError) -> APIError:
+    """The chat route's names for a tool's fields (tools[0].function.parameters) as the
+    Responses API's flat tools name them (tools[0].parameters)."""
+    flat = lambda text: re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)  # noqa: E731
+    param = flat(e.param) if e.param else None
+    return APIError(e.status, flat(e.message), e.type, param, e.code)
+
+
+def _cut_short(meta: dict[str, Any]) -> bool:
+    return rapi.outcome(meta)[0] != "completed"
+
+
+async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIterator[dict]:
+    """The stream: response.created and .in_progress once the sequence has started, the
+    items' events as its text comes, then response.completed (or .incomplete, .failed)."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": next(numbers), **fields}
+
+    sent = 0
+    opened = False
+    try:
+        async for _, out in call.stream():
+            if not opened:  # after the first output, so a refused call gets its status
+                opened = True
+                yield event("response.created", response=run.response)
+                yield event("response.in_progress", response=run.response)
+            text, sent = out.result["text"][sent:], len(out.result["text"])
+            meta = out.result["meta_info"]
+            news = run.builder.feed(text, meta, final=out.finished)
+            if out.finished:
+                news += run.builder.close(incomplete=_cut_short(meta))
+            for news_event in news:
+                yield event(news_event.pop("type"), **news_event)
+            if out.finished:
+                run.stored.response = run.finish(out.result)
+    except APIError as e:
+        if not opened:
+            raise renamed(e, RESPONSES_FIELDS) from None
+        error = {"code": "server_error", "message": e.message}
+        run.stored.response = run.response | {"status": "failed", "error": error}
+        run.stored.response["output"] = run.builder.items
+    if store is not None:
+        store.put(run.stored)
+    final = run.stored.response
+    yield event(_TERMINAL[final["status"]], response=final)
+
+
+_TERMINAL = {
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+}
+
+
+async def _in_background(run: _Run, call: Call) -> None:
+    """A background response: in progress once it runs, then finished, failed or cancelled
+    (POST .../cancel, DELETE), as GET /v1/responses/{id} reports it."""
+    stored = run.stored
+    try:
+        stored.response = run.response | {"status": "in_progress"}
+        (result,) = await call.results()
+        run.builder.feed(result["text"], result["meta_info"], final=True)
+        run.builder.close(incomplete=_cut_short(result["meta_info"]))
+        stored.response = run.finish(result)
+    except APIError as e:
+        error = {"code": "server_error", "message": renamed(e, RESPONSES_FIELDS).message}
+        stored.response = run.response | {"status": "failed", "error": error}
+    except asyncio.CancelledError:
+        stored.response = run.response | {"status": "cancelled"}
+    finally:
+        call.close()
+        stored.task = None
+
+
+# -- stored responses -----------------------------------------------------------------------
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, stream: bool = False) -> Response:
+    if stream:
+        raise bad_request("streaming a stored response is not supported here", "stream")
+    return JSONResponse(_store(request).get(response_id).response)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    stored = _store(request).get(response_id)
+    if not stored.response["background"]:
+        raise bad_request("only a background response can be cancelled", "response_id")
+    task = stored.task
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    _store(request).delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = None,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """The items the response was made from (earlier turns' too), a page at a time."""
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be between 1 and 100", "limit")
+    store = _store(request)
+    stored = store.get(response_id)
+    earlier = store.context(stored.previous) if stored.previous else []
+    items = earlier + stored.inputs
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            raise bad_request(f"after names no input item of {response_id!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )

@@ -1,0 +1,299 @@
+"""The Responses API's parts without a server: input items into chat messages, flat tools
+and tool_choice into the chat route's, the output builder (a stream of any cuts builds the
+same items as the whole text, with events in the order OpenAI's client checks), and the
+store of chained responses."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.server import responses_api as rapi
+from radixserve.server.errors import APIError
+from radixserve.server.reasoning import reasoning_plan
+from radixserve.server.tool_calls import Tool, ToolPlan
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+# -- input ----------------------------------------------------------------------------------
+def test_a_string_is_one_user_message():
+    (item,) = rapi.input_items("hello")
+    assert item["type"] == "message" and item["role"] == "user"
+    assert item["content"] == [{"type": "input_text", "text": "hello"}]
+    assert item["id"].startswith("msg_") and item["status"] == "completed"
+    assert rapi.chat_messages([item]) == [{"role": "user", "content": "hello"}]
+
+
+def test_function_calls_join_their_assistant_turn_and_outputs_are_tool_messages():
+    items = rapi.input_items(
+        [
+            {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+            {"type": "message", "role": "assistant", "content": "Let me look.", "id": "m1"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": "{}"},
+        ]
+    )
+    messages = rapi.chat_messages(items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == "Let me look."
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert messages[3]["content"] is None and messages[3]["tool_calls"][0]["id"] == "c3"
+    assert items[1]["id"] == "m1"  # given ids are kept
+    assert items[1]["content"][0]["type"] == "output_text"  # an assistant's text is output
+
+
+def test_an_output_item_sent_back_as_input_is_read():
+    """Clients append a response's output to their next input, with every field."""
+    output = {
+        "type": "message",
+        "id": "msg_1",
+        "role": "assistant",
+        "status": "completed",
+        "phase": None,
+        "content": [{"type": "output_text", "text": "Paris.", "annotations": [], "logprobs": []}],
+    }
+    (item,) = rapi.input_items([output])
+    assert rapi.chat_messages([item]) == [{"role": "assistant", "content": "Paris."}]
+
+
+@pytest.mark.parametrize(
+    "given, param",
+    [
+        (
+            [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+            "input[0].content[0]",
+        ),
+        ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
+        ([{"role": "robot", "content": "hi"}], "input[0].role"),
+        ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"type": "function_call_output", "call_id": "c", "output": 3},
+            ],
+            "input[1].output",
+        ),
+    ],
+)
+def test_items_this_engine_cannot_serve_are_a_400_naming_them(given, param):
+    with pytest.raises(APIError) as e:
+        rapi.input_items(given)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert e.value.message.startswith(param)
+
+
+# -- tools ----------------------------------------------------------------------------------
+def test_flat_tools_become_chat_tools_and_are_echoed_flat():
+    (tool,) = rapi.chat_tools([WEATHER])
+    assert tool == {
+        "type": "function",
+        "function": {k: v for k, v in WEATHER.items() if k != "type"},
+    }
+    Tool.model_validate(tool)  # the chat route's own model takes it
+    (echo,) = rapi.flat_tools([tool])
+    assert echo["name"] == "get_weather" and echo["strict"] is None and echo["type"] == "function"
+
+
+def test_hosted_tools_and_bad_function_tools_are_a_400():
+    with pytest.raises(APIError) as e:
+        rapi.chat_tools([WEATHER, {"type": "web_search"}])
+    assert e.value.param == "tools[1].type"
+    with pytest.raises(APIError) as e:
+        rapi.chat_tools([{**WEATHER, "name": "has spaces"}])
+    assert e.value.param == "tools[0].name"
+
+
+def test_tool_choice_by_name_and_allowed_tools():
+    tools = rapi.chat_tools([WEATHER, {**WEATHER, "name": "get_time"}])
+    choice, allowed = rapi.chat_tool_choice({"type": "function", "name": "get_time"}, tools)
+    assert choice == {"type": "function", "function": {"name": "get_time"}} and allowed == tools
+    subset = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}],
+    }
+    choice, allowed = rapi.chat_tool_choice(subset, tools)
+    assert choice == "required" and [t["function"]["name"] for t in allowed] == ["get_time"]
+    for bad in (
+        {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]},
+        {
+            "type": "allowed_tools",
+            "mode": "none",
+            "tools": [{"type": "function", "name": "get_time"}],
+        },
+        {"type": "file_search"},
+    ):
+        with pytest.raises(APIError) as e:
+            rapi.chat_tool_choice(bad, tools)
+        assert e.value.param == "tool_choice"
+
+
+# -- output ---------------------------------------------------------------------------------
+THINKING = reasoning_plan("qwen3", True, True, prompt="<|im_start|>assistant\n")
+CALLS = ToolPlan("auto", tuple(Tool.model_validate(t) for t in rapi.chat_tools([WEATHER])))
+TEXTS = [
+    "<think>\nThe user wants weather.\n</think>\n\nLet me check.<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "<think>short</think>Just an answer, no call.",
+    'No reasoning at all; <tool_call>\n{"name": "nope"}\n</tool_call> is not a call.',
+    "<think>cut short by max_output_tokens",
+]
+META = {"output_token_logprobs": []}
+
+
+def _build(pieces: list[str], incomplete: bool = False) -> tuple[list[dict], list[dict]]:
+    builder = rapi.OutputBuilder(THINKING, CALLS, None)
+    events = []
+    for i, piece in enumerate(pieces):
+        events += builder.feed(piece, META, final=i == len(pieces) - 1)
+    events += builder.close(incomplete)
+    return builder.items, events
+
+
+def _check_order(events: list[dict], items: list[dict]) -> None:
+    """What the openai client's stream state asserts: an item is added before its parts and
+    deltas, each index once, and every added item is done."""
+    added, done = [], []
+    for e in events:
+        index = e.get("output_index")
+        if e["type"] == "response.output_item.added":
+            assert index == len(added) and not done[index:], e
+            added.append(index)
+        elif e["type"] == "response.output_item.done":
+            assert index in added and index not in done
+            assert e["item"] == items[index]
+            done.append(index)
+        else:
+            assert index in added and index not in done, e
+    assert added == done == list(range(len(items)))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@given(cuts=st.lists(st.integers(0, 200), max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_any_stream_builds_the_items_of_the_whole_text(text, cuts):
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    whole, whole_events = _build([text])
+    streamed, events = _build(pieces)
+    strip = lambda items: [
+        {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items
+    ]  # noqa: E731
+    assert strip(streamed) == strip(whole)
+    _check_order(events, streamed)
+    _check_order(whole_events, whole)
+    # the deltas add up to each item's text
+    for index, item in enumerate(streamed):
+        kinds = (
+            "response.output_text.delta",
+            "response.reasoning_text.delta",
+            "response.function_call_arguments.delta",
+        )
+        deltas = "".join(
+            e["delta"] for e in events if e["type"] in kinds and e["output_index"] == index
+        )
+        assert deltas == (
+            item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        )
+
+
+def test_the_items_of_each_kind_of_output():
+    items, _ = _build([TEXTS[0]])
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
+    assert items[1]["content"][0]["text"] == "Let me check."
+    assert items[2]["name"] == "get_weather" and items[2]["arguments"] == '{"city": "Paris"}'
+    assert items[2]["call_id"].startswith("call_") and items[2]["id"].startswith("fc_")
+    assert all(i["status"] == "completed" for i in items)
+    items, _ = _build([TEXTS[2]])
+    assert [i["type"] for i in items] == ["message"]  # an unknown function stays text
+    items, _ = _build([TEXTS[3]], incomplete=True)
+    assert [(i["type"], i["status"]) for i in items] == [("reasoning", "incomplete")]
+
+
+def test_max_tool_calls_leaves_later_calls_out():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>'
+    builder = rapi.OutputBuilder(None, CALLS, None, max_calls=2)
+    builder.feed(call * 3, META, final=True)
+    builder.close(incomplete=False)
+    assert [i["type"] for i in builder.items] == ["function_call"] * 2
+
+
+def test_logprobs_go_to_the_message_not_the_reasoning():
+    entries = [
+        {"token": str(i), "logprob": -1.0, "bytes": [], "top_logprobs": []} for i in range(5)
+    ]
+    builder = rapi.OutputBuilder(
+        THINKING,
+        ToolPlan("none"),
+        lambda meta, start: entries[start : len(meta["output_token_logprobs"])],
+    )
+    builder.feed("<think>hm", {"output_token_logprobs": [0] * 2}, final=False)
+    builder.feed("</think>Hi", {"output_token_logprobs": [0] * 4}, final=False)
+    builder.feed("!", {"output_token_logprobs": [0] * 5}, final=True)
+    builder.close(incomplete=False)
+    reasoning, message = builder.items
+    assert [e["token"] for e in message["content"][0]["logprobs"]] == ["2", "3", "4"]
+
+
+# -- the store ------------------------------------------------------------------------------
+def _stored(rid: str, previous: str | None, text: str, status: str = "completed") -> rapi.Stored:
+    output = [
+        {
+            "type": "message",
+            "id": f"out-{rid}",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text}],
+        }
+    ]
+    response = {"id": rid, "status": status, "output": output}
+    return rapi.Stored(response, rapi.input_items(f"question {rid}"), previous)
+
+
+def test_a_chain_of_responses_is_the_conversation():
+    store = rapi.ResponseStore(capacity=3)
+    store.put(_stored("a", None, "A"))
+    store.put(_stored("b", "a", "B"))
+    context = store.context("b")
+    texts = [m["content"] for m in rapi.chat_messages(context)]
+    assert texts == ["question a", "A", "question b", "B"]
+
+
+def test_the_least_recently_used_goes_and_a_broken_chain_is_a_404():
+    store = rapi.ResponseStore(capacity=2)
+    store.put(_stored("a", None, "A"))
+    store.put(_stored("b", "a", "B"))
+    store.get("a")  # used: b is now the oldest
+    store.put(_stored("c", None, "C"))
+    with pytest.raises(APIError) as e:
+        store.get("b")
+    assert e.value.status == 404
+    store.put(_stored("d", "c", "D"))  # a goes
+    store.put(_stored("e", "d", "E"))  # c goes: e's chain is broken
+    with pytest.raises(APIError) as e:
+        store.context("e")
+    assert (
+        e.value.status == 404 and "'c'" in e.value.message and "no longer stored" in e.value.message
+    )
+
+
+def test_an_unfinished_response_cannot_be_continued_and_none_are_kept_at_capacity_0():
+    store = rapi.ResponseStore(capacity=4)
+    store.put(_stored("a", None, "", status="in_progress"))
+    with pytest.raises(APIError) as e:
+        store.context("a")
+    assert e.value.status == 400 and e.value.param == "previous_response_id"
+    empty = rapi.ResponseStore(capacity=0)
+    empty.put(_stored("a", None, "A"))
+    with pytest.raises(APIError):
+        empty.get("a")
