@@ -178,6 +178,10 @@ def _check_order(events: list[dict], items: list[dict]) -> None:
     assert added == done == list(range(len(items)))
 
 
+def _without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
+
+
 @pytest.mark.parametrize("text", TEXTS)
 @given(cuts=st.lists(st.integers(0, 200), max_size=12))
 @settings(max_examples=40, deadline=None)
@@ -186,10 +190,7 @@ def test_any_stream_builds_the_items_of_the_whole_text(text, cuts):
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
     whole, whole_events = _build([text])
     streamed, events = _build(pieces)
-    strip = lambda items: [
-        {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items
-    ]  # noqa: E731
-    assert strip(streamed) == strip(whole)
+    assert _without_ids(streamed) == _without_ids(whole)
     _check_order(events, streamed)
     _check_order(whole_events, whole)
     # the deltas add up to each item's text

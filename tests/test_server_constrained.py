@@ -517,9 +517,15 @@ INVALID = [
                 "json_schema": {"name": "x", "schema": {"type": "foo"}},
             }
         ),
-        ["json_schema", "foo"],
+        ["invalid response_format", "foo"],
     ),
 ]
+
+
+LOOKAROUND_FORMAT = {  # valid JSON schema, but a pattern constrained decoding cannot follow
+    "type": "json_schema",
+    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=a)"}},
+}
 
 
 def test_invalid_constraints_are_400_before_any_work(server, client):
@@ -548,6 +554,27 @@ def test_invalid_constraints_are_400_before_any_work(server, client):
     assert re.fullmatch(DATE, out["text"]), out
     assert generate(server, _native(temperature=0))["meta_info"]["completion_tokens"] == 4
     assert_kv_clean(server)
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", _chat(response_format=LOOKAROUND_FORMAT)),
+        ("/v1/chat/completions", _chat(response_format=LOOKAROUND_FORMAT, stream=True)),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "response_format": LOOKAROUND_FORMAT}),
+    ],
+)
+def test_a_refused_response_format_is_named_as_the_client_sent_it(server, route, body):
+    """The engine refuses the grammar by its own kind (json_schema); the client sent a
+    response_format, and the 400 says so."""
+    r = post(server, route, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format", error
+    assert (
+        error["message"].startswith("invalid response_format: ")
+        and "look-around" in error["message"]
+    )
 
 
 def test_a_grammar_failing_mid_output_is_an_abort_that_says_why(server, client):

@@ -630,7 +630,7 @@ def test_a_bad_structural_tag_is_a_400_naming_response_format(hermes, response_f
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert words in error["message"], error
-    assert (error["param"] or "").split(".")[0] in ("response_format", "structural_tag"), error
+    assert (error["param"] or "").split(".")[0] == "response_format", error
 
 
 def test_a_format_tree_response_format(hermes):

@@ -86,6 +86,17 @@ def renamed(e: APIError, fields: Fields) -> APIError:
     return APIError(e.status, fields.message(e.message), e.type, param, e.code)
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # the engine's names
+
+
+def constraint_error(e: APIError, field: str | None) -> APIError:
+    """An error about the output's constraint (a grammar the engine refused), naming the
+    request's `field` it came from rather than the engine's kind of constraint."""
+    if field is None or e.param not in CONSTRAINT_KINDS:
+        return e
+    return renamed(e, Fields("", renamed={e.param: field}))
+
+
 def call_error(e: ValueError, fields: Fields) -> APIError:
     """A ValueError from expanding a call (SamplingParams, expand_request, Req) as a 400
     whose message starts with the field's name when it does not name it already."""

@@ -19,7 +19,12 @@ from radixserve.core.req import Req
 from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
 from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
-from radixserve.server.checks import CHAT_FIELDS, COMPLETION_FIELDS, check_sequences
+from radixserve.server.checks import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_sequences,
+    constraint_error,
+)
 from radixserve.server.embeddings import EmbeddingRequest, embedding_reqs, embedding_response
 from radixserve.server.errors import ERROR_RESPONSES, APIError
 from radixserve.server.reasoning import (
@@ -69,7 +74,7 @@ async def completions(body: oai.CompletionRequest, request: Request, state: Stat
     check_sequences(reqs, state, COMPLETION_FIELDS)
     token_bytes = await token_bytes_of(request, state) if body.logprobs is not None else None
     shape = _Completion(body, state.manager.tokenizer.decode, token_bytes)
-    return await _serve(request, state, body, reqs, shape)
+    return await _serve(request, state, body, reqs, shape, body.constraint_field())
 
 
 @router.post("/v1/chat/completions")
@@ -88,7 +93,8 @@ async def chat_completions(
     thinking = chat_reasoning(body, chat, state)
     token_bytes = await token_bytes_of(request, state) if body.logprobs else None
     shape = _Chat(token_bytes, plan, thinking)
-    return await _serve(request, state, body, chat.reqs, shape)
+    field = body.constraint_field(by_tools=bool(oai.tool_constraint(plan, body)))
+    return await _serve(request, state, body, chat.reqs, shape, field)
 
 
 def chat_reasoning(
@@ -132,15 +138,24 @@ async def token_bytes_of(request: Request, state: ServerState) -> oai.TokenBytes
 
 
 async def _serve(
-    request: Request, state: ServerState, body: Any, reqs: list[Req], shape: _Shape
+    request: Request,
+    state: ServerState,
+    body: Any,
+    reqs: list[Req],
+    shape: _Shape,
+    constraint_field: str | None,  # the field a refused grammar came from
 ) -> Response:
     call = state.manager.submit(reqs, stream=body.stream, rid=body.rid)
     head = {"id": oai.new_id(shape.id_prefix), "object": shape.object, "created": oai.now()}
     head["model"] = body.model or state.model_name
     if body.stream:
         head["object"] = shape.chunk_object
-        return await sse(request, _chunks(call, body, shape, head), call)
-    results = await until_disconnect(request, call, call.results())
+        chunks = _chunks(call, body, shape, head, constraint_field)
+        return await sse(request, chunks, call)
+    try:
+        results = await until_disconnect(request, call, call.results())
+    except APIError as e:
+        raise constraint_error(e, constraint_field) from None
     choices = [
         {"index": i, **oai.finish_fields(result["meta_info"]), **shape.choice(req, result)}
         for i, (req, result) in enumerate(zip(reqs, results))
@@ -149,14 +164,14 @@ async def _serve(
 
 
 async def _chunks(
-    call: Call, body: Any, shape: _Shape, head: dict[str, Any]
+    call: Call, body: Any, shape: _Shape, head: dict[str, Any], constraint_field: str | None
 ) -> AsyncIterator[dict[str, Any]]:
     """The stream of either endpoint: per sequence only what is new, exactly one chunk
     with a finish_reason per index, then the usage chunk when asked."""
     sent = _Sent(len(call.reqs))
     finals: list[dict[str, Any]] = [{}] * len(call.reqs)
     opened = False
-    async for index, out in call.stream():
+    async for index, out in _constraint_named(call.stream(), constraint_field):
         if not opened:  # after the first output, so a refused call gets its status
             opened = True
             for choice in shape.opening(len(call.reqs)):
@@ -176,6 +191,14 @@ async def _chunks(
         yield chunk
     if body.include_usage:
         yield {**head, "choices": [], "usage": oai.usage(finals, body.n)}
+
+
+async def _constraint_named(outputs: AsyncIterator[Any], field: str | None) -> AsyncIterator[Any]:
+    try:
+        async for output in outputs:
+            yield output
+    except APIError as e:
+        raise constraint_error(e, field) from None
 
 
 # -- what differs between the two endpoints -------------------------------------------------

@@ -38,15 +38,16 @@ class _Run:
     stored: Stored
     chat: oai.ChatCall
     builder: OutputBuilder
-    count_tokens: Any  # text -> its number of tokens (the reasoning's, for usage)
+    tokenizer: Any
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The finished response, given the sequence's final result (its text all fed)."""
+        """The finished response, given the sequence's final result (its text all fed).
+        Its reasoning tokens are counted by tokenizing the reasoning's text again."""
         meta = result["meta_info"]
         reasoning = "".join(
             p["text"] for i in self.builder.items if i["type"] == "reasoning" for p in i["content"]
         )
-        tokens = self.count_tokens(reasoning) if reasoning else 0
+        tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return rapi.finished(self.response, self.builder.items, meta, tokens)
 
 
@@ -104,8 +105,7 @@ def _prepare(body: ResponsesRequest, store: ResponseStore, state: ServerState) -
     model = body.model or state.model_name
     response = rapi.response_object(response_id, body, model, tools, body.tool_choice)
     stored = Stored(response, items, body.previous_response_id)
-    count = lambda text: len(state.manager.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    return _Run(response, stored, chat, builder, count)
+    return _Run(response, stored, chat, builder, state.manager.tokenizer)
 
 
 def _chat(
@@ -158,9 +158,12 @@ def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 def _flat_tool_error(e: APIError) -> APIError:
     """The chat route's names for a tool's fields (tools[0].function.parameters) as the
     Responses API's flat tools name them (tools[0].parameters)."""
-    flat = lambda text: re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)  # noqa: E731
-    param = flat(e.param) if e.param else None
-    return APIError(e.status, flat(e.message), e.type, param, e.code)
+    param = _flat(e.param) if e.param else None
+    return APIError(e.status, _flat(e.message), e.type, param, e.code)
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
 
 
 def _cut_short(meta: dict[str, Any]) -> bool:
