@@ -52,6 +52,21 @@ def test_function_calls_join_their_assistant_turn_and_outputs_are_tool_messages(
     assert items[1]["content"][0]["type"] == "output_text"  # an assistant's text is output
 
 
+def test_every_item_gets_an_id_and_an_item_twice_is_a_400():
+    items = rapi.input_items(
+        [
+            {"type": "reasoning", "summary": []},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+        ]
+    )
+    assert [i["id"][:3] for i in items] == ["rs_", "fc_", "fco"]
+    rapi.check_unique_ids(items)
+    with pytest.raises(APIError) as e:
+        rapi.check_unique_ids(items + items[1:2])
+    assert e.value.status == 400 and items[1]["id"] in e.value.message
+
+
 def test_an_output_item_sent_back_as_input_is_read():
     """Clients append a response's output to their next input, with every field."""
     output = {
@@ -74,6 +89,21 @@ def test_an_output_item_sent_back_as_input_is_read():
             "input[0].content[0]",
         ),
         ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
+        (
+            [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}],
+            "input[0].content[0]",
+        ),
+        ([{"role": "user", "content": [{"type": "input_text"}]}], "input[0].content[0].text"),
+        (
+            [
+                {
+                    "type": "function_call_output",
+                    "call_id": "c",
+                    "output": [{"type": {}, "text": "x"}],
+                }
+            ],
+            "input[0].output[0]",
+        ),
         ([{"role": "robot", "content": "hi"}], "input[0].role"),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
         (
@@ -147,6 +177,9 @@ TEXTS = [
     "<think>short</think>Just an answer, no call.",
     'No reasoning at all; <tool_call>\n{"name": "nope"}\n</tool_call> is not a call.',
     "<think>cut short by max_output_tokens",
+    '<think>x</think>Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    '\n</tool_call>\nand then <tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    "\n\ndone.",
 ]
 META = {"output_token_logprobs": []}
 
@@ -222,29 +255,64 @@ def test_the_items_of_each_kind_of_output():
     assert [(i["type"], i["status"]) for i in items] == [("reasoning", "incomplete")]
 
 
-def test_max_tool_calls_leaves_later_calls_out():
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call>'
-    builder = rapi.OutputBuilder(None, CALLS, None, max_calls=2)
-    builder.feed(call * 3, META, final=True)
-    builder.close(incomplete=False)
-    assert [i["type"] for i in builder.items] == ["function_call"] * 2
+def test_text_between_calls_is_a_message_of_its_own_in_text_order():
+    items, _ = _build([TEXTS[4]])
+    shown = [
+        (i["type"], i["content"][0]["text"] if i["type"] != "function_call" else i["arguments"])
+        for i in items
+    ]
+    assert shown == [
+        ("reasoning", "x"),
+        ("message", "Sure."),
+        ("function_call", '{"city": "Paris"}'),
+        ("message", "and then"),
+        ("function_call", "{}"),
+        ("message", "done."),
+    ]
 
 
-def test_logprobs_go_to_the_message_not_the_reasoning():
+TOKENS = ["<think>", "hm", "</think>", "\n\n", "Hi", " there", "!"]
+
+
+def _with_logprobs(pieces: list[list[str]]) -> tuple[list[dict], list[dict]]:
+    """Build from the tokens, fed in the given groups, with a logprob entry for each."""
     entries = [
-        {"token": str(i), "logprob": -1.0, "bytes": [], "top_logprobs": []} for i in range(5)
+        {"token": t, "logprob": -float(i), "bytes": list(t.encode()), "top_logprobs": []}
+        for i, t in enumerate(TOKENS)
     ]
     builder = rapi.OutputBuilder(
-        THINKING,
-        ToolPlan("none"),
-        lambda meta, start: entries[start : len(meta["output_token_logprobs"])],
+        THINKING, ToolPlan("none"), lambda meta, start: entries[start : meta["n"]]
     )
-    builder.feed("<think>hm", {"output_token_logprobs": [0] * 2}, final=False)
-    builder.feed("</think>Hi", {"output_token_logprobs": [0] * 4}, final=False)
-    builder.feed("!", {"output_token_logprobs": [0] * 5}, final=True)
-    builder.close(incomplete=False)
-    reasoning, message = builder.items
-    assert [e["token"] for e in message["content"][0]["logprobs"]] == ["2", "3", "4"]
+    events, n = [], 0
+    for k, group in enumerate(pieces):
+        n += len(group)
+        events += builder.feed("".join(group), {"n": n}, final=k == len(pieces) - 1)
+    return builder.items, events + builder.close(incomplete=False)
+
+
+@pytest.mark.parametrize(
+    "groups", [[TOKENS], [[t] for t in TOKENS], [TOKENS[:3], TOKENS[3:5], TOKENS[5:]]]
+)
+def test_logprobs_are_the_message_tokens_whole_or_streamed(groups):
+    items, events = _with_logprobs(groups)
+    reasoning, message = items
+    assert message["content"][0]["text"] == "Hi there!"
+    logprobs = message["content"][0]["logprobs"]
+    # the whitespace after the reasoning is in neither item's text, nor its tokens
+    assert [e["token"] for e in logprobs] == ["Hi", " there", "!"]
+    streamed = [
+        lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]
+    ]
+    assert streamed == logprobs  # the deltas carry them all, once
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == logprobs
+
+
+def test_items_are_added_without_their_parts():
+    """The client's stream helper appends each content_part.added to its item."""
+    _, events = _build([TEXTS[1]])
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["type"], i["content"]) for i in added] == [("reasoning", []), ("message", [])]
 
 
 # -- the store ------------------------------------------------------------------------------
@@ -298,3 +366,18 @@ def test_an_unfinished_response_cannot_be_continued_and_none_are_kept_at_capacit
     empty.put(_stored("a", None, "A"))
     with pytest.raises(APIError):
         empty.get("a")
+
+
+def test_stored_bytes_are_bounded_but_a_running_response_stays():
+    store = rapi.ResponseStore(capacity=100, max_bytes=2500)
+    running = _stored("run", None, "x" * 1500)
+    running.task = object()  # a background task, still running
+    store.put(running)
+    store.put(_stored("a", None, "A"))
+    store.put(_stored("b", None, "y" * 600))  # past the bound: the oldest idle one goes
+    assert list(store.entries) == ["run", "b"] and store.bytes > 2500  # none else can go
+    running.task = None
+    store.refresh(running)  # finished: the most recently used now
+    store.put(_stored("c", None, "z" * 600))
+    assert list(store.entries)[-1] == "c" and "b" not in store.entries
+    assert store.bytes <= 2500

@@ -108,7 +108,9 @@ def test_a_stream_builds_the_same_output_in_order(client):
     with client.responses.stream(input="Name three colors.", **GREEDY) as stream:
         for _ in stream:
             pass
-        assert stream.get_final_response().output_text == whole.output_text
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text
+    assert len(final.output) == 1 and len(final.output[0].content) == 1  # each part once
 
 
 def test_a_raw_stream_names_each_event_and_sends_no_done_marker(server):
@@ -146,6 +148,33 @@ def test_previous_response_id_continues_the_conversation(client):
     assert page.data[0].content[0].text == "What is the capital of France?" and page.has_more
     rest = client.responses.input_items.list(second.id, after=page.data[0].id, order="asc")
     assert [i.id for i in rest.data] == [i.id for i in items.data[::-1][1:]]
+    # the earlier output sent again as well as continued: an item twice, as OpenAI refuses it
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            input=[*first.output, {"role": "user", "content": "Hi"}],
+            previous_response_id=first.id,
+            **GREEDY,
+        )
+    assert "Duplicate item" in e.value.message
+
+
+def test_reasoning_items_are_taken_and_listed(client):
+    """A reasoning item sent back (as a client of a reasoning model does) is kept in the
+    input items but not replayed into the prompt."""
+    question = {"role": "user", "content": "What is 2 + 2?"}
+    plain = client.responses.create(input=[question], **GREEDY)
+    with_reasoning = client.responses.create(
+        input=[
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Add."}]},
+            question,
+        ],
+        **GREEDY,
+    )
+    assert with_reasoning.output_text == plain.output_text
+    assert with_reasoning.usage.input_tokens == plain.usage.input_tokens
+    items = client.responses.input_items.list(with_reasoning.id, order="asc")
+    assert [i.type for i in items.data] == ["reasoning", "message"]
+    assert items.data[0].id.startswith("rs_")
 
 
 def test_function_calls_round_trip(client):

@@ -75,11 +75,15 @@ class ReasoningStream:
         self.text = ""
         self.reasoning_sent = 0
         self.content_sent = 0
+        # where the content starts in the text (None: not known yet, the block goes on)
+        self.content_start: int | None = None
 
     def feed(self, new_text: str, final: bool) -> tuple[str, str]:
         """(new reasoning, new content) after `new_text`."""
         self.text += new_text
         now = split(self.fmt, self.text, self.inside, final)
+        if now.closed:  # the content is the text's end
+            self.content_start = len(self.text) - len(now.content)
         reasoning = ""
         if now.reasoning is not None and (self.stream_reasoning or now.closed):
             reasoning = now.reasoning[self.reasoning_sent :]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -49,6 +50,9 @@ INCLUDABLE = Literal[
     "code_interpreter_call.outputs",
 ]
 LOGPROBS = "message.output_text.logprobs"
+# the most stored responses may hold, as JSON, whatever --responses-store-size says: a body
+# can be 64 MiB (reasoning items and ids are stored whole, though never replayed)
+MAX_STORED_BYTES = 1 << 30
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 
@@ -89,6 +93,12 @@ class ReasoningConfig(StrictBody):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its old name
 
 
+class StreamOptions(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    # OpenAI's random padding of deltas against side channels; a local server sends none
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(StrictBody):
     """OpenAI's fields, then the sampling extras the chat route takes too (SGLang's)."""
 
@@ -105,12 +115,15 @@ class ResponsesRequest(StrictBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's counts calls of its built-in tools only: with function tools alone it limits
+    # nothing, there or here (echoed)
     max_tool_calls: int | None = Field(None, ge=1)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     store: bool | None = None
     background: bool | None = None
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -261,6 +274,16 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_item(raw, f"input[{i}]") for i, raw in enumerate(given)]
 
 
+def check_unique_ids(items: list[dict[str, Any]]) -> None:
+    """Each item of a conversation once (as OpenAI's check): the earlier turns' items and the
+    new input together. A client that continues a stored response sends only what is new."""
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            raise bad_request(f"Duplicate item found with id {item['id']}", "input")
+        seen.add(item["id"])
+
+
 def _item(raw: dict[str, Any], where: str) -> dict[str, Any]:
     kind = raw.get("type", "message")
     model = _ITEMS.get(kind) if isinstance(kind, str) else None
@@ -282,9 +305,12 @@ def _item(raw: dict[str, Any], where: str) -> dict[str, Any]:
     elif kind == "function_call_output":
         item["output"] = _text(item["output"], f"{where}.output")
         item.setdefault("id", new_id("fco"))
-    elif kind == "function_call":
-        item.setdefault("id", new_id("fc"))
+    else:
+        item.setdefault("id", new_id(_ID_PREFIXES[kind]))
     return item
+
+
+_ID_PREFIXES = {"function_call": "fc", "reasoning": "rs"}
 
 
 def _field_error(e: ValidationError, where: str) -> APIError:
@@ -312,12 +338,18 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        key = _TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
-        if key is None or not isinstance(part.get(key), str):
+        kind = part.get("type")
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None:
             raise bad_request(
                 f"{where}[{j}]: only text parts (input_text, output_text) are supported, got "
-                f"{part.get('type')!r}",
+                f"type {kind!r}",
                 f"{where}[{j}]",
+            )
+        if not isinstance(part.get(key), str):
+            raise bad_request(
+                f"{where}[{j}].{key}: a {kind} part needs its {key}, a string",
+                f"{where}[{j}].{key}",
             )
         texts.append(part[key])
     return "\n".join(texts)
@@ -438,55 +470,76 @@ def flat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- the output -----------------------------------------------------------------------------
 @dataclass
+class _Segment:
+    """One piece of the parsed output (a text outside calls, or a call) and its item."""
+
+    item: dict[str, Any] | None = None  # None: nothing of it sent yet
+    sent: int = 0  # how much of its text (or arguments) is sent
+
+
+@dataclass
 class OutputBuilder:
-    """A response's output items, built from its text as it arrives. `feed` returns the
-    stream events for what is new (without sequence numbers); `close` those that finish
-    the items."""
+    """A response's output items, built from its text as it arrives: a reasoning item,
+    then in the order the text has them, messages (text outside calls) and function
+    calls. `feed` returns the stream events for what is new (without sequence numbers);
+    `close` those that finish the last item. Fed whole or in any pieces, the items are the
+    same: each piece of the parsed output only grows until the next one begins."""
 
     thinking: ReasoningPlan | None
     tools: tool_calls.ToolPlan
-    logprobs: Callable[[dict[str, Any], int], list[dict[str, Any]]] | None
-    max_calls: int | None = None  # max_tool_calls: calls past it are left out
+    logprobs: Callable[[dict[str, Any], int], list[dict[str, Any]]] | None = None
     items: list[dict[str, Any]] = field(default_factory=list)
     open: dict[str, Any] | None = None  # the item being written
-    thought: ReasoningStream | None = None
-    calls: tool_calls.ToolStream | None = None
-    pending: list[dict[str, Any]] = field(default_factory=list)  # logprobs not yet sent
-    sent_logprobs: int = 0
+    content: str = ""  # the text after the reasoning, so far
+    segments: list[_Segment] = field(default_factory=list)
+    # logprobs: (where the token starts in the output's text, its entry) until placed
+    pending: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    offsets: oai.TextOffsets = field(default_factory=oai.TextOffsets)
+    taken_logprobs: int = 0
+    thought: ReasoningStream | None = field(init=False)
+    parser: tool_calls.ToolParser | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.thought = self.thinking.stream() if self.thinking is not None else None
-        self.calls = tool_calls.ToolStream(self.tools.parser()) if self.tools.active else None
+        self.parser = self.tools.parser() if self.tools.active else None
 
     def feed(self, text: str, meta: dict[str, Any], final: bool) -> list[dict[str, Any]]:
-        if self.logprobs is not None:
-            self.pending += self.logprobs(meta, self.sent_logprobs)
-            self.sent_logprobs = len(meta.get("output_token_logprobs", ()))
+        self._take_logprobs(meta)
         events: list[dict[str, Any]] = []
         reasoning, content = "", text
         if self.thought is not None:
             reasoning, content = self.thought.feed(text, final)
         if reasoning:
-            self.pending = []  # the reasoning's tokens: the message's logprobs are its own
-            events += self._append("reasoning", reasoning)
-        news = {"content": content}
-        if self.calls is not None:
-            news = self.calls.feed(content, final)
-        if news.get("content"):
-            events += self._append("message", news["content"])
-        for call in news.get("tool_calls", ()):
-            if self.max_calls is None or call["index"] < self.max_calls:
-                events += self._call(call)
+            events += self._reasoning(reasoning)
+        self.content += content
+        pieces: list[str | tool_calls.ParsedCall] = [self.content]
+        if self.parser is not None:
+            pieces = self.parser.parse(self.content, final).segments()
+        for j, piece in enumerate(pieces):
+            if j == len(self.segments):
+                self.segments.append(_Segment())
+            if isinstance(piece, tool_calls.ParsedCall):
+                events += self._call(self.segments[j], piece)
+            else:
+                # text between calls is trimmed where it meets them
+                piece = piece.lstrip() if j > 0 else piece
+                events += self._text(
+                    self.segments[j], piece.rstrip() if j < len(pieces) - 1 else piece
+                )
         return events
 
     def close(self, incomplete: bool) -> list[dict[str, Any]]:
         """The events that finish the open item; `incomplete`: the output was cut short."""
         if self.open is None:
             return []
-        item, self.open = self.open, None
+        item = self.open
+        events = []
+        held = self._placed() if item["type"] == "message" else []
+        if held:  # logprobs of text the parser held back, or of nothing it shows
+            events += self._text_delta("", held)
+        self.open = None
         item["status"] = "incomplete" if incomplete else "completed"
         at = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        events = []
         if item["type"] == "function_call":
             events.append(
                 {"type": "response.function_call_arguments.done", **at}
@@ -495,8 +548,6 @@ class OutputBuilder:
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                part["logprobs"] += self.pending
-                self.pending = []
                 done = {"type": "response.output_text.done", "logprobs": part["logprobs"]}
             else:
                 done = {"type": "response.reasoning_text.done"}
@@ -512,7 +563,9 @@ class OutputBuilder:
         self.items.append(item)
         self.open = item
         index = len(self.items) - 1
-        added = {"output_index": index, "item": copy.deepcopy(item)}
+        # added without its parts: content_part.added adds them (as OpenAI's stream)
+        shown = {**item, "content": []} if "content" in item else item
+        added = {"output_index": index, "item": copy.deepcopy(shown)}
         events.append({"type": "response.output_item.added", **added})
         if item["type"] != "function_call":
             part = copy.deepcopy(item["content"][0])
@@ -522,41 +575,80 @@ class OutputBuilder:
             )
         return events
 
-    def _append(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self._open(_new_item(kind))
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._open(_new_item("reasoning"))
         assert self.open is not None
+        self.open["content"][0]["text"] += text
+        at = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
+        return [*events, {"type": "response.reasoning_text.delta", **at, "delta": text}]
+
+    def _text(self, segment: _Segment, text: str) -> list[dict[str, Any]]:
+        new = text[segment.sent :]
+        if not new:
+            return []
+        events = []
+        if segment.item is None:
+            events += self._open(_new_item("message"))
+            segment.item = self.open
+        if segment.item is not self.open:  # a piece before a later one: it grows no more
+            return events
+        segment.sent = len(text)
+        return events + self._text_delta(new)
+
+    def _text_delta(
+        self, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        assert self.open is not None and self.open["type"] == "message"
         part = self.open["content"][0]
         part["text"] += text
+        logprobs = self._placed() if logprobs is None else logprobs
+        part["logprobs"] += logprobs
         at = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        if kind == "reasoning":
-            events.append({"type": "response.reasoning_text.delta", **at, "delta": text})
-        else:
-            logprobs, self.pending = self.pending, []
-            part["logprobs"] += logprobs
-            events.append(
-                {"type": "response.output_text.delta", **at, "delta": text, "logprobs": logprobs}
-            )
-        return events
+        return [{"type": "response.output_text.delta", **at, "delta": text, "logprobs": logprobs}]
 
-    def _call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """A chat stream's tool call delta: a new call (with its id), or more arguments."""
+    def _call(self, segment: _Segment, call: tool_calls.ParsedCall) -> list[dict[str, Any]]:
         events = []
-        function = delta.get("function", {})
-        if "id" in delta:
-            item = {"type": "function_call", "id": new_id("fc"), "call_id": delta["id"]}
-            item |= {"name": function["name"], "arguments": "", "status": "in_progress"}
-            events += self._open(item)
-        assert self.open is not None and self.open["type"] == "function_call"
-        more = function.get("arguments") or ""
-        if more:
-            self.open["arguments"] += more
-            events.append(
-                {"type": "response.function_call_arguments.delta", "item_id": self.open["id"]}
-                | {"output_index": len(self.items) - 1, "delta": more}
+        if segment.item is None:
+            item = {
+                "type": "function_call",
+                "id": new_id("fc"),
+                "call_id": tool_calls.new_call_id(),
+            }
+            events += self._open(
+                item | {"name": call.name, "arguments": "", "status": "in_progress"}
             )
-        return events
+            segment.item = self.open
+            self._placed()  # the call's own tokens: no message's logprobs
+        more = call.arguments[segment.sent :]
+        if not more or segment.item is not self.open:
+            return events
+        segment.sent = len(call.arguments)
+        segment.item["arguments"] += more
+        return events + [
+            {"type": "response.function_call_arguments.delta", "item_id": segment.item["id"]}
+            | {"output_index": len(self.items) - 1, "delta": more}
+        ]
+
+    def _take_logprobs(self, meta: dict[str, Any]) -> None:
+        if self.logprobs is None:
+            return
+        entries = self.logprobs(meta, self.taken_logprobs)
+        self.taken_logprobs += len(entries)
+        starts = self.offsets.take([bytes(e["bytes"]) for e in entries])
+        self.pending += zip(starts, entries)
+
+    def _placed(self) -> list[dict[str, Any]]:
+        """The pending logprobs of tokens in the text after the reasoning (those of the
+        reasoning are dropped), taken; none while it is not known where the reasoning
+        ends."""
+        start = 0 if self.thought is None else self.thought.content_start
+        if start is None:
+            return []
+        placed = [entry for at, entry in self.pending if at >= start]
+        self.pending = []
+        return placed
 
 
 def _new_item(kind: str) -> dict[str, Any]:
@@ -682,21 +774,42 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses in memory, the least recently used dropped past `capacity`. A
+    """Stored responses in memory, the least recently used dropped past `capacity` or past
+    `max_bytes` of their JSON, but never one still running in the background nor the
+    newest. A
     conversation is a chain: each response keeps only its own input and the id of the one
     it continues."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = MAX_STORED_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.sizes: dict[str, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
 
     def put(self, stored: Stored) -> None:
         if self.capacity == 0:
             return
-        self.entries[stored.response["id"]] = stored
-        self.entries.move_to_end(stored.response["id"])
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
+        response_id = stored.response["id"]
+        self.entries[response_id] = stored
+        self.entries.move_to_end(response_id)
+        self.sizes[response_id] = len(json.dumps([stored.inputs, stored.response]))
+        total = self.bytes
+        for oldest in list(self.entries)[:-1]:  # the newest stays, whatever its size
+            if len(self.entries) <= self.capacity and total <= self.max_bytes:
+                break
+            if self.entries[oldest].task is None:  # not running in the background
+                total -= self.sizes.pop(oldest)
+                del self.entries[oldest]
+
+    def refresh(self, stored: Stored) -> None:
+        """Measure a response again once it has changed (a background one has finished),
+        unless it has been deleted meanwhile."""
+        if stored.response["id"] in self.entries:
+            self.put(stored)
 
     def get(self, response_id: str, param: str = "response_id") -> Stored:
         stored = self.entries.get(response_id)
@@ -712,6 +825,7 @@ class ResponseStore:
         if stored.task is not None:
             stored.task.cancel()
         del self.entries[response_id]
+        del self.sizes[response_id]
 
     def context(self, response_id: str) -> list[dict[str, Any]]:
         """The items a response continuing `response_id` starts from: every earlier turn's

@@ -59,7 +59,14 @@ def _store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     body.check()
     store = _store(request)
-    run = await off_the_loop_if_large(request, lambda: _prepare(body, store, state))
+    if body.background and store.capacity == 0:
+        raise bad_request(
+            "background responses are stored, and this server stores none "
+            "(--responses-store-size 0)",
+            "background",
+        )
+    earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+    run = await off_the_loop_if_large(request, lambda: _prepare(body, earlier, state))
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
     rid = run.response["id"]
@@ -74,6 +81,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         run.stored.task = task
         request.app.state.background.add(task)
         task.add_done_callback(request.app.state.background.discard)
+        task.add_done_callback(lambda done: _background_done(run, call, store, done))
         return JSONResponse(run.stored.response)
     if body.streams:
         events = _events(run, call, store if body.stores else None)
@@ -90,18 +98,18 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     return JSONResponse(run.stored.response)
 
 
-def _prepare(body: ResponsesRequest, store: ResponseStore, state: ServerState) -> _Run:
-    """The chat request a Responses request asks for, ready to submit; 400s name the
-    Responses fields."""
-    earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: ServerState) -> _Run:
+    """The chat request a Responses request asks for, after the `earlier` turns' items, ready
+    to submit; 400s name the Responses fields."""
     items = rapi.input_items(body.input)
+    rapi.check_unique_ids(earlier + items)
     tools = rapi.chat_tools(body.tools)
     choice, callable_tools = rapi.chat_tool_choice(body.tool_choice, tools)
     messages = rapi.chat_messages(earlier + items)
     response_id = rapi.new_id("resp")
     chat_body, plan, chat = _chat(body, messages, callable_tools, choice, response_id, state)
     thinking = chat_reasoning(chat_body, chat, state)
-    builder = OutputBuilder(thinking, plan, None, body.max_tool_calls)
+    builder = OutputBuilder(thinking, plan)
     model = body.model or state.model_name
     response = rapi.response_object(response_id, body, model, tools, body.tool_choice)
     stored = Stored(response, items, body.previous_response_id)
@@ -198,6 +206,8 @@ async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIt
     except APIError as e:
         if not opened:
             raise renamed(e, RESPONSES_FIELDS) from None
+        for news_event in run.builder.close(incomplete=True):
+            yield event(news_event.pop("type"), **news_event)
         error = {"code": "server_error", "message": e.message}
         run.stored.response = run.response | {"status": "failed", "error": error}
         run.stored.response["output"] = run.builder.items
@@ -215,23 +225,34 @@ _TERMINAL = {
 
 
 async def _in_background(run: _Run, call: Call) -> None:
-    """A background response: in progress once it runs, then finished, failed or cancelled
-    (POST .../cancel, DELETE), as GET /v1/responses/{id} reports it."""
+    """A background response: in progress once it runs, then finished or failed, as GET
+    /v1/responses/{id} reports it (`_background_done` settles the rest)."""
     stored = run.stored
+    stored.response = run.response | {"status": "in_progress"}
     try:
-        stored.response = run.response | {"status": "in_progress"}
         (result,) = await call.results()
-        run.builder.feed(result["text"], result["meta_info"], final=True)
-        run.builder.close(incomplete=_cut_short(result["meta_info"]))
-        stored.response = run.finish(result)
     except APIError as e:
         error = {"code": "server_error", "message": renamed(e, RESPONSES_FIELDS).message}
         stored.response = run.response | {"status": "failed", "error": error}
-    except asyncio.CancelledError:
-        stored.response = run.response | {"status": "cancelled"}
-    finally:
-        call.close()
-        stored.task = None
+        return
+    run.builder.feed(result["text"], result["meta_info"], final=True)
+    run.builder.close(incomplete=_cut_short(result["meta_info"]))
+    stored.response = run.finish(result)
+
+
+def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.Task) -> None:
+    """Whatever ended a background response (its end, a cancel or DELETE, even before it
+    started, or a bug): its call closed, so nothing it ran holds KV, and its status final."""
+    call.close()
+    stored = run.stored
+    stored.task = None
+    if stored.response["status"] in ("queued", "in_progress"):
+        if task.cancelled():
+            stored.response = run.response | {"status": "cancelled"}
+        else:
+            error = {"code": "server_error", "message": f"internal error: {task.exception()!r}"}
+            stored.response = run.response | {"status": "failed", "error": error}
+    store.refresh(stored)
 
 
 # -- stored responses -----------------------------------------------------------------------

@@ -372,6 +372,20 @@ class ParsedCall:
 class Parsed:
     content: str  # the text outside calls
     calls: list[ParsedCall] = field(default_factory=list)
+    # where each call sits in the content: the number of its characters before the call
+    # (given by parsers whose calls may have text on both sides; else all after it)
+    at: list[int] = field(default_factory=list)
+
+    def segments(self) -> list[str | ParsedCall]:
+        """The output in order: pieces of text outside calls (some empty) and the calls,
+        text first and between calls and last."""
+        out: list[str | ParsedCall] = []
+        start = 0
+        for i, call in enumerate(self.calls):
+            end = min(self.at[i], len(self.content)) if i < len(self.at) else len(self.content)
+            out += [self.content[start:end], call]
+            start = max(start, end)
+        return [*out, self.content[start:]]
 
 
 class ToolParser(Protocol):
@@ -474,6 +488,7 @@ class HermesParser:
     def parse(self, text: str, final: bool) -> Parsed:
         pieces: list[str] = []
         calls: list[ParsedCall] = []
+        at: list[int] = []
         pos = 0
         while True:
             start = text.find(self.OPEN, pos)
@@ -492,10 +507,11 @@ class HermesParser:
                 pieces.append(text[start:block_end])
             elif self.parallel or not calls:
                 calls.append(call)
+                at.append(sum(map(len, pieces)))
             pos = block_end
             if end < 0:
                 break
-        return Parsed(_content(pieces, calls, final), calls)
+        return Parsed(_content(pieces, calls, final), calls, at)
 
     def _call(self, body: str) -> ParsedCall | None:
         return _call_of(_loads(body), self.names)
