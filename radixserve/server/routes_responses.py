@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from radixserve.server.state import ServerState, State
 from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
 
+logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 
 
@@ -250,6 +252,7 @@ def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.
         if task.cancelled():
             stored.response = run.response | {"status": "cancelled"}
         else:
+            logger.error("a background response failed", exc_info=task.exception())
             error = {"code": "server_error", "message": f"internal error: {task.exception()!r}"}
             stored.response = run.response | {"status": "failed", "error": error}
     store.refresh(stored)
