@@ -5,8 +5,9 @@ result → answer) runs; on a tiny model whose template renders tools Hermes-sty
 prompt is what transformers' apply_chat_template(tools=...) renders and the `auto` parser
 reads the model's <tool_call> blocks (the output forced by a regex, since a random-weight
 model writes none on its own); with --reasoning-parser qwen3 the same server splits a forced
-<think> block out into reasoning_content, before any tool call is read from the rest.
-Streams reassemble to the non-streamed messages."""
+<think> block out into reasoning_content, before any tool call is read from the rest (and
+/v1/responses into a reasoning item, a message and a function_call item). Streams
+reassemble to the non-streamed messages."""
 
 from __future__ import annotations
 
@@ -437,6 +438,40 @@ def test_reasoning_is_split_out_of_the_content(hermes):
     short = client.chat.completions.create(**{**kwargs, "max_tokens": 8}).choices[0]
     assert short.finish_reason == "length" and short.message.content == ""
     assert reasoning.startswith(short.message.model_extra["reasoning_content"])
+    assert_kv_clean(hermes[0])
+
+
+def _items(output: list) -> list[dict]:
+    """Output items less their ids (and the stream helper's empty `parsed` fields)."""
+    return [i.model_dump(exclude={"id", "call_id"}, exclude_none=True) for i in output]
+
+
+def test_the_responses_api_makes_reasoning_message_and_call_items(hermes):
+    """/v1/responses on the same parsers: the forced output is a reasoning item, the text
+    before the call a message, the call a function_call item; streamed, the same items."""
+    client = hermes_client(hermes)
+    weather = {"type": "function", **TOOLS[0]["function"]}
+    forced = THOUGHT.removesuffix(r"It is sunny\.") + FORCED
+    kwargs = dict(
+        model="m",
+        input="Weather in Rome?",
+        tools=[weather],
+        max_output_tokens=120,
+        temperature=0,
+        extra_body={"regex": forced, "require_reasoning": False},
+    )
+    r = client.responses.create(**kwargs)
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = r.output
+    assert reasoning.content[0].text in ("The user asks about Rome.", "The user asks about Oslo.")
+    assert message.content[0].text == "Checking." and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Rome", "Oslo")
+    assert r.status == "completed" and r.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+        streamed = stream.get_final_response()
+    assert "".join(deltas) == reasoning.content[0].text
+    assert _items(streamed.output) == _items(r.output)
     assert_kv_clean(hermes[0])
 
 

@@ -76,6 +76,7 @@ RESPONSES_FIELDS = Fields(
         "top_logprobs_num": "top_logprobs",
         "json_schema": "text.format",
         "structural_tag": "text.format",
+        "response_format": "text.format",
     },
 )
 

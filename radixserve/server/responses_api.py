@@ -143,6 +143,10 @@ class ResponsesRequest(StrictBody):
     logit_bias: dict[str, float] | None = None
     priority: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang's constraints besides text.format
+    ebnf: str | None = None
+    # with --reasoning-parser, a constraint applies after the reasoning (None: so by default)
+    require_reasoning: bool | None = None
 
     @property
     def stores(self) -> bool:
@@ -215,6 +219,7 @@ class ResponsesRequest(StrictBody):
 _EXTRAS = (
     *("top_k", "min_p", "min_tokens", "repetition_penalty", "frequency_penalty"),
     *("presence_penalty", "seed", "stop", "ignore_eos", "logit_bias", "priority"),
+    *("regex", "ebnf", "require_reasoning"),
 )
 
 
