@@ -30,6 +30,7 @@ GENERATION_ROUTES = (
     "/generate",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/encode",
     "/v1/embeddings",
 )
@@ -370,6 +371,76 @@ chat_bodies = bodies(
     },
 )
 
+FLAT_TOOL = {"type": "function", **TOOL["function"]}
+call_ids = st.sampled_from(["c1", "c2"])
+response_item = st.one_of(
+    message,
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": call_ids, "name": st.just("f")},
+        optional={"arguments": st.sampled_from(["{}", '{"x": 1}', "not json"])},
+    ).map(lambda item: {"arguments": "{}", **item}),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": call_ids, "output": texts}
+    ),
+    st.just({"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}),
+)
+bad_response_item = st.one_of(
+    bad_message,
+    st.just({"type": "item_reference", "id": "msg_1"}),
+    st.just({"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}),
+    st.just({"role": "user", "content": [{"type": "input_text"}]}),
+    st.just({"type": "function_call_output", "call_id": "c", "output": [{"type": {}}]}),
+    st.just({"type": "function_call", "call_id": "c", "name": "f"}),
+    st.just({"type": "reasoning", "id": "x"}),
+    hostile,
+)
+responses_bodies = bodies(
+    {
+        "input": st.one_of(texts, st.lists(response_item, min_size=1, max_size=3)),
+        "max_output_tokens": st.integers(1, 3),
+    },
+    {
+        "model": st.text(max_size=8),
+        "instructions": texts,
+        "temperature": st.sampled_from([0.0, 0.5, 2.0]),
+        "top_p": st.sampled_from([0.5, 1.0]),
+        "tools": st.just([FLAT_TOOL]),
+        "tool_choice": st.sampled_from(
+            ["auto", "none", "required", {"type": "function", "name": "f"}]
+        ),
+        "parallel_tool_calls": st.booleans(),
+        "store": st.booleans(),
+        "stream": st.booleans(),
+        "include": st.just(["message.output_text.logprobs"]),
+        "top_logprobs": st.integers(0, 3),
+        "text": st.just({"format": {"type": "json_object"}}),
+        "truncation": st.sampled_from(["auto", "disabled"]),
+        "metadata": st.just({"k": "v"}),
+        "reasoning": st.just({"effort": "none"}),
+    },
+    {
+        "input": st.one_of(bad_texts, st.lists(bad_response_item, min_size=1, max_size=3)),
+        "max_output_tokens": bad_few_tokens,
+        "tools": st.sampled_from(
+            [[{"type": "web_search"}], [{"type": "function"}], [FLAT_TOOL, FLAT_TOOL], BAD_TOOLS[0]]
+        ),
+        "tool_choice": st.sampled_from(
+            [
+                "always",
+                {"type": "function"},
+                {"type": "allowed_tools", "tools": []},
+                {"type": "mcp"},
+            ]
+        ),
+        "text": st.sampled_from([{"format": {"type": "json_schema"}}, {"format": {"type": "xml"}}]),
+        "include": st.just(["everything"]),
+        "metadata": st.sampled_from([{"k": 1}, {str(i): "v" for i in range(17)}]),
+        "previous_response_id": st.text(max_size=8),
+        "background": st.sampled_from([True, "yes"]),
+        "top_logprobs": st.sampled_from([-1, 21]),
+    },
+)
+
 tokenize_bodies = bodies(
     {"prompt": st.one_of(texts, st.lists(texts, max_size=3))},
     {"add_special_tokens": st.booleans()},
@@ -399,6 +470,7 @@ POST_ROUTES = [
     "/v1/embeddings",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/abort_request",
@@ -429,6 +501,12 @@ def test_fuzz_completions(server, body):
 @given(body=chat_bodies)
 def test_fuzz_chat_completions(server, body):
     send(server, "POST", "/v1/chat/completions", body)
+
+
+@fuzz_settings(40)
+@given(body=responses_bodies)
+def test_fuzz_responses(server, body):
+    send(server, "POST", "/v1/responses", body)
 
 
 @fuzz_settings(40)
