@@ -356,7 +356,8 @@ class Engine:
         info = self.scheduler.info
         field = "input_ids" if input_ids is not None else "text"
         check_fits(plan, info.vocab_size, info.max_seq_len, field)
-        return plan.response(self._run_all(plan.requests(rid)))
+        results = self._run_all(plan.requests(rid))
+        return plan.response(results, lambda token: self.tokenizer.decode([token]))
 
     def encode(
         self,

@@ -20,7 +20,7 @@ also runs alone (its first token then has no logprob).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,15 +73,18 @@ class ScoringPlan:
             reqs += [_prefill(s.tokens, 0, f"{base}_u{i}") for i, s in enumerate(self.spans)]
         return reqs
 
-    def response(self, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """The call's answer from the native results of `requests()`, in their order."""
+    def response(
+        self, results: Sequence[dict[str, Any]], token_text: Callable[[int], str]
+    ) -> dict[str, Any]:
+        """The call's answer from the native results of `requests()`, in their order;
+        `token_text`: a token's text (as /generate's return_text_in_logprobs gives it)."""
         count = len(self.spans)
         assert len(results) == count * (2 if self.unconditional else 1), len(results)
         alone = results[count:] if self.unconditional else [None] * count
         return {
             "prompt_tokens": self.prompt_tokens,
             "continuations": [
-                self._entry(span, result, other)
+                self._entry(span, result, other) | {"tokens": [token_text(t) for t in span.tokens]}
                 for span, result, other in zip(self.spans, results[:count], alone)
             ],
         }

@@ -222,6 +222,10 @@ def test_select_with_each_method(backend, method):
         assert state["city"] == [" Paris", " London", " a banana"][scores.index(max(scores))]
     assert state["city"] == " Paris"
     assert state.text() == "The capital of France is Paris"
+    # each choice's tokens as SGLang's meta gives them: [logprob, id, text], texts ending in
+    # the choice (a healed token may hold the prefix's last characters too)
+    for choice, triples in zip([" Paris", " London", " a banana"], meta["input_token_logprobs"]):
+        assert "".join(text for _, _, text in triples).endswith(choice), triples
     short = short_prefix_select.run(method=method, backend=backend)
     assert short["word"] in (" am", " zebra")
 

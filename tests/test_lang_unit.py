@@ -59,21 +59,22 @@ def test_a_choice_with_no_scored_token_never_wins():
 def test_choice_span_without_healing():
     # triples from two tokens before the prefix's end: "is", " the", then the choice
     triples = [[-1.0, 1, " is"], [-2.0, 2, " the"], [-0.5, 3, " cap"], [-0.1, 4, "ital"]]
-    ids, logprobs, healed = _choice_span(triples, " capital", prefix_tokens=2)
-    assert ids == [3, 4] and logprobs == [-0.5, -0.1] and healed == 0
+    span = _choice_span(triples, " capital", prefix_tokens=2)
+    assert span.token_ids == [3, 4] and span.logprobs == [-0.5, -0.1] and span.healed_tokens == 0
+    assert span.token_texts == [" cap", "ital"]
 
 
 def test_choice_span_with_a_merged_token():
     # the prefix ends in "(" and the choice "A)" tokenizes as "(A" + ")": "(A" is healed
     triples = [[-1.0, 1, " is"], [-2.0, 2, " (A"], [-0.3, 3, ")"]]
-    ids, logprobs, healed = _choice_span(triples, "A)", prefix_tokens=2)
-    assert ids == [2, 3] and logprobs == [-2.0, -0.3] and healed == 1
+    span = _choice_span(triples, "A)", prefix_tokens=2)
+    assert span.token_ids == [2, 3] and span.logprobs == [-2.0, -0.3] and span.healed_tokens == 1
 
 
 def test_choice_span_falls_back_to_the_prefix_end_when_texts_do_not_add_up():
     triples = [[None, 1, None], [-2.0, 2, None], [-0.3, 3, None]]
-    ids, _, healed = _choice_span(triples, "xyz", prefix_tokens=1)
-    assert ids == [2, 3] and healed == 0
+    span = _choice_span(triples, "xyz", prefix_tokens=1)
+    assert span.token_ids == [2, 3] and span.healed_tokens == 0 and span.token_texts is None
 
 
 def test_gen_overrides_the_programs_defaults_and_adds_template_stops():

@@ -116,6 +116,7 @@ def test_logprobs_equal_those_of_generate(server):
         start = common_prefix_len(prefix, ids)
         assert entry["token_ids"] == ids[start:]
         assert entry["healed_tokens"] == len(prefix) - start
+        assert "".join(entry["tokens"]).endswith(c) and len(entry["tokens"]) == len(ids) - start
         assert entry["unconditional_logprobs"] is None
         assert all(isinstance(lp, float) and lp <= 0 for lp in entry["logprobs"]), entry
         assert_close(entry["logprobs"], generate_logprobs(server, ids, start))

@@ -29,6 +29,7 @@ class ChoiceScores:
     logprobs: list[float | None]
     unconditional_logprobs: list[float | None] | None = None
     healed_tokens: int = 0  # prompt tokens re-scored as part of the choice
+    token_texts: list[str] | None = None  # each token's text, where the backend gives it
 
     def normalized(self) -> float:
         """Mean logprob over the scored tokens (-inf for a choice with none scored)."""
@@ -41,8 +42,10 @@ def _argmax(values: list[float]) -> int:
 
 
 def _triples(scores: ChoiceScores) -> list[list[Any]]:
-    """SGLang's meta_info shape: [logprob, token id, None] per token."""
-    return [[lp, tid, None] for lp, tid in zip(scores.logprobs, scores.token_ids)]
+    """SGLang's meta_info shape: [logprob, token id, token text] per token (the text None
+    where the backend gives none)."""
+    texts = scores.token_texts or [None] * len(scores.token_ids)
+    return [list(entry) for entry in zip(scores.logprobs, scores.token_ids, texts)]
 
 
 class ChoicesSamplingMethod(ABC):

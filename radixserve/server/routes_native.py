@@ -429,7 +429,8 @@ async def score_continuations(
     except ValueError as e:
         raise call_error(e, native_fields(prompt_field)) from None
     call = state.manager.submit(reqs)
-    return plan.response(await until_disconnect(request, call, call.results()))
+    results = await until_disconnect(request, call, call.results())
+    return plan.response(results, lambda token: state.manager.tokenizer.decode([token]))
 
 
 async def _native_chunks(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:

@@ -64,7 +64,11 @@ class EngineBackend(Backend):
         out = self.engine.score_continuations(prefix, choices, unconditional=unconditional)
         return [
             ChoiceScores(
-                c["token_ids"], c["logprobs"], c["unconditional_logprobs"], c["healed_tokens"]
+                c["token_ids"],
+                c["logprobs"],
+                c["unconditional_logprobs"],
+                c["healed_tokens"],
+                c["tokens"],
             )
             for c in out["continuations"]
         ]

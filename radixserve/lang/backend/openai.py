@@ -206,6 +206,7 @@ class OpenAI(Backend):
                 echoes[i].logprobs[first:],
                 None if uncond is None else uncond[i],
                 healed,
+                echoes[i].tokens[first:],
             )
             for i, (first, healed) in enumerate(spans)
         ]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx2
@@ -156,11 +157,10 @@ class RuntimeEndpoint(Backend):
             _choice_span(o["meta_info"]["input_token_logprobs"], c, prompt_len - start)
             for o, c in zip(outs, choices)
         ]
-        uncond = self._unconditional([ids for ids, _, _ in spans]) if unconditional else None
-        return [
-            ChoiceScores(ids, lps, None if uncond is None else uncond[i], healed)
-            for i, (ids, lps, healed) in enumerate(spans)
-        ]
+        if not unconditional:
+            return spans
+        uncond = self._unconditional([span.token_ids for span in spans])
+        return [replace(span, unconditional_logprobs=u) for span, u in zip(spans, uncond)]
 
     def _unconditional(self, spans: list[list[int]]) -> list[list[float | None]]:
         body = {
@@ -184,9 +184,7 @@ class RuntimeEndpoint(Backend):
         return _json(self._client.post(self.base_url + route, json=body))
 
 
-def _choice_span(
-    triples: list[list[Any]], choice: str, prefix_tokens: int
-) -> tuple[list[int], list[float | None], int]:
+def _choice_span(triples: list[list[Any]], choice: str, prefix_tokens: int) -> ChoiceScores:
     """The choice's own tokens among the prompt-logprob triples [logprob, id, text] that
     start `prefix_tokens` tokens before the prefix's end. Going by the tokens' texts, the
     span starts at the first token that reaches past the prefix (healed tokens: those of
@@ -204,12 +202,20 @@ def _choice_span(
     else:
         first, healed = min(prefix_tokens, len(triples) - 1), 0
     span = triples[first:]
-    return [t[1] for t in span], [t[0] for t in span], healed
+    texts = [t[2] for t in span]
+    known = all(isinstance(t, str) for t in texts)
+    return ChoiceScores(
+        [t[1] for t in span], [t[0] for t in span], None, healed, texts if known else None
+    )
 
 
 def _scores(c: dict[str, Any]) -> ChoiceScores:
     return ChoiceScores(
-        c["token_ids"], c["logprobs"], c.get("unconditional_logprobs"), c.get("healed_tokens", 0)
+        c["token_ids"],
+        c["logprobs"],
+        c.get("unconditional_logprobs"),
+        c.get("healed_tokens", 0),
+        c.get("tokens"),  # a server of another engine may not give them
     )
 
 
