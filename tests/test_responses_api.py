@@ -90,6 +90,15 @@ def test_an_output_item_sent_back_as_input_is_read():
         ),
         ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
         (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_file"}],
+                }
+            ],
+            "input[0].content[1]",
+        ),
+        (
             [{"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}],
             "input[0].content[0]",
         ),
@@ -182,10 +191,31 @@ TEXTS = [
     "\n\ndone.",
 ]
 META = {"output_token_logprobs": []}
+NAMED = ToolPlan("named", CALLS.tools, "get_weather")
+NO_TOOLS = ToolPlan("none")
+LLAMA3 = ToolPlan("auto", CALLS.tools, family="llama3")
+# (the plans an output is read with, texts of that kind)
+PLANS = {
+    "hermes": ((THINKING, CALLS), TEXTS),
+    "named": (
+        (THINKING, NAMED),
+        ['<think>\nplan it\n</think>\n\n{"city": "Paris"}', '<think>x</think>{"city": "Rome"}'],
+    ),
+    "llama3": (
+        (None, LLAMA3),
+        [
+            '<|python_tag|> {"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            '{"name": "get_weather", "parameters": {}}; {"name": "get_weather", "parameters": {}}',
+            "Plain text, no call.",
+        ],
+    ),
+}
 
 
-def _build(pieces: list[str], incomplete: bool = False) -> tuple[list[dict], list[dict]]:
-    builder = rapi.OutputBuilder(THINKING, CALLS, None)
+def _build(
+    pieces: list[str], incomplete: bool = False, plans: tuple = (THINKING, CALLS)
+) -> tuple[list[dict], list[dict]]:
+    builder = rapi.OutputBuilder(*plans, None)
     events = []
     for i, piece in enumerate(pieces):
         events += builder.feed(piece, META, final=i == len(pieces) - 1)
@@ -215,14 +245,16 @@ def _without_ids(items: list[dict]) -> list[dict]:
     return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
 
 
-@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize(
+    "plans, text", [(plans, text) for plans, texts in PLANS.values() for text in texts]
+)
 @given(cuts=st.lists(st.integers(0, 200), max_size=12))
 @settings(max_examples=40, deadline=None)
-def test_any_stream_builds_the_items_of_the_whole_text(text, cuts):
+def test_any_stream_builds_the_items_of_the_whole_text(plans, text, cuts):
     points = sorted({c % (len(text) + 1) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
-    whole, whole_events = _build([text])
-    streamed, events = _build(pieces)
+    whole, whole_events = _build([text], plans=plans)
+    streamed, events = _build(pieces, plans=plans)
     assert _without_ids(streamed) == _without_ids(whole)
     _check_order(events, streamed)
     _check_order(whole_events, whole)
@@ -272,17 +304,21 @@ def test_text_between_calls_is_a_message_of_its_own_in_text_order():
 
 
 TOKENS = ["<think>", "hm", "</think>", "\n\n", "Hi", " there", "!"]
+CALL_TOKENS = [
+    *("<think>", "hm", "</think>", "\n\n", "Let", " me", " check", ".", "<tool_call>"),
+    *('\n{"name": "get_weather", ', '"arguments": {}}', "\n</tool_call>", "\n", "Done", "."),
+]
 
 
-def _with_logprobs(pieces: list[list[str]]) -> tuple[list[dict], list[dict]]:
+def _with_logprobs(
+    pieces: list[list[str]], tokens: list[str] = TOKENS, tools: ToolPlan = NO_TOOLS
+) -> tuple[list[dict], list[dict]]:
     """Build from the tokens, fed in the given groups, with a logprob entry for each."""
     entries = [
         {"token": t, "logprob": -float(i), "bytes": list(t.encode()), "top_logprobs": []}
-        for i, t in enumerate(TOKENS)
+        for i, t in enumerate(tokens)
     ]
-    builder = rapi.OutputBuilder(
-        THINKING, ToolPlan("none"), lambda meta, start: entries[start : meta["n"]]
-    )
+    builder = rapi.OutputBuilder(THINKING, tools, lambda meta, start: entries[start : meta["n"]])
     events, n = [], 0
     for k, group in enumerate(pieces):
         n += len(group)
@@ -306,6 +342,33 @@ def test_logprobs_are_the_message_tokens_whole_or_streamed(groups):
     assert streamed == logprobs  # the deltas carry them all, once
     (done,) = [e for e in events if e["type"] == "response.output_text.done"]
     assert done["logprobs"] == logprobs
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        [CALL_TOKENS],
+        [[t] for t in CALL_TOKENS],
+        [CALL_TOKENS[:5], CALL_TOKENS[5:10], CALL_TOKENS[10:]],
+    ],
+)
+def test_logprobs_around_calls_are_each_message_own_tokens(groups):
+    items, events = _with_logprobs(groups, CALL_TOKENS, CALLS)
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call", "message"]
+    tokens = [
+        [e["token"] for e in i["content"][0]["logprobs"]] for i in items if i["type"] == "message"
+    ]
+    assert tokens == [["Let", " me", " check", "."], ["Done", "."]]
+    for index, item in enumerate(items):
+        if item["type"] != "message":
+            continue
+        streamed = [
+            lp
+            for e in events
+            if e["type"] == "response.output_text.delta" and e["output_index"] == index
+            for lp in e["logprobs"]
+        ]
+        assert streamed == item["content"][0]["logprobs"]
 
 
 def test_items_are_added_without_their_parts():

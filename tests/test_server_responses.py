@@ -299,16 +299,26 @@ def test_store_false_keeps_nothing(client):
 def test_truncation_auto_drops_the_oldest_turns(client):
     long = "word " * 1200  # a turn of ~1200 tokens: two of them do not fit in the context
     conversation = [
+        {"role": "developer", "content": "Answer in one word."},  # stays, whatever is dropped
         {"role": "user", "content": long},
         {"role": "assistant", "content": "Noted."},
-        {"role": "user", "content": long + "Now, what is 2 + 2?"},
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": "Noted again."},
+        {"role": "user", "content": "Now, what is 2 + 2?"},
     ]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(input=conversation, **GREEDY)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
     r = client.responses.create(input=conversation, truncation="auto", **GREEDY)
     assert r.status in ("completed", "incomplete") and r.truncation == "auto"
-    assert r.output_text == chat_text(client, conversation[2:])
+    kept = [conversation[0], *conversation[3:]]  # the fewest turns dropped: one
+    assert r.output_text == chat_text(client, kept)
+    assert (
+        r.usage.input_tokens
+        == client.chat.completions.create(
+            model="m", messages=kept, max_tokens=1
+        ).usage.prompt_tokens
+    )
 
 
 @pytest.mark.parametrize(

@@ -304,7 +304,8 @@ def _item(raw: dict[str, Any], where: str) -> dict[str, Any]:
         raise _field_error(e, where) from None
     if kind == "message":
         part_type = "output_text" if item["role"] == "assistant" else "input_text"
-        item["content"] = [_part(p, part_type, f"{where}.content") for p in _parts(item["content"])]
+        parts = enumerate(_parts(item["content"]))
+        item["content"] = [_part(p, part_type, f"{where}.content", j) for j, p in parts]
         item.setdefault("status", "completed")
         item.setdefault("id", new_id("msg"))
     elif kind == "function_call_output":
@@ -330,19 +331,19 @@ def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "input_text", "text": content}] if isinstance(content, str) else content
 
 
-def _part(part: dict[str, Any], part_type: str, where: str) -> dict[str, Any]:
-    text = _text([part], where)
+def _part(part: dict[str, Any], part_type: str, where: str, index: int) -> dict[str, Any]:
+    text = _text([part], where, index)
     out: dict[str, Any] = {"type": part_type, "text": text}
     return out | {"annotations": []} if part_type == "output_text" else out
 
 
-def _text(content: str | list[dict[str, Any]], where: str) -> str:
+def _text(content: str | list[dict[str, Any]], where: str, first: int = 0) -> str:
     """The text of a content (a string, or text parts joined by newlines, as the chat route
     joins them); other parts (images, files, audio) are a 400."""
     if isinstance(content, str):
         return content
     texts = []
-    for j, part in enumerate(content):
+    for j, part in enumerate(content, first):
         kind = part.get("type")
         key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
@@ -480,6 +481,7 @@ class _Segment:
 
     item: dict[str, Any] | None = None  # None: nothing of it sent yet
     sent: int = 0  # how much of its text (or arguments) is sent
+    span: tuple[int, int] = (0, 0)  # a text's place in the content, as trimmed
 
 
 @dataclass
@@ -488,7 +490,12 @@ class OutputBuilder:
     then in the order the text has them, messages (text outside calls) and function
     calls. `feed` returns the stream events for what is new (without sequence numbers);
     `close` those that finish the last item. Fed whole or in any pieces, the items are the
-    same: each piece of the parsed output only grows until the next one begins."""
+    same: each piece of the parsed output only grows until the next one begins.
+
+    Logprobs (when given) are the tokens' of each message's text: a token belongs to the
+    message whose text it overlaps, placed by where it starts in the output's text. Without
+    tool calls a stream sends them with the text; with them, once the message has ended
+    (in a last delta of its own), when it is known which tokens were its text."""
 
     thinking: ReasoningPlan | None
     tools: tool_calls.ToolPlan
@@ -497,8 +504,9 @@ class OutputBuilder:
     open: dict[str, Any] | None = None  # the item being written
     content: str = ""  # the text after the reasoning, so far
     segments: list[_Segment] = field(default_factory=list)
-    # logprobs: (where the token starts in the output's text, its entry) until placed
-    pending: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    parsed: tool_calls.Parsed | None = None  # the content as last parsed
+    # logprobs not placed yet: (where the token starts and ends in the output's text, entry)
+    pending: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
     offsets: oai.TextOffsets = field(default_factory=oai.TextOffsets)
     taken_logprobs: int = 0
     thought: ReasoningStream | None = field(init=False)
@@ -507,6 +515,11 @@ class OutputBuilder:
     def __post_init__(self) -> None:
         self.thought = self.thinking.stream() if self.thinking is not None else None
         self.parser = self.tools.parser() if self.tools.active else None
+
+    @property
+    def content_start(self) -> int | None:
+        """Where the content starts in the output's text (None: still in the reasoning)."""
+        return 0 if self.thought is None else self.thought.content_start
 
     def feed(self, text: str, meta: dict[str, Any], final: bool) -> list[dict[str, Any]]:
         self._take_logprobs(meta)
@@ -517,31 +530,40 @@ class OutputBuilder:
         if reasoning:
             events += self._reasoning(reasoning)
         self.content += content
-        pieces: list[str | tool_calls.ParsedCall] = [self.content]
-        if self.parser is not None:
-            pieces = self.parser.parse(self.content, final).segments()
+        if self.content_start is None and not final:
+            return events  # no call or message can start inside the reasoning
+        if self.parser is None:
+            return events + self._piece(0, self.content, (0, len(self.content)))
+        if not self.content and not final:
+            return events  # (a named function's parser would open its call at once)
+        self.parsed = self.parser.parse(self.content, final)
+        pieces = self.parsed.segments()
+        at = 0
         for j, piece in enumerate(pieces):
-            if j == len(self.segments):
-                self.segments.append(_Segment())
             if isinstance(piece, tool_calls.ParsedCall):
-                events += self._call(self.segments[j], piece)
-            else:
-                # text between calls is trimmed where it meets them
-                piece = piece.lstrip() if j > 0 else piece
-                events += self._text(
-                    self.segments[j], piece.rstrip() if j < len(pieces) - 1 else piece
-                )
+                events += self._piece(j, piece, None)
+                continue
+            # text between calls is trimmed where it meets them
+            trimmed = piece.lstrip() if j > 0 else piece
+            start = at + len(piece) - len(trimmed)
+            trimmed = trimmed.rstrip() if j < len(pieces) - 1 else trimmed
+            events += self._piece(j, trimmed, (start, start + len(trimmed)))
+            at += len(piece)
         return events
 
     def close(self, incomplete: bool) -> list[dict[str, Any]]:
-        """The events that finish the open item; `incomplete`: the output was cut short."""
+        """The events that finish the output's last item; `incomplete`: it was cut short."""
+        return self._close(incomplete, last=True)
+
+    def _close(self, incomplete: bool, last: bool) -> list[dict[str, Any]]:
         if self.open is None:
             return []
         item = self.open
         events = []
-        held = self._placed() if item["type"] == "message" else []
-        if held:  # logprobs of text the parser held back, or of nothing it shows
-            events += self._text_delta("", held)
+        if item["type"] == "message" and self.parser is not None:
+            owed = self._owed(self.segments.index(self._segment_of(item)), last)
+            if owed:  # its tokens, now that it is known which were its text
+                events += self._text_delta("", owed)
         self.open = None
         item["status"] = "incomplete" if incomplete else "completed"
         at = {"item_id": item["id"], "output_index": len(self.items) - 1}
@@ -564,7 +586,7 @@ class OutputBuilder:
         return events
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self.close(incomplete=False)
+        events = self._close(incomplete=False, last=False)
         self.items.append(item)
         self.open = item
         index = len(self.items) - 1
@@ -589,52 +611,54 @@ class OutputBuilder:
         at = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
         return [*events, {"type": "response.reasoning_text.delta", **at, "delta": text}]
 
-    def _text(self, segment: _Segment, text: str) -> list[dict[str, Any]]:
-        new = text[segment.sent :]
-        if not new:
-            return []
+    def _piece(
+        self, j: int, piece: str | tool_calls.ParsedCall, span: tuple[int, int] | None
+    ) -> list[dict[str, Any]]:
+        """The events of the parsed output's j-th piece: a text (its trimmed `span` in the
+        content) or a call."""
+        if j == len(self.segments):
+            self.segments.append(_Segment())
+        segment = self.segments[j]
+        if span is not None:
+            segment.span = span
+        grown = piece if isinstance(piece, str) else piece.arguments
+        new = grown[segment.sent :]
         events = []
-        if segment.item is None:
-            events += self._open(_new_item("message"))
+        if segment.item is None and (new or not isinstance(piece, str)):
+            if isinstance(piece, str):
+                events += self._open(_new_item("message"))
+            else:
+                item = {"type": "function_call", "id": new_id("fc")}
+                item |= {"call_id": tool_calls.new_call_id(), "name": piece.name}
+                events += self._open(item | {"arguments": "", "status": "in_progress"})
             segment.item = self.open
-        if segment.item is not self.open:  # a piece before a later one: it grows no more
+        if not new or segment.item is not self.open:  # a piece before a later one is done
             return events
-        segment.sent = len(text)
-        return events + self._text_delta(new)
+        segment.sent = len(grown)
+        if isinstance(piece, str):
+            return events + self._text_delta(new, None if self.parser is None else [])
+        segment.item["arguments"] += new
+        return events + [
+            {"type": "response.function_call_arguments.delta", "item_id": segment.item["id"]}
+            | {"output_index": len(self.items) - 1, "delta": new}
+        ]
+
+    def _segment_of(self, item: dict[str, Any]) -> _Segment:
+        return next(s for s in self.segments if s.item is item)
 
     def _text_delta(
         self, text: str, logprobs: list[dict[str, Any]] | None = None
     ) -> list[dict[str, Any]]:
+        """More of the open message's text; its logprobs: those given, else (without tool
+        calls) the tokens of the content so far."""
         assert self.open is not None and self.open["type"] == "message"
         part = self.open["content"][0]
         part["text"] += text
-        logprobs = self._placed() if logprobs is None else logprobs
+        if logprobs is None:
+            logprobs = self._owed(0, last=False)
         part["logprobs"] += logprobs
         at = {"item_id": self.open["id"], "output_index": len(self.items) - 1, "content_index": 0}
         return [{"type": "response.output_text.delta", **at, "delta": text, "logprobs": logprobs}]
-
-    def _call(self, segment: _Segment, call: tool_calls.ParsedCall) -> list[dict[str, Any]]:
-        events = []
-        if segment.item is None:
-            item = {
-                "type": "function_call",
-                "id": new_id("fc"),
-                "call_id": tool_calls.new_call_id(),
-            }
-            events += self._open(
-                item | {"name": call.name, "arguments": "", "status": "in_progress"}
-            )
-            segment.item = self.open
-            self._placed()  # the call's own tokens: no message's logprobs
-        more = call.arguments[segment.sent :]
-        if not more or segment.item is not self.open:
-            return events
-        segment.sent = len(call.arguments)
-        segment.item["arguments"] += more
-        return events + [
-            {"type": "response.function_call_arguments.delta", "item_id": segment.item["id"]}
-            | {"output_index": len(self.items) - 1, "delta": more}
-        ]
 
     def _take_logprobs(self, meta: dict[str, Any]) -> None:
         if self.logprobs is None:
@@ -642,18 +666,46 @@ class OutputBuilder:
         entries = self.logprobs(meta, self.taken_logprobs)
         self.taken_logprobs += len(entries)
         starts = self.offsets.take([bytes(e["bytes"]) for e in entries])
-        self.pending += zip(starts, entries)
+        ends = [*starts[1:], self.offsets.chars]
+        self.pending += zip(starts, ends, entries)
 
-    def _placed(self) -> list[dict[str, Any]]:
-        """The pending logprobs of tokens in the text after the reasoning (those of the
-        reasoning are dropped), taken; none while it is not known where the reasoning
-        ends."""
-        start = 0 if self.thought is None else self.thought.content_start
+    def _owed(self, j: int, last: bool) -> list[dict[str, Any]]:
+        """The pending logprobs of the j-th piece's text, taken. Those of tokens before the
+        content (the reasoning) or of text no message shows are dropped once that is
+        certain (`last`: the output is all there); the others wait for their message."""
+        start = self.content_start
         if start is None:
             return []
-        placed = [entry for at, entry in self.pending if at >= start]
-        self.pending = []
-        return placed
+        owed, kept = [], []
+        for t0, t1, entry in self.pending:
+            owner = self._owner(t0 - start, t1 - start)
+            if owner == j:
+                owed.append(entry)
+            elif not last and t1 > start and (owner is None or owner > j):
+                kept.append((t0, t1, entry))
+        self.pending = kept
+        return owed
+
+    def _owner(self, c0: int, c1: int) -> int | None:
+        """The text piece whose message a token in the content's [c0, c1) belongs to (None:
+        no message, or not known yet)."""
+        if c1 <= 0:
+            return None
+        if self.parsed is None:
+            return 0  # no tool calls: the content is one message
+        span = self.parsed.content_span(max(c0, 0), c1)
+        if span is None:
+            return None
+        for j, segment in enumerate(self.segments):
+            s, e = segment.span
+            if (
+                segment.item is not None
+                and "content" in segment.item
+                and span[0] < e
+                and s < span[1]
+            ):
+                return j
+        return None
 
 
 def _new_item(kind: str) -> dict[str, Any]:

@@ -128,41 +128,61 @@ def _chat(
 ) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
     """The chat request, its tool plan and its sequences. With truncation `auto`, a
     conversation too long for the context loses its oldest turns (each from a user message
-    to the next) until it fits, as OpenAI's does."""
+    to the next; leading system and developer messages stay) until it fits, as OpenAI's
+    does: the fewest turns that make it fit, found in O(log turns) renders."""
+    try:
+        return _chat_of(body, messages, tools, choice, rid, state)
+    except APIError as e:
+        if body.truncation != "auto" or e.code != "context_length_exceeded":
+            raise renamed(e, RESPONSES_FIELDS) from None
+        error = e
+    head = next((i for i, m in enumerate(messages) if m["role"] not in _LEADING), len(messages))
+    turns = [i for i, m in enumerate(messages) if i >= head and m["role"] == "user"]
+    fits = None  # the chat of the fewest turns dropped that fit, so far
+    low, high = 1, len(turns) - 1  # turns to drop; the last (the new input) always stays
+    while low <= high:
+        middle = (low + high) // 2
+        kept = messages[:head] + messages[turns[middle] :]
+        try:
+            fits = _chat_of(body, kept, tools, choice, rid, state)
+            high = middle - 1
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise renamed(e, RESPONSES_FIELDS) from None
+            low = middle + 1
+    if fits is None:
+        raise renamed(error, RESPONSES_FIELDS) from None
+    return fits
+
+
+_LEADING = ("system", "developer")  # instructions among the input: never truncated
+
+
+def _chat_of(
+    body: ResponsesRequest,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    choice: Any,
+    rid: str,
+    state: ServerState,
+) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
     tokenizer = state.manager.tokenizer
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    while True:
-        fields = {"messages": system + messages, "rid": rid, **body.chat_fields(tools, choice)}
-        try:
-            chat_body = oai.ChatCompletionRequest.model_validate(fields)
-        except ValidationError as e:  # what the Responses fields could not say apart
-            reason = e.errors()[0]["msg"]
-            raise bad_request(f"the request cannot be served as a chat: {reason}") from None
-        try:
-            parser_flag = state.config.server.tool_call_parser
-            plan = chat_body.tool_plan(parser_flag, oai.template_source(tokenizer))
-        except APIError as e:
-            raise _flat_tool_error(e) from None
-        try:
-            max_context = state.model.max_seq_len
-            chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS)
-            check_sequences(chat.reqs, state, RESPONSES_FIELDS)
-            return chat_body, plan, chat
-        except APIError as e:
-            if body.truncation != "auto" or e.code != "context_length_exceeded":
-                raise renamed(e, RESPONSES_FIELDS) from None
-            messages = _without_oldest_turn(messages)
-            if not messages:
-                raise renamed(e, RESPONSES_FIELDS) from None
-
-
-def _without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation less its first turn: its first message and what follows up to the
-    next user message (so no tool result is left without its call)."""
-    rest = messages[1:]
-    while rest and rest[0]["role"] != "user":
-        rest = rest[1:]
-    return rest
+    fields = {"messages": system + messages, "rid": rid, **body.chat_fields(tools, choice)}
+    try:
+        chat_body = oai.ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # what the Responses fields could not say apart
+        reason = e.errors()[0]["msg"]
+        raise bad_request(f"the request cannot be served as a chat: {reason}") from None
+    try:
+        parser_flag = state.config.server.tool_call_parser
+        plan = chat_body.tool_plan(parser_flag, oai.template_source(tokenizer))
+    except APIError as e:
+        raise _flat_tool_error(e) from None
+    max_context = state.model.max_seq_len
+    chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS)
+    check_sequences(chat.reqs, state, RESPONSES_FIELDS)
+    return chat_body, plan, chat
 
 
 def _flat_tool_error(e: APIError) -> APIError:
@@ -205,12 +225,23 @@ async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIt
                 yield event(news_event.pop("type"), **news_event)
             if out.finished:
                 run.stored.response = run.finish(out.result)
-    except APIError as e:
-        if not opened:
+    except Exception as e:  # the engine's error, or a bug: the response fails, in order
+        if not opened and isinstance(e, APIError):
             raise renamed(e, RESPONSES_FIELDS) from None
-        for news_event in run.builder.close(incomplete=True):
+        if not opened:
+            raise
+        if isinstance(e, APIError):
+            message = e.message
+        else:
+            logger.exception("a streamed response failed")
+            message = f"internal error: {e!r}"
+        try:
+            closing = run.builder.close(incomplete=True)
+        except Exception:  # the builder's own bug: its items stay as they are
+            closing = []
+        for news_event in closing:
             yield event(news_event.pop("type"), **news_event)
-        error = {"code": "server_error", "message": e.message}
+        error = {"code": "server_error", "message": message}
         run.stored.response = run.response | {"status": "failed", "error": error}
         run.stored.response["output"] = run.builder.items
     if store is not None:
@@ -245,9 +276,16 @@ async def _in_background(run: _Run, call: Call) -> None:
 def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.Task) -> None:
     """Whatever ended a background response (its end, a cancel or DELETE, even before it
     started, or a bug): its call closed, so nothing it ran holds KV, and its status final."""
-    call.close()
     stored = run.stored
     stored.task = None
+    try:
+        call.close()
+    finally:
+        _settle(run, store, task)
+
+
+def _settle(run: _Run, store: ResponseStore, task: asyncio.Task) -> None:
+    stored = run.stored
     if stored.response["status"] in ("queued", "in_progress"):
         if task.cancelled():
             stored.response = run.response | {"status": "cancelled"}

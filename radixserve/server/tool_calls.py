@@ -375,6 +375,22 @@ class Parsed:
     # where each call sits in the content: the number of its characters before the call
     # (given by parsers whose calls may have text on both sides; else all after it)
     at: list[int] = field(default_factory=list)
+    # where the content comes from in the text: runs of (text offset, content offset,
+    # length); None: the content is the text's start
+    runs: list[tuple[int, int, int]] | None = None
+
+    def content_span(self, start: int, end: int) -> tuple[int, int] | None:
+        """The part of the content that the text's [start, end) became (None: none of it,
+        e.g. a token inside a call)."""
+        runs = self.runs if self.runs is not None else [(0, 0, len(self.content))]
+        hits = [
+            (c + max(start, t) - t, c + min(end, t + n) - t)
+            for t, c, n in runs
+            if max(start, t) < min(end, t + n)
+        ]
+        if not hits:
+            return None
+        return min(a for a, _ in hits), max(b for _, b in hits)
 
     def segments(self) -> list[str | ParsedCall]:
         """The output in order: pieces of text outside calls (some empty) and the calls,
@@ -487,16 +503,22 @@ class HermesParser:
 
     def parse(self, text: str, final: bool) -> Parsed:
         pieces: list[str] = []
+        runs: list[tuple[int, int, int]] = []  # where each piece is in the text
         calls: list[ParsedCall] = []
         at: list[int] = []
+
+        def piece(start: int, chunk: str) -> None:
+            runs.append((start, sum(map(len, pieces)), len(chunk)))
+            pieces.append(chunk)
+
         pos = 0
         while True:
             start = text.find(self.OPEN, pos)
             if start < 0:
                 tail = text[pos:]
-                pieces.append(tail if final else _without_partial(tail, self.OPEN))
+                piece(pos, tail if final else _without_partial(tail, self.OPEN))
                 break
-            pieces.append(text[pos:start])
+            piece(pos, text[pos:start])
             end = text.find(self.CLOSE, start)
             if end < 0 and not final:
                 break  # an open block: held back until it closes
@@ -504,14 +526,14 @@ class HermesParser:
             body = text[start + len(self.OPEN) : len(text) if end < 0 else end]
             call = self._call(body)
             if call is None:
-                pieces.append(text[start:block_end])
+                piece(start, text[start:block_end])
             elif self.parallel or not calls:
                 calls.append(call)
                 at.append(sum(map(len, pieces)))
             pos = block_end
             if end < 0:
                 break
-        return Parsed(_content(pieces, calls, final), calls, at)
+        return Parsed(_content(pieces, calls, final), calls, at, runs)
 
     def _call(self, body: str) -> ParsedCall | None:
         return _call_of(_loads(body), self.names)
@@ -530,8 +552,13 @@ class Llama3JsonParser:
 
     def parse(self, text: str, final: bool) -> Parsed:
         body = text.lstrip()
+        tagged = body.startswith(self.TAG)
         body = body.removeprefix(self.TAG).lstrip()
-        maybe_call = body.startswith("{") or self.TAG.startswith(text.lstrip())
+        # a call may follow: `{` has begun one, or the text is (the start of) the tag, or
+        # the tag and whitespace so far
+        maybe_call = (
+            body.startswith("{") or self.TAG.startswith(text.lstrip()) or (tagged and not body)
+        )
         if not final:
             return Parsed("" if maybe_call else _content([text], [], final))
         if body.startswith("{"):
