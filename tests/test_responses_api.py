@@ -5,6 +5,8 @@ store of chained responses."""
 
 from __future__ import annotations
 
+import codecs
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -311,18 +313,33 @@ CALL_TOKENS = [
 
 
 def _with_logprobs(
-    pieces: list[list[str]], tokens: list[str] = TOKENS, tools: ToolPlan = NO_TOOLS
+    pieces: list[list[str | bytes]],
+    tokens: list[str | bytes] = TOKENS,
+    tools: ToolPlan = NO_TOOLS,
+    skipped: frozenset[int] = frozenset(),
+    hidden: frozenset[int] | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Build from the tokens, fed in the given groups, with a logprob entry for each."""
+    """Build from the tokens (a text, or bytes that may hold part of a character; token i
+    has id i), fed in the given groups, with a logprob entry for each. A token in `skipped`
+    is a special token the text leaves out, as the detokenizer does (`hidden`: those the
+    text leaves out, where the builder is not told)."""
+    hidden = skipped if hidden is None else hidden
+    raw = [t if isinstance(t, bytes) else t.encode() for t in tokens]
     entries = [
-        {"token": t, "logprob": -float(i), "bytes": list(t.encode()), "top_logprobs": []}
-        for i, t in enumerate(tokens)
+        {"token": t if isinstance(t, str) else repr(t), "logprob": -float(i)}
+        | {"bytes": list(b), "top_logprobs": []}
+        for i, (t, b) in enumerate(zip(tokens, raw))
     ]
+    triples = [(-float(i), i, None) for i in range(len(raw))]
     builder = rapi.OutputBuilder(THINKING, tools, lambda meta, start: entries[start : meta["n"]])
+    builder.skipped = skipped
+    decoder = codecs.getincrementaldecoder("utf-8")()
     events, n = [], 0
     for k, group in enumerate(pieces):
+        text = "".join(decoder.decode(raw[i]) for i in range(n, n + len(group)) if i not in hidden)
         n += len(group)
-        events += builder.feed("".join(group), {"n": n}, final=k == len(pieces) - 1)
+        meta = {"n": n, "output_token_logprobs": triples[:n]}
+        events += builder.feed(text, meta, final=k == len(pieces) - 1)
     return builder.items, events + builder.close(incomplete=False)
 
 
@@ -369,6 +386,27 @@ def test_logprobs_around_calls_are_each_message_own_tokens(groups):
             for lp in e["logprobs"]
         ]
         assert streamed == item["content"][0]["logprobs"]
+
+
+SPLIT = [b"<think>", b"hm", b"</think>", b"Caf", b"\xc3", b"\xa9", b" \xe6", b"\x97", b"\xa5", b"!"]
+EOS = len(SPLIT)  # its id: a special token, its bytes not in the text
+
+
+@pytest.mark.parametrize("tools", [NO_TOOLS, CALLS], ids=["no tools", "tools"])
+@pytest.mark.parametrize("grouping", ["whole", "tokens"])
+def test_tokens_of_split_characters_and_special_tokens(tools, grouping):
+    """Each token holding part of a character is the message's; a special token the text
+    leaves out is no message's, wherever it comes."""
+    tokens = [*SPLIT, b"<|im_end|>"]
+    groups = [tokens] if grouping == "whole" else [[t] for t in tokens]
+    items, events = _with_logprobs(groups, tokens, tools, skipped=frozenset({EOS}))
+    reasoning, message = items
+    assert message["content"][0]["text"] == "Café 日!"
+    owned = [e["token"] for e in message["content"][0]["logprobs"]]
+    assert owned == [repr(t) for t in SPLIT[3:]]
+    # without knowing it is special, its bytes (past the text's end) still are no message's
+    items, _ = _with_logprobs(groups, tokens, tools, hidden=frozenset({EOS}))
+    assert len(items[1]["content"][0]["logprobs"]) == len(SPLIT) - 3
 
 
 def test_items_are_added_without_their_parts():

@@ -313,12 +313,15 @@ def test_truncation_auto_drops_the_oldest_turns(client):
     assert r.status in ("completed", "incomplete") and r.truncation == "auto"
     kept = [conversation[0], *conversation[3:]]  # the fewest turns dropped: one
     assert r.output_text == chat_text(client, kept)
-    assert (
-        r.usage.input_tokens
-        == client.chat.completions.create(
-            model="m", messages=kept, max_tokens=1
-        ).usage.prompt_tokens
+    chat = client.chat.completions.create(model="m", messages=kept, max_tokens=1)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    # continuing a stored turn: the new input is never cut into, its developer message kept
+    first = client.responses.create(input=long, **GREEDY)
+    new = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": long}]
+    r = client.responses.create(
+        input=new, previous_response_id=first.id, truncation="auto", **GREEDY
     )
+    assert r.output_text == chat_text(client, new)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,12 @@ conversation is the chain of its turns and each turn is stored once."""
 from __future__ import annotations
 
 import asyncio
+import bisect
+import codecs
 import copy
+import itertools
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -507,7 +511,11 @@ class OutputBuilder:
     parsed: tool_calls.Parsed | None = None  # the content as last parsed
     # logprobs not placed yet: (where the token starts and ends in the output's text, entry)
     pending: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
-    offsets: oai.TextOffsets = field(default_factory=oai.TextOffsets)
+    skipped: frozenset[int] = frozenset()  # special tokens the text leaves out
+    chars: int = 0  # the characters of the output's tokens so far
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
     taken_logprobs: int = 0
     thought: ReasoningStream | None = field(init=False)
     parser: tool_calls.ToolParser | None = field(init=False)
@@ -560,7 +568,7 @@ class OutputBuilder:
             return []
         item = self.open
         events = []
-        if item["type"] == "message" and self.parser is not None:
+        if item["type"] == "message":
             owed = self._owed(self.segments.index(self._segment_of(item)), last)
             if owed:  # its tokens, now that it is known which were its text
                 events += self._text_delta("", owed)
@@ -661,50 +669,70 @@ class OutputBuilder:
         return [{"type": "response.output_text.delta", **at, "delta": text, "logprobs": logprobs}]
 
     def _take_logprobs(self, meta: dict[str, Any]) -> None:
+        """The new tokens' entries, each with where it is in the output's text: a token
+        that holds part of a character overlaps that character; a special token the text
+        leaves out (`skipped`) has no width."""
         if self.logprobs is None:
             return
         entries = self.logprobs(meta, self.taken_logprobs)
+        given = meta.get("output_token_logprobs") or ()
+        ids = [t[1] for t in given[self.taken_logprobs : self.taken_logprobs + len(entries)]]
         self.taken_logprobs += len(entries)
-        starts = self.offsets.take([bytes(e["bytes"]) for e in entries])
-        ends = [*starts[1:], self.offsets.chars]
-        self.pending += zip(starts, ends, entries)
+        for entry, token in itertools.zip_longest(entries, ids):
+            start = self.chars
+            if token not in self.skipped:
+                self.chars += len(self.decoder.decode(bytes(entry["bytes"])))
+            held = 1 if self.decoder.getstate()[0] else 0  # a character begun, not complete
+            self.pending.append((start, self.chars + held, entry))
 
     def _owed(self, j: int, last: bool) -> list[dict[str, Any]]:
-        """The pending logprobs of the j-th piece's text, taken. Those of tokens before the
-        content (the reasoning) or of text no message shows are dropped once that is
-        certain (`last`: the output is all there); the others wait for their message."""
+        """The pending logprobs of the j-th piece's text, taken; those of the tokens before
+        its end that are not its own (the reasoning's, a call's, whitespace no message
+        shows) are dropped; the rest wait (`last`: none do). Each token is looked at once
+        it is settled, so this is linear in the tokens over the whole output."""
         start = self.content_start
         if start is None:
             return []
-        owed, kept = [], []
+        end = None if last else self._source_end(j)
+        spans = [
+            (s.span[0], s.span[1], k)
+            for k, s in enumerate(self.segments)
+            if s.item is not None and s.item["type"] == "message"
+        ]
+        owed = []
+        settled = 0
         for t0, t1, entry in self.pending:
-            owner = self._owner(t0 - start, t1 - start)
-            if owner == j:
+            if end is not None and t0 - start >= end:
+                break
+            settled += 1
+            if self._owner(t0 - start, t1 - start, spans) == j:
                 owed.append(entry)
-            elif not last and t1 > start and (owner is None or owner > j):
-                kept.append((t0, t1, entry))
-        self.pending = kept
+        del self.pending[:settled]
         return owed
 
-    def _owner(self, c0: int, c1: int) -> int | None:
-        """The text piece whose message a token in the content's [c0, c1) belongs to (None:
-        no message, or not known yet)."""
+    def _source_end(self, j: int) -> int:
+        """Where the j-th piece's text ends in the content's text (what the parser read)."""
+        if self.parsed is None:
+            return len(self.content)
+        s, e = self.segments[j].span
+        return self.parsed.text_position(e - 1) + 1 if e > s else s
+
+    def _owner(self, c0: int, c1: int, spans: list[tuple[int, int, int]]) -> int | None:
+        """The piece whose message a token in the content's text [c0, c1) belongs to (None:
+        no message's): the first whose text it overlaps."""
         if c1 <= 0:
             return None
-        if self.parsed is None:
-            return 0  # no tool calls: the content is one message
+        if self.parsed is None:  # no tool calls: the content is one message
+            return 0 if c0 < len(self.content) else None
         span = self.parsed.content_span(max(c0, 0), c1)
         if span is None:
             return None
-        for j, segment in enumerate(self.segments):
-            s, e = segment.span
-            if (
-                segment.item is not None
-                and "content" in segment.item
-                and span[0] < e
-                and s < span[1]
-            ):
-                return j
+        i = max(bisect.bisect_right(spans, (span[0], math.inf, 0)) - 1, 0)
+        for s, e, k in spans[i:]:
+            if s >= span[1]:
+                break
+            if span[0] < e and s < span[1]:
+                return k
         return None
 
 

@@ -71,6 +71,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     run = await off_the_loop_if_large(request, lambda: _prepare(body, earlier, state))
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
+        # the special tokens the detokenizer leaves out of the text
+        run.builder.skipped = frozenset(state.manager.tokenizer.all_special_ids)
     rid = run.response["id"]
     try:
         call = state.manager.submit(run.chat.reqs, stream=body.streams, rid=rid)
@@ -108,8 +110,11 @@ def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: Serve
     tools = rapi.chat_tools(body.tools)
     choice, callable_tools = rapi.chat_tool_choice(body.tool_choice, tools)
     messages = rapi.chat_messages(earlier + items)
+    new_start = len(rapi.chat_messages(earlier))
     response_id = rapi.new_id("resp")
-    chat_body, plan, chat = _chat(body, messages, callable_tools, choice, response_id, state)
+    chat_body, plan, chat = _chat(
+        body, messages, callable_tools, choice, response_id, state, new_start
+    )
     thinking = chat_reasoning(chat_body, chat, state)
     builder = OutputBuilder(thinking, plan)
     model = body.model or state.model_name
@@ -125,6 +130,7 @@ def _chat(
     choice: Any,
     rid: str,
     state: ServerState,
+    new_start: int = 0,  # where the request's own input starts in `messages`
 ) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
     """The chat request, its tool plan and its sequences. With truncation `auto`, a
     conversation too long for the context loses its oldest turns (each from a user message
@@ -137,12 +143,16 @@ def _chat(
             raise renamed(e, RESPONSES_FIELDS) from None
         error = e
     head = next((i for i, m in enumerate(messages) if m["role"] not in _LEADING), len(messages))
-    turns = [i for i, m in enumerate(messages) if i >= head and m["role"] == "user"]
+    # where the kept part may start: a user message after the first turn (before the new
+    # input, which is never cut into, when it continues stored turns), or the new input
+    end = new_start if new_start > head else len(messages)
+    cuts = [i for i in range(head + 1, end) if messages[i]["role"] == "user"]
+    cuts += [new_start] if new_start > head else []
     fits = None  # the chat of the fewest turns dropped that fit, so far
-    low, high = 1, len(turns) - 1  # turns to drop; the last (the new input) always stays
+    low, high = 0, len(cuts) - 1
     while low <= high:
         middle = (low + high) // 2
-        kept = messages[:head] + messages[turns[middle] :]
+        kept = messages[:head] + messages[cuts[middle] :]
         try:
             fits = _chat_of(body, kept, tools, choice, rid, state)
             high = middle - 1

@@ -22,7 +22,10 @@ stream sends the difference (`ToolStream`) and reassembles to the non-streamed m
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -381,16 +384,26 @@ class Parsed:
 
     def content_span(self, start: int, end: int) -> tuple[int, int] | None:
         """The part of the content that the text's [start, end) became (None: none of it,
-        e.g. a token inside a call)."""
+        e.g. a token inside a call). The runs are in text order: found by bisection."""
         runs = self.runs if self.runs is not None else [(0, 0, len(self.content))]
-        hits = [
-            (c + max(start, t) - t, c + min(end, t + n) - t)
-            for t, c, n in runs
-            if max(start, t) < min(end, t + n)
-        ]
+        first = max(bisect.bisect_right(runs, (start, math.inf)) - 1, 0)
+        hits = []
+        for t, c, n in itertools.islice(runs, first, None):
+            if t >= end:
+                break
+            if max(start, t) < min(end, t + n):
+                hits.append((c + max(start, t) - t, c + min(end, t + n) - t))
         if not hits:
             return None
-        return min(a for a, _ in hits), max(b for _, b in hits)
+        return hits[0][0], hits[-1][1]
+
+    def text_position(self, at: int) -> int:
+        """Where the content's character `at` is in the text."""
+        if self.runs is None:
+            return at
+        i = bisect.bisect_right([c for _, c, _ in self.runs], at) - 1
+        t, c, _ = self.runs[max(i, 0)]
+        return t + at - c
 
     def segments(self) -> list[str | ParsedCall]:
         """The output in order: pieces of text outside calls (some empty) and the calls,
@@ -506,10 +519,13 @@ class HermesParser:
         runs: list[tuple[int, int, int]] = []  # where each piece is in the text
         calls: list[ParsedCall] = []
         at: list[int] = []
+        length = 0  # of the pieces so far
 
         def piece(start: int, chunk: str) -> None:
-            runs.append((start, sum(map(len, pieces)), len(chunk)))
+            nonlocal length
+            runs.append((start, length, len(chunk)))
             pieces.append(chunk)
+            length += len(chunk)
 
         pos = 0
         while True:
@@ -529,7 +545,7 @@ class HermesParser:
                 piece(start, text[start:block_end])
             elif self.parallel or not calls:
                 calls.append(call)
-                at.append(sum(map(len, pieces)))
+                at.append(length)
             pos = block_end
             if end < 0:
                 break
