@@ -109,90 +109,87 @@ def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: Serve
     rapi.check_unique_ids(earlier + items)
     tools = rapi.chat_tools(body.tools)
     choice, callable_tools = rapi.chat_tool_choice(body.tool_choice, tools)
+    ask = _Ask(body, callable_tools, choice, rapi.new_id("resp"), state)
     messages = rapi.chat_messages(earlier + items)
-    new_start = len(rapi.chat_messages(earlier))
-    response_id = rapi.new_id("resp")
-    chat_body, plan, chat = _chat(
-        body, messages, callable_tools, choice, response_id, state, new_start
-    )
+    chat_body, plan, chat = ask.fitted(messages, new_start=len(rapi.chat_messages(earlier)))
     thinking = chat_reasoning(chat_body, chat, state)
     builder = OutputBuilder(thinking, plan)
     model = body.model or state.model_name
-    response = rapi.response_object(response_id, body, model, tools, body.tool_choice)
+    response = rapi.response_object(ask.rid, body, model, tools, body.tool_choice)
     stored = Stored(response, items, body.previous_response_id)
     return _Run(response, stored, chat, builder, state.manager.tokenizer)
-
-
-def _chat(
-    body: ResponsesRequest,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    choice: Any,
-    rid: str,
-    state: ServerState,
-    new_start: int = 0,  # where the request's own input starts in `messages`
-) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
-    """The chat request, its tool plan and its sequences. With truncation `auto`, a
-    conversation too long for the context loses its oldest turns (each from a user message
-    to the next; leading system and developer messages stay) until it fits, as OpenAI's
-    does: the fewest turns that make it fit, found in O(log turns) renders."""
-    try:
-        return _chat_of(body, messages, tools, choice, rid, state)
-    except APIError as e:
-        if body.truncation != "auto" or e.code != "context_length_exceeded":
-            raise renamed(e, RESPONSES_FIELDS) from None
-        error = e
-    head = next((i for i, m in enumerate(messages) if m["role"] not in _LEADING), len(messages))
-    # where the kept part may start: a user message after the first turn (before the new
-    # input, which is never cut into, when it continues stored turns), or the new input
-    end = new_start if new_start > head else len(messages)
-    cuts = [i for i in range(head + 1, end) if messages[i]["role"] == "user"]
-    cuts += [new_start] if new_start > head else []
-    fits = None  # the chat of the fewest turns dropped that fit, so far
-    low, high = 0, len(cuts) - 1
-    while low <= high:
-        middle = (low + high) // 2
-        kept = messages[:head] + messages[cuts[middle] :]
-        try:
-            fits = _chat_of(body, kept, tools, choice, rid, state)
-            high = middle - 1
-        except APIError as e:
-            if e.code != "context_length_exceeded":
-                raise renamed(e, RESPONSES_FIELDS) from None
-            low = middle + 1
-    if fits is None:
-        raise renamed(error, RESPONSES_FIELDS) from None
-    return fits
 
 
 _LEADING = ("system", "developer")  # instructions among the input: never truncated
 
 
-def _chat_of(
-    body: ResponsesRequest,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    choice: Any,
-    rid: str,
-    state: ServerState,
-) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
-    tokenizer = state.manager.tokenizer
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    fields = {"messages": system + messages, "rid": rid, **body.chat_fields(tools, choice)}
-    try:
-        chat_body = oai.ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:  # what the Responses fields could not say apart
-        reason = e.errors()[0]["msg"]
-        raise bad_request(f"the request cannot be served as a chat: {reason}") from None
-    try:
-        parser_flag = state.config.server.tool_call_parser
-        plan = chat_body.tool_plan(parser_flag, oai.template_source(tokenizer))
-    except APIError as e:
-        raise _flat_tool_error(e) from None
-    max_context = state.model.max_seq_len
-    chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS)
-    check_sequences(chat.reqs, state, RESPONSES_FIELDS)
-    return chat_body, plan, chat
+@dataclass(frozen=True)
+class _Ask:
+    """What a Responses request asks of the chat route, but its messages."""
+
+    body: ResponsesRequest
+    tools: list[dict[str, Any]]  # those it may call
+    choice: Any  # the chat route's tool_choice
+    rid: str  # the response's id
+    state: ServerState
+
+    def fitted(
+        self, messages: list[dict[str, Any]], new_start: int
+    ) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
+        """The chat request, its tool plan and its sequences. With truncation `auto`, a
+        conversation too long for the context loses its oldest turns (each from a user
+        message to the next; leading system and developer messages stay; the request's own
+        input, from `new_start`, is never cut into when it continues stored turns) until it
+        fits, as OpenAI's does: the fewest turns that make it fit, in O(log turns) renders."""
+        try:
+            return self.chat(messages)
+        except APIError as e:
+            if self.body.truncation != "auto" or e.code != "context_length_exceeded":
+                raise renamed(e, RESPONSES_FIELDS) from None
+            error = e
+        head = next((i for i, m in enumerate(messages) if m["role"] not in _LEADING), len(messages))
+        # where the kept part may start: a user message after the first turn (before the
+        # new input when it continues stored turns), or the new input
+        end = new_start if new_start > head else len(messages)
+        cuts = [i for i in range(head + 1, end) if messages[i]["role"] == "user"]
+        cuts += [new_start] if new_start > head else []
+        fits = None  # the chat of the fewest turns dropped that fit, so far
+        low, high = 0, len(cuts) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            try:
+                fits = self.chat(messages[:head] + messages[cuts[middle] :])
+                high = middle - 1
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise renamed(e, RESPONSES_FIELDS) from None
+                low = middle + 1
+        if fits is None:
+            raise renamed(error, RESPONSES_FIELDS) from None
+        return fits
+
+    def chat(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[oai.ChatCompletionRequest, Any, oai.ChatCall]:
+        body, state = self.body, self.state
+        tokenizer = state.manager.tokenizer
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        fields = {"messages": system + messages, "rid": self.rid}
+        fields |= body.chat_fields(self.tools, self.choice)
+        try:
+            chat_body = oai.ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:  # what the Responses fields could not say apart
+            reason = e.errors()[0]["msg"]
+            raise bad_request(f"the request cannot be served as a chat: {reason}") from None
+        try:
+            parser_flag = state.config.server.tool_call_parser
+            plan = chat_body.tool_plan(parser_flag, oai.template_source(tokenizer))
+        except APIError as e:
+            raise _flat_tool_error(e) from None
+        max_context = state.model.max_seq_len
+        chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS)
+        check_sequences(chat.reqs, state, RESPONSES_FIELDS)
+        return chat_body, plan, chat
 
 
 def _flat_tool_error(e: APIError) -> APIError:
