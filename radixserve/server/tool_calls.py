@@ -513,6 +513,9 @@ class HermesParser:
     def __init__(self, names: frozenset[str], parallel: bool) -> None:
         self.names = names
         self.parallel = parallel
+        # the calls of the closed blocks read so far, by their text: a stream's text is
+        # parsed again at every token, its blocks decoded once
+        self.blocks: dict[str, ParsedCall | None] = {}
 
     def parse(self, text: str, final: bool) -> Parsed:
         pieces: list[str] = []
@@ -540,7 +543,12 @@ class HermesParser:
                 break  # an open block: held back until it closes
             block_end = len(text) if end < 0 else end + len(self.CLOSE)
             body = text[start + len(self.OPEN) : len(text) if end < 0 else end]
-            call = self._call(body)
+            if end < 0:
+                call = self._call(body)
+            elif body in self.blocks:
+                call = self.blocks[body]
+            else:
+                call = self.blocks[body] = self._call(body)
             if call is None:
                 piece(start, text[start:block_end])
             elif self.parallel or not calls:
