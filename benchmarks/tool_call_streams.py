@@ -25,12 +25,16 @@ WEATHER = {
     "name": "get_weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
-# one turn: some text, a call, more text (24 tokens)
-TURN = [
-    *("Sure", " thing", ".", "\n", "<tool_call>", '\n{"name": "get_weather", '),
-    *('"arguments": {"city": "X"}}', "\n</tool_call>", "\n"),
-    *[" word"] * 15,
-]
+
+
+def turn(n: int) -> list[str]:
+    """One turn of the output, 24 tokens: some text, a call (its own arguments: each block
+    is decoded once, as a real output's), more text."""
+    return [
+        *("Sure", " thing", ".", "\n", "<tool_call>", '\n{"name": "get_weather", '),
+        *(f'"arguments": {{"city": "X{n}"}}}}', "\n</tool_call>", "\n"),
+        *[" word"] * 15,
+    ]
 
 
 class _NoCache(dict):
@@ -100,7 +104,7 @@ def main() -> None:
     heads = "  ".join(f"{v + ' ms/token':>18}" for v in variants)
     print(f"{'calls':>5} {'tokens':>6}  {'workload':<17} {heads}" + ("  ratio" * args.baseline))
     for calls in args.calls:
-        tokens = TURN * calls
+        tokens = [token for n in range(calls) for token in turn(n)]
         for name, run in WORKLOADS.items():
             times: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(args.rounds):

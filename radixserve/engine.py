@@ -47,7 +47,7 @@ from radixserve.native import expand_embedding, expand_request, given_rids, name
 from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.scoring import check_fits, plan_scoring
+from radixserve.scoring import check_fits, plan_scoring, token_texts
 
 if TYPE_CHECKING:
     import torch
@@ -357,7 +357,7 @@ class Engine:
         field = "input_ids" if input_ids is not None else "text"
         check_fits(plan, info.vocab_size, info.max_seq_len, field)
         results = self._run_all(plan.requests(rid))
-        return plan.response(results, lambda token: self.tokenizer.decode([token]))
+        return plan.response(results, token_texts(self.tokenizer))
 
     def encode(
         self,

@@ -19,6 +19,7 @@ also runs alone (its first token then has no logprob).
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,12 @@ class ScoringPlan:
             "healed_tokens": max(self.prompt_tokens - span.start, 0),
             "cached_tokens": meta["cached_tokens"],
         }
+
+
+def token_texts(tokenizer: Any) -> Callable[[int], str]:
+    """A token's text, as /generate's return_text_in_logprobs gives it: decoded alone, each
+    id once (the continuations of one call share most of theirs)."""
+    return functools.cache(lambda token: tokenizer.decode([token]))
 
 
 def plan_scoring(

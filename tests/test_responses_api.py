@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.server import responses_api as rapi
+from radixserve.server.checks import constraint_error
 from radixserve.server.errors import APIError
 from radixserve.server.reasoning import reasoning_plan
 from radixserve.server.tool_calls import Tool, ToolPlan
@@ -414,6 +415,16 @@ def test_items_are_added_without_their_parts():
     _, events = _build([TEXTS[1]])
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [(i["type"], i["content"]) for i in added] == [("reasoning", []), ("message", [])]
+
+
+def test_a_refused_grammar_is_named_by_the_field_it_came_from():
+    refused = APIError(400, "invalid json_schema: no text satisfies it", param="json_schema")
+    for field in ("tools", "text.format"):
+        named = constraint_error(refused, field)
+        assert named.param == field and named.message == f"invalid {field}: no text satisfies it"
+    assert constraint_error(refused, None) is refused  # SGLang's own json_schema field
+    other = APIError(400, "max_tokens is too large", param="max_tokens")
+    assert constraint_error(other, "tools") is other
 
 
 # -- the store ------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ CHAT_FIELDS = Fields(
 )
 
 
-# /v1/responses: its constraints all come from `text.format` (and its tools)
+# /v1/responses (a refused grammar is named by `constraint_error`: text.format or tools)
 RESPONSES_FIELDS = Fields(
     "input",
     renamed={
@@ -74,9 +74,7 @@ RESPONSES_FIELDS = Fields(
         "min_new_tokens": "min_tokens",
         "sampling_seed": "seed",
         "top_logprobs_num": "top_logprobs",
-        "json_schema": "text.format",
-        "structural_tag": "text.format",
-        "response_format": "text.format",
+        "response_format": "text.format",  # the chat route's name for it
     },
 )
 

@@ -217,16 +217,19 @@ class _SamplingFields(StrictBody):
             self.response_format and self.response_format.constraint()
         )
 
-    def constraint_field(self, by_tools: bool = False) -> str | None:
+    def constraint_field(self, reqs: list[Req]) -> str | None:
         """The field the output's constraint came from, as the client named it, for the
         errors of a grammar the engine refuses (which it names by its own kind): None when
-        it is SGLang's json_schema, regex or ebnf, named so already. `by_tools`: the tools
-        constrain the output (tool_choice required or named, strict tools under auto)."""
+        it is SGLang's json_schema, regex or ebnf, named so already; `tools` where the
+        request's sequences (`reqs`) are constrained otherwise (tool_choice required or
+        named, strict tools under auto)."""
         if self.has_own_constraint:
             return None
         if self.response_format and self.response_format.constraint():
             return "response_format"
-        return "tools" if by_tools else None
+        params = reqs[0].params if reqs else None
+        constrained = params is not None and (params.json_schema or params.structural_tag)
+        return "tools" if constrained else None
 
     @property
     def include_usage(self) -> bool:
@@ -465,7 +468,7 @@ def chat_call(
         reqs = expand_request(
             tokenizer.encode,
             None,
-            {**body.sampling_params(max_tokens), **tool_constraint(plan, body)},
+            {**body.sampling_params(max_tokens), **_tool_constraint(plan, body)},
             ids,
             return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs or 0,
@@ -478,7 +481,7 @@ def chat_call(
     return ChatCall(prompt, reqs)
 
 
-def tool_constraint(plan: ToolPlan, body: ChatCompletionRequest) -> dict[str, str]:
+def _tool_constraint(plan: ToolPlan, body: ChatCompletionRequest) -> dict[str, str]:
     """What the tools constrain the output to. Under `auto`, a constraint of the request's
     own (response_format...) comes first: its strict tools' arguments go unchecked."""
     if plan.mode == "auto" and body.constrained:

@@ -861,9 +861,8 @@ class Stored:
 class ResponseStore:
     """Stored responses in memory, the least recently used dropped past `capacity` or past
     `max_bytes` of their JSON, but never one still running in the background nor the
-    newest. A
-    conversation is a chain: each response keeps only its own input and the id of the one
-    it continues."""
+    newest (so those may go past the bounds for a while). A conversation is a chain: each
+    response keeps only its own input and the id of the one it continues."""
 
     def __init__(self, capacity: int, max_bytes: int = MAX_STORED_BYTES) -> None:
         self.capacity = capacity

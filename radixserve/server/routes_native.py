@@ -19,7 +19,7 @@ from radixserve import __version__
 from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.native import expand_request
-from radixserve.scoring import ContextTooLong, check_fits, plan_scoring
+from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
 from radixserve.server.body import JSONBodyRoute, StrictBody, off_the_loop_if_large
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -430,7 +430,8 @@ async def score_continuations(
         raise call_error(e, native_fields(prompt_field)) from None
     call = state.manager.submit(reqs)
     results = await until_disconnect(request, call, call.results())
-    return plan.response(results, lambda token: state.manager.tokenizer.decode([token]))
+    token_text = token_texts(state.manager.tokenizer)
+    return await off_the_loop_if_large(request, lambda: plan.response(results, token_text))
 
 
 async def _native_chunks(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:

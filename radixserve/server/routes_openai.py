@@ -74,7 +74,7 @@ async def completions(body: oai.CompletionRequest, request: Request, state: Stat
     check_sequences(reqs, state, COMPLETION_FIELDS)
     token_bytes = await token_bytes_of(request, state) if body.logprobs is not None else None
     shape = _Completion(body, state.manager.tokenizer.decode, token_bytes)
-    return await _serve(request, state, body, reqs, shape, body.constraint_field())
+    return await _serve(request, state, body, reqs, shape, body.constraint_field(reqs))
 
 
 @router.post("/v1/chat/completions")
@@ -93,7 +93,7 @@ async def chat_completions(
     thinking = chat_reasoning(body, chat, state)
     token_bytes = await token_bytes_of(request, state) if body.logprobs else None
     shape = _Chat(token_bytes, plan, thinking)
-    field = body.constraint_field(by_tools=bool(oai.tool_constraint(plan, body)))
+    field = body.constraint_field(chat.reqs)
     return await _serve(request, state, body, chat.reqs, shape, field)
 
 

@@ -20,7 +20,12 @@ from pydantic import ValidationError
 from radixserve.server import openai_api as oai
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
-from radixserve.server.checks import RESPONSES_FIELDS, check_sequences, renamed
+from radixserve.server.checks import (
+    RESPONSES_FIELDS,
+    check_sequences,
+    constraint_error,
+    renamed,
+)
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 from radixserve.server.responses_api import OutputBuilder, ResponsesRequest, ResponseStore, Stored
 from radixserve.server.routes_openai import chat_reasoning, token_bytes_of
@@ -41,6 +46,11 @@ class _Run:
     chat: oai.ChatCall
     builder: OutputBuilder
     tokenizer: Any
+    constraint_field: str | None  # where a grammar the engine may refuse came from
+
+    def named(self, e: APIError) -> APIError:
+        """An error of the engine's about this request, in the Responses API's words."""
+        return renamed(constraint_error(e, self.constraint_field), RESPONSES_FIELDS)
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         """The finished response, given the sequence's final result (its text all fed).
@@ -77,7 +87,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     try:
         call = state.manager.submit(run.chat.reqs, stream=body.streams, rid=rid)
     except APIError as e:
-        raise renamed(e, RESPONSES_FIELDS) from None
+        raise run.named(e) from None
     if body.background:
         run.stored.response = run.response | {"status": "queued"}
         store.put(run.stored)
@@ -93,7 +103,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     try:
         (result,) = await until_disconnect(request, call, call.results())
     except APIError as e:
-        raise renamed(e, RESPONSES_FIELDS) from None
+        raise run.named(e) from None
     run.builder.feed(result["text"], result["meta_info"], final=True)
     run.builder.close(incomplete=_cut_short(result["meta_info"]))
     run.stored.response = run.finish(result)
@@ -117,7 +127,9 @@ def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: Serve
     model = body.model or state.model_name
     response = rapi.response_object(ask.rid, body, model, tools, body.tool_choice)
     stored = Stored(response, items, body.previous_response_id)
-    return _Run(response, stored, chat, builder, state.manager.tokenizer)
+    field = chat_body.constraint_field(chat.reqs)
+    field = "text.format" if field == "response_format" else field
+    return _Run(response, stored, chat, builder, state.manager.tokenizer, field)
 
 
 _LEADING = ("system", "developer")  # instructions among the input: never truncated
@@ -234,7 +246,7 @@ async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIt
                 run.stored.response = run.finish(out.result)
     except Exception as e:  # the engine's error, or a bug: the response fails, in order
         if not opened and isinstance(e, APIError):
-            raise renamed(e, RESPONSES_FIELDS) from None
+            raise run.named(e) from None
         if not opened:
             raise
         if isinstance(e, APIError):
@@ -272,7 +284,7 @@ async def _in_background(run: _Run, call: Call) -> None:
     try:
         (result,) = await call.results()
     except APIError as e:
-        error = {"code": "server_error", "message": renamed(e, RESPONSES_FIELDS).message}
+        error = {"code": "server_error", "message": run.named(e).message}
         stored.response = run.response | {"status": "failed", "error": error}
         return
     run.builder.feed(result["text"], result["meta_info"], final=True)

@@ -401,7 +401,7 @@ class Parsed:
         """Where the content's character `at` is in the text."""
         if self.runs is None:
             return at
-        i = bisect.bisect_right([c for _, c, _ in self.runs], at) - 1
+        i = bisect.bisect_right(self.runs, at, key=lambda run: run[1]) - 1
         t, c, _ = self.runs[max(i, 0)]
         return t + at - c
 
