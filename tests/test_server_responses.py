@@ -156,6 +156,10 @@ def test_previous_response_id_continues_the_conversation(client):
             **GREEDY,
         )
     assert "Duplicate item" in e.value.message
+    client.responses.delete(first.id)  # a link of the chain gone: its items cannot be listed
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.input_items.list(second.id)
+    assert e.value.body["param"] == "response_id" and "no longer stored" in e.value.message
 
 
 def test_reasoning_items_are_taken_and_listed(client):

@@ -354,7 +354,14 @@ async def list_input_items(
         raise bad_request("limit must be between 1 and 100", "limit")
     store = _store(request)
     stored = store.get(response_id)
-    earlier = store.context(stored.previous) if stored.previous else []
+    try:
+        earlier = store.context(stored.previous) if stored.previous else []
+    except APIError:
+        message = (
+            f"{response_id!r} continues a conversation whose earlier turns are no longer "
+            "stored: its input items are not all there"
+        )
+        raise APIError(404, message, param="response_id", code="not_found") from None
     items = earlier + stored.inputs
     if order == "desc":
         items = items[::-1]
