@@ -40,12 +40,14 @@ def test_meta_info_server_info_and_metrics_report_speculation(server):
     # verifying pays, and slow steps on a loaded machine can hold it back for a while. How
     # much is accepted varies from server to server (1.7-3.3 tokens a verify step with the
     # tiny model on the AMD EPYC Zen 4: the controller's choices follow measured step
-    # times), so this asks only that drafts were accepted
-    for _ in range(6):
+    # times), so this asks only that drafts were accepted: in one of a few runs (a run whose
+    # first verify steps came while the fit was still settling can accept none; a fresh
+    # clone's CI run on an Intel Xeon once had 2 verify steps accepting nothing)
+    for _ in range(10):
         second = generate(server, input_ids=PROMPT, sampling_params=GREEDY)
         assert second["output_ids"] == first["output_ids"]
         meta = second["meta_info"]
-        if meta["spec_verify_ct"] > 0:
+        if meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1:
             break
     assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1
     assert meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
