@@ -225,7 +225,7 @@ class _SamplingFields(StrictBody):
         named, strict tools under auto)."""
         if self.has_own_constraint:
             return None
-        if self.response_format and self.response_format.constraint():
+        if self.constrained:  # by its response_format
             return "response_format"
         params = reqs[0].params if reqs else None
         constrained = params is not None and (params.json_schema or params.structural_tag)

@@ -311,16 +311,19 @@ def _item(raw: dict[str, Any], where: str) -> dict[str, Any]:
         parts = enumerate(_parts(item["content"]))
         item["content"] = [_part(p, part_type, f"{where}.content", j) for j, p in parts]
         item.setdefault("status", "completed")
-        item.setdefault("id", new_id("msg"))
     elif kind == "function_call_output":
         item["output"] = _text(item["output"], f"{where}.output")
-        item.setdefault("id", new_id("fco"))
-    else:
-        item.setdefault("id", new_id(_ID_PREFIXES[kind]))
+    item.setdefault("id", new_id(_ID_PREFIXES[kind]))
     return item
 
 
-_ID_PREFIXES = {"function_call": "fc", "reasoning": "rs"}
+# the ids items get where the client gave none
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def _field_error(e: ValidationError, where: str) -> APIError:

@@ -52,6 +52,12 @@ class _Run:
         """An error of the engine's about this request, in the Responses API's words."""
         return renamed(constraint_error(e, self.constraint_field), RESPONSES_FIELDS)
 
+    def complete(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The finished response of a sequence not streamed, from its final result."""
+        self.builder.feed(result["text"], result["meta_info"], final=True)
+        self.builder.close(incomplete=_cut_short(result["meta_info"]))
+        return self.finish(result)
+
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         """The finished response, given the sequence's final result (its text all fed).
         Its reasoning tokens are counted by tokenizing the reasoning's text again."""
@@ -104,9 +110,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         (result,) = await until_disconnect(request, call, call.results())
     except APIError as e:
         raise run.named(e) from None
-    run.builder.feed(result["text"], result["meta_info"], final=True)
-    run.builder.close(incomplete=_cut_short(result["meta_info"]))
-    run.stored.response = run.finish(result)
+    run.stored.response = run.complete(result)
     if body.stores:
         store.put(run.stored)
     return JSONResponse(run.stored.response)
@@ -127,8 +131,7 @@ def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: Serve
     model = body.model or state.model_name
     response = rapi.response_object(ask.rid, body, model, tools, body.tool_choice)
     stored = Stored(response, items, body.previous_response_id)
-    field = chat_body.constraint_field(chat.reqs)
-    field = "text.format" if field == "response_format" else field
+    field = chat_body.constraint_field(chat.reqs)  # named by RESPONSES_FIELDS in its turn
     return _Run(response, stored, chat, builder, state.manager.tokenizer, field)
 
 
@@ -287,9 +290,7 @@ async def _in_background(run: _Run, call: Call) -> None:
         error = {"code": "server_error", "message": run.named(e).message}
         stored.response = run.response | {"status": "failed", "error": error}
         return
-    run.builder.feed(result["text"], result["meta_info"], final=True)
-    run.builder.close(incomplete=_cut_short(result["meta_info"]))
-    stored.response = run.finish(result)
+    stored.response = run.complete(result)
 
 
 def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.Task) -> None:
