@@ -11,6 +11,7 @@ from radixserve.config import (
     CacheConfig,
     EmbeddingConfig,
     HiCacheConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -30,6 +31,7 @@ SERVER_PARTS = (
     EmbeddingConfig,
     ParallelConfig,
     ServerConfig,
+    LoraConfig,
 )
 
 

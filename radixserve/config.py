@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import socket
 from dataclasses import dataclass, field
@@ -391,6 +392,65 @@ class EmbeddingConfig:
             )
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = _opt(
+        False,
+        "Serve LoRA adapters (PEFT folders): those of --lora-paths, and any loaded later "
+        "through POST /load_lora_adapter, which reads a folder on this machine (so it is "
+        "refused without this flag). Implied by --lora-paths.",
+    )
+    lora_paths: tuple[str, ...] = _opt(
+        (),
+        "Adapters loaded at start, each NAME=PATH, a PATH (named by itself), or "
+        'JSON {"lora_name": ..., "lora_path": ...}. A request picks one by name: '
+        "`lora_path` on /generate, `model` (NAME or BASE:NAME) on the OpenAI routes.",
+        nargs="+",
+    )
+    max_loaded_loras: int | None = _opt(
+        None, "Most adapters loaded at once (unbounded by default: they live in memory)."
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
+        names = [name for name, _ in self.adapters]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"--lora-paths names {', '.join(repeated)} more than once")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < max(1, len(names)):
+            raise ValueError(
+                f"--max-loaded-loras {self.max_loaded_loras} is below the "
+                f"{len(names)} adapters of --lora-paths (and must be at least 1)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-paths entry."""
+        return [parse_lora_entry(entry) for entry in self.lora_paths]
+
+
+def parse_lora_entry(entry: str) -> tuple[str, str]:
+    """One --lora-paths entry as (name, path)."""
+    if entry.lstrip().startswith("{"):
+        try:
+            spec = json.loads(entry)
+            return str(spec["lora_name"]), str(spec["lora_path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(
+                f'--lora-paths entry {entry!r} is not JSON {{"lora_name": ..., "lora_path": ...}}'
+            ) from None
+    name, sep, path = entry.partition("=")
+    if not sep:
+        return entry, entry
+    if not name or not path:
+        raise ValueError(f"--lora-paths entry {entry!r} is not NAME=PATH")
+    return name, path
+
+
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
@@ -583,8 +643,11 @@ class Config:
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.parallel.tp_size > 1:
+            raise ValueError("LoRA adapters do not run with --tp-size > 1 yet")
         if self.hicache.enable_hierarchical_cache and self.scheduler.disable_radix_cache:
             raise ValueError(
                 "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"
@@ -641,6 +704,8 @@ def add_config_args(parser: argparse.ArgumentParser, parts: tuple[type, ...]) ->
                 kwargs["type"] = int
             elif kind.startswith("float"):
                 kwargs["type"] = float
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             parser.add_argument(_flag(f.name), **kwargs)
 
 

@@ -33,6 +33,7 @@ from radixserve.core.messages import (
     ControlReply,
     ControlReq,
     GenerateReq,
+    LoraUpdate,
     Message,
     PauseMode,
     Rejected,
@@ -42,6 +43,7 @@ from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.reasoning import give_think_blocks
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
+from radixserve.lora.registry import LoraRegistry
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.native import expand_embedding, expand_request, given_rids, named_by
 from radixserve.output import RequestState
@@ -187,7 +189,7 @@ class InProcessTransport:
             if msg.error is not None:
                 future.set_exception(AssertionError(msg.error))
             else:
-                future.set_result(msg.update or msg.result)
+                future.set_result(msg.update or msg.lora or msg.result)
 
     def alive(self) -> bool:
         return not self.stopped
@@ -205,6 +207,7 @@ class Engine:
         # regions; a decode step then costs up to 2x (measured on 2 cores: 38 vs 72 ms).
         # So the caller's thread does no torch work of ours.
         built: Future[None] = Future()
+        self.loras = LoraRegistry(self.config.lora)  # the adapters' names (lora_path)
         self._thread = threading.Thread(
             target=self._run, args=(progress, built), name="radixserve-scheduler", daemon=True
         )
@@ -274,9 +277,11 @@ class Engine:
         priority: int | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         require_reasoning: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Native-API generation: one prompt gives a dict, a list gives a list (n > 1 gives
-        n results per prompt); `stream=True` gives an iterator of cumulative results."""
+        n results per prompt); `stream=True` gives an iterator of cumulative results.
+        `lora_path`: the name of a loaded LoRA adapter to run with, or one per prompt."""
         reqs, states, single = self._make_requests(
             prompt,
             sampling_params,
@@ -290,6 +295,7 @@ class Engine:
             stream,
             token_ids_logprob,
             require_reasoning,
+            lora_path,
         )
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
@@ -432,6 +438,33 @@ class Engine:
         }
         return self._control("update_weights", args).answer()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the LoRA adapter in PEFT folder `lora_path` as `lora_name` (SGLang's
+        Engine call; needs enable_lora=True or lora_paths). Returns `{"success",
+        "error_message", "loaded_adapters"}`; a folder that cannot be served on this model
+        fails with the reason."""
+        ref = self.loras.new_ref(lora_name, lora_path)
+        update = self._control(
+            "load_lora_adapter", {"uid": ref.uid, "name": ref.name, "path": ref.path}
+        )
+        if update.success:
+            self.loras.refs[ref.name] = ref
+        return self._lora_answer(update)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload an adapter: calls naming it fail from now on; it is dropped once the
+        requests already running with it have ended (this waits for that)."""
+        uid = self.loras.uid(lora_name, "lora_name")
+        del self.loras.refs[lora_name]
+        return self._lora_answer(self._control("unload_lora_adapter", {"uid": uid}))
+
+    def _lora_answer(self, update: LoraUpdate) -> dict[str, Any]:
+        return {
+            "success": update.success,
+            "error_message": None if update.success else update.message,
+            "loaded_adapters": self.loras.loaded(),
+        }
+
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         """Stop generating until `continue_generation` (SGLang's): `abort` ends every
         request first, `retract` takes the running ones back to the queue (generated tokens
@@ -489,6 +522,7 @@ class Engine:
         stream=False,
         token_ids_logprob=None,
         require_reasoning=False,
+        lora_path=None,
     ) -> tuple[list[Req], list[RequestState], bool]:
         """Validated requests (one per prompt and per `n`), their result states, and whether
         the caller gets a single result rather than a list."""
@@ -503,6 +537,7 @@ class Engine:
             rid,
             priority,
             token_ids_logprob=token_ids_logprob,
+            lora_ids=self.loras.uids(lora_path),
         )
         if stream and len(expanded.reqs) != 1:
             raise ValueError("stream=True takes a single prompt with n=1")

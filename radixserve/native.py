@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixserve.core.embedding import EmbedParams
@@ -48,12 +48,14 @@ def expand_request(
     max_sequences: int | None = None,
     embed: EmbedParams | None = None,
     token_ids_logprob: list[int] | list[list[int]] | None = None,
+    lora_ids: int | Sequence[int] = 0,
 ) -> Expanded:
     """Validated requests; a ValueError names what is wrong with the call. With
     `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
     prompt is tokenized. With `embed`, embedding requests (see `expand_embedding`).
     `token_ids_logprob`: tokens whose logprobs to report at every position (with
-    return_logprob), one list for all prompts or one per prompt."""
+    return_logprob), one list for all prompts or one per prompt. `lora_ids`: the uid of the
+    LoRA adapter to run with (0: none), one for all prompts or one per prompt."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
     field = "text" if prompt is not None else "input_ids"
@@ -66,12 +68,17 @@ def expand_request(
     _check_count(params_list, max_sequences, field)
     rids = _rids(rid, count)
     named = _token_ids_per_prompt(token_ids_logprob, count)
+    adapters = [lora_ids] * count if isinstance(lora_ids, int) else list(lora_ids)
+    if len(adapters) != count:
+        raise InvalidRequest(f"lora_path: a list needs one entry per prompt ({count})", "lora_path")
     if prompt is not None:
         id_lists = [tokenize(p) for p in ([prompt] if single else prompt)]
     else:
         id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
     reqs = []
-    for ids, params, base, token_ids in zip(id_lists, params_list, rids, named):
+    for ids, params, base, token_ids, lora_id in zip(
+        id_lists, params_list, rids, named, adapters, strict=True
+    ):
         if not ids:
             raise InvalidRequest("a prompt of the batch is empty", field)
         for j in range(params.n):
@@ -88,6 +95,7 @@ def expand_request(
                     top_logprobs_num=top_logprobs_num or 0,
                     token_ids_logprob=token_ids,
                     embed=embed,
+                    lora_id=lora_id,
                 )
             )
     _check_unique([req.rid for req in reqs])

@@ -39,6 +39,9 @@ class ForwardBatch:
     # copies into the KV pool still in flight (the hierarchical cache's load back, on
     # CUDA): objects with `wait_layer(layer)`, waited on before each layer reads the pool
     kv_loads: list[Any] = field(default_factory=list)
+    # (B,) per entry, the uid of the LoRA adapter its rows run with (0: the base model);
+    # None where no entry uses one
+    lora_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.numel()
@@ -46,6 +49,7 @@ class ForwardBatch:
         assert sum(self.extend_lens) == num_tokens == self.positions.numel()
         assert self.out_slots.numel() == num_tokens
         assert all(n >= 1 for n in self.extend_lens), "every request needs a new token"
+        assert self.lora_ids is None or len(self.lora_ids) == len(self.extend_lens)
         if self.mode is ForwardMode.DECODE:
             assert all(n == 1 for n in self.extend_lens), "decode takes one token per request"
 
@@ -56,6 +60,10 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_ids is not None and any(self.lora_ids)
 
     def logits_rows(self) -> ForwardBatch | None:
         """The step narrowed to its logits rows, as the last decoder layer sees them: past

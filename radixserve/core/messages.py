@@ -40,6 +40,7 @@ class GenerateReq(Message):
     stream: bool = False  # the detokenizer sends partial results only for streams
     embed: EmbedParams | None = None  # an embedding request (core/embedding.py)
     think: ThinkBlock | None = None  # reasoning before the constrained text (core/req.py)
+    lora_id: int = 0  # the uid of its LoRA adapter (0: the base model)
 
     @classmethod
     def from_req(
@@ -59,6 +60,7 @@ class GenerateReq(Message):
             stream,
             req.embed,
             req.think,
+            req.lora_id,
         )
 
     def to_req(self) -> Req:
@@ -74,6 +76,7 @@ class GenerateReq(Message):
             token_ids_logprob=self.token_ids_logprob,
             embed=self.embed,
             think=self.think,
+            lora_id=self.lora_id,
         )
 
 
@@ -89,6 +92,8 @@ ControlOp = Literal[
     "update_weights",
     "pause_generation",
     "continue_generation",
+    "load_lora_adapter",
+    "unload_lora_adapter",
 ]
 # how pause_generation treats the live requests (SGLang's modes): end them, take the running
 # ones back to the queue, or keep them where they are
@@ -102,7 +107,9 @@ class ControlReq(Message):
     # update_weights: {"model_path": str, "abort_all_requests": bool, "weight_version":
     # str | None}, or in place of the path (in-process only: the Engine's)
     # {"named_tensors": [(name, tensor)...], "flush_cache": bool};
-    # pause_generation: {"mode": PauseMode}
+    # pause_generation: {"mode": PauseMode};
+    # load_lora_adapter: {"uid": int, "name": str, "path": str}; unload_lora_adapter:
+    # {"uid": int} (answered once no live request uses it)
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -133,10 +140,18 @@ class WeightUpdate(msgspec.Struct):
         }
 
 
+class LoraUpdate(msgspec.Struct):
+    """How a load_lora_adapter or unload_lora_adapter op ended."""
+
+    success: bool
+    message: str
+
+
 class ControlReply(Message):
     call_id: int
     result: bool | SchedulerStats | None = None
     update: WeightUpdate | None = None  # the answer to update_weights
+    lora: LoraUpdate | None = None  # the answer to load/unload_lora_adapter
     error: str | None = None  # the op failed (e.g. the KV accounting check)
 
 

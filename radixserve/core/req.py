@@ -23,6 +23,7 @@ class Req:
     seed: int = -1  # the draw seed: params.sampling_seed, else a random one
     priority: int = 0  # larger runs first under the "priority" policy
     extra_key: Hashable = None  # namespaces the prefix cache (cache salt, adapter id)
+    lora_id: int = 0  # the uid of the LoRA adapter it runs with (0: the base model)
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0

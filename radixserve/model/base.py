@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.lora.state import LoraSite, LoraState
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.cpu_kernels import BlockedLinear, CodedLinear, CodedPrefill, Codes, FusedOps
 from radixserve.model.layers import (
@@ -81,6 +82,19 @@ class CausalLM(nn.Module):
         # a step's decoder layers in one C++ call (decode_layers.py), where the model
         # class runs it (Llama-family); None: layer by layer in Python
         self.decode_layers: Callable[..., torch.Tensor | None] | None = None
+        self.lora: LoraState | None = None  # see use_lora
+
+    def use_lora(self, state: LoraState) -> None:
+        """Serve LoRA adapters: every decoder layer's attention and MLP add the products
+        of the adapters `state` says the step's rows use."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.lora = layer.mlp.lora = LoraSite(state, i)
+        self.lora = state
+
+    @property
+    def lora_active(self) -> bool:
+        """The step in flight has rows that use an adapter."""
+        return self.lora is not None and self.lora.active
 
     @property
     def attention_scale(self) -> float:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.lora.state import LoraSite
 from radixserve.model.cpu_kernels import BlockedLinear, CodedPart, CodedPrefill, Codes, FusedOps
 from radixserve.model.parallel import SINGLE, TensorParallel
 
@@ -403,7 +404,11 @@ class GatedMLP(nn.Module):
     kernel takes the rows, one product that comes out as the activation (`act_in_product`).
     The transposed order is kept to gate/up: on every projection it moved SmolLM2's batch-8
     decode logits 1.1e-4 from transformers' (over the 1e-4 fidelity bar; 5.9e-5 like this).
+    With `lora` set and a step's adapters in flight, their products are added to gate/up's
+    and down's (one plain product each, whole).
     """
+
+    lora: LoraSite | None = None
 
     def __init__(self, hidden: int, intermediate: int, act: str, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -420,6 +425,8 @@ class GatedMLP(nn.Module):
         self.fused: FusedOps | None = None  # silu(gate) * up in one pass (silu only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.active:
+            return self.tp.all_reduce(self._with_lora(x, self.lora))
         if self._in_chunks(x):
             return self.tp.all_reduce(torch.cat([self._local(p) for p in x.split(MLP_CHUNK_ROWS)]))
         return self.tp.all_reduce(self._local(x))
@@ -464,6 +471,12 @@ class GatedMLP(nn.Module):
         if self.fused is not None and h.dim() == 2 and self.fused.fits(h, widths=2):
             return self.down_proj(self.fused.silu_mul(h))
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])
+
+    def _with_lora(self, x: torch.Tensor, lora: LoraSite) -> torch.Tensor:
+        (h,) = lora.add("gate_up", x, [self.gate_up_proj(x)])
+        half = self.intermediate
+        act = self.act(h[..., :half]) * h[..., half:]
+        return lora.add("down", act, [self.down_proj(act)])[0]
 
     def act_in_product(self, x: torch.Tensor) -> bool:
         """The gate/up product of x's rows goes to a blocked kernel that applies SiLU * up

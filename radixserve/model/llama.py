@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from radixserve.lora.state import LoraSite
 from radixserve.model.attention import AttentionBackend
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.layers import (
@@ -36,7 +37,10 @@ NormClass = type[nn.Module]  # RMSNorm, GemmaRMSNorm: (dim, eps) → module
 
 class LlamaAttention(nn.Module):
     """q/k/v projections, optional per-head q/k norms (`qk_norm`: the norm class, applied
-    over head_dim before the rotary embedding), rotary, the backend's attention, o_proj."""
+    over head_dim before the rotary embedding), rotary, the backend's attention, o_proj;
+    with `lora` set (LoRA serving), the step's adapters' products added to the projections'."""
+
+    lora: LoraSite | None = None
 
     def __init__(
         self,
@@ -79,9 +83,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (T, hidden); with `last`, of its rows alone
         """With `last` (the last layer), every row's K/V and only `last`'s rows' queries:
         all K/V go to the pool, then those rows attend as the narrowed batch's."""
+        lora = self.lora if self.lora is not None and self.lora.active else None
         if last is None:
             q, k, v = shared_input_products(self.shared_input_linears(), x)
+            if lora is not None:
+                q, k, v = lora.add("qkv", x, [q, k, v])
         else:
+            assert lora is None, "a step with LoRA rows runs every row of the last layer"
             q, k, v = self.q_proj(x[last[0].rows]), self.k_proj(x), self.v_proj(x)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KH, D)
@@ -90,7 +98,11 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if last is None:
             q, k = rotary.apply(q, k)
-            return self.tp.all_reduce(self.o_proj(attn.forward(self.layer, q, k, v, meta)))
+            out = attn.forward(self.layer, q, k, v, meta)
+            if lora is not None:
+                out = out.reshape(out.shape[0], -1)
+                return self.tp.all_reduce(lora.add("o", out, [self.o_proj(out)])[0])
+            return self.tp.all_reduce(self.o_proj(out))
         rows, tables = last
         k, q = rotary.apply_one(k), tables.apply_one(q)
         attn.write(self.layer, k, v, meta)  # every row's; the rows' again below, alike
@@ -156,7 +168,7 @@ class LlamaForCausalLM(CausalLM):
         x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
         narrowed = None if last is None else (last, self.rotary.tables(last.positions, x.dtype))
-        if self.decode_layers is not None:  # the layers in one C++ call, where it takes them
+        if self.decode_layers is not None and not self.lora_active:  # one C++ call
             out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta, narrowed)
             if out is not None:
                 return out

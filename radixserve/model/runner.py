@@ -34,6 +34,8 @@ from radixserve.hardware import (
     resolve_device_and_dtype,
     resolve_kv_dtype,
 )
+from radixserve.lora.adapter import LoraAdapter, LoraError, ModelShape
+from radixserve.lora.state import LoraState
 from radixserve.model.attention import DeviceDecodeKernel, TorchNativeAttention
 from radixserve.model.base import CausalLM, LastRows, head_dim_of
 from radixserve.model.cpu_kernels import (
@@ -179,6 +181,12 @@ class ModelRunner:
         self.swa_tokens = self._swa_pool_size()
         self._build_kv_memory(config)
         self.decode_graphs = self._decode_graphs(config, self.model)
+        # LoRA adapters by uid, and the rows of the step in flight that use them
+        self.lora = LoraState() if config.lora.enabled else None
+        if self.lora is not None:
+            self.model.use_lora(self.lora)
+            for uid, (name, path) in enumerate(config.lora.adapters, start=1):  # as the
+                self.load_lora(uid, name, path)  # edge numbers them (lora/registry.py)
         # a step's last layer runs past its K/V for the logits rows alone
         # (ForwardBatch.logits_rows); off: every row (benchmarks/last_layer_rows.py)
         self.narrow_last_layer = True
@@ -362,7 +370,39 @@ class ModelRunner:
         """Serve `model` from the next step on, its CUDA graphs built first (a failure
         leaves the loaded model in place)."""
         graphs = None if self.decode_graphs is None else self._decode_graphs(self.config, model)
+        if self.lora is not None:
+            model.use_lora(self.lora)
         self.model, self.decode_graphs = model, graphs
+
+    def load_lora(self, uid: int, name: str, path: str) -> LoraAdapter:
+        """Read the adapter in PEFT folder `path` for requests naming `uid` (LoraError
+        says why one cannot be served on this model)."""
+        if self.lora is None:
+            raise LoraError("LoRA adapters are not served: start with --enable-lora")
+        limit = self.config.lora.max_loaded_loras
+        if limit is not None and len(self.lora.adapters) >= limit:
+            raise LoraError(
+                f"{limit} adapters are loaded already (--max-loaded-loras); unload one first"
+            )
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        shape = ModelShape.of(
+            hidden=int(self.hf_config.hidden_size),
+            q_size=attn.num_heads * attn.head_dim,
+            kv_size=attn.num_kv_heads * attn.head_dim,
+            intermediate=mlp.intermediate,
+            layers=len(self.model.layers),
+        )
+        adapter = LoraAdapter.load(name, path, shape, self.dtype, self.device)
+        self.lora.adapters[uid] = adapter
+        logger.info(
+            "loaded LoRA adapter %s from %s: rank %d on %s (%.1f MiB)",
+            name, adapter.path, adapter.rank, ", ".join(adapter.modules), adapter.nbytes / 2**20,
+        )  # fmt: skip
+        return adapter
+
+    def unload_lora(self, uid: int) -> None:
+        if self.lora is not None:
+            self.lora.adapters.pop(uid, None)
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
@@ -435,14 +475,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if batch.uses_lora:  # the rows' adapters, for this step alone
+            if self.lora is None:
+                raise LoraError("a step names LoRA adapters, which are not served here")
+            self.lora.begin(batch.lora_ids, batch.extend_lens, self.device)
+            try:
+                return self._run(batch, narrow=False)  # every row of the last layer too
+            finally:
+                self.lora.end()
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch):
             return ForwardOutput(graphs.run(batch))
+        return self._run(batch, self.narrow_last_layer)
+
+    def _run(self, batch: ForwardBatch, narrow: bool) -> ForwardOutput:
         if self.kv_pool.mapping:  # the pages this step writes K/V to, mapped first
             self.kv_pool.map_for_slots(batch.out_slots)
         meta = self.attention.prepare(batch)
         model = self.model
-        narrowed = batch.logits_rows() if self.narrow_last_layer else None
+        narrowed = batch.logits_rows() if narrow else None
         last = None
         if narrowed is not None:  # the last layer past its K/V: these rows alone
             last = LastRows(

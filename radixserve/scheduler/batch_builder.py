@@ -72,6 +72,7 @@ class BatchBuilder:
             extend_lens=lens,
             logits_indices=self._tensor(logits_at),
             hidden_indices=self._tensor(hidden_at) if hidden_rows is not None else None,
+            lora_ids=_lora_ids(reqs),
         )
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
@@ -94,6 +95,7 @@ class BatchBuilder:
             prefix_lens=prefix_lens,
             extend_lens=[1] * len(reqs),
             logits_indices=torch.arange(len(reqs), device=self.device),
+            lora_ids=_lora_ids(reqs),
         )
         for req in reqs:
             req.kv_len += 1
@@ -118,6 +120,7 @@ class BatchBuilder:
         extend_lens: list[int] = []
         logits_at: list[int] = []
         first_rows: list[int] = []
+        entries: list[Req] = []  # the request of each entry (a draft's rows are one each)
         offset = 0
         for req, new, draft in zip(reqs, news, drafts):
             n = len(new)
@@ -127,11 +130,13 @@ class BatchBuilder:
                 rows += [req.row] * n
                 prefix_lens += range(req.kv_len, req.kv_len + n)
                 extend_lens += [1] * n
+                entries += [req] * n
                 logits_at += range(offset, offset + n)
             else:
                 rows.append(req.row)
                 prefix_lens.append(req.kv_len)
                 extend_lens.append(n)
+                entries.append(req)
                 logits_at.append(offset + n - 1)
             offset += n
         single = all(n == 1 for n in extend_lens)
@@ -144,6 +149,7 @@ class BatchBuilder:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             logits_indices=self._tensor(logits_at),
+            lora_ids=_lora_ids(entries),
         )
         for req, new in zip(reqs, news):
             req.kv_len += len(new)
@@ -189,3 +195,9 @@ class BatchBuilder:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _lora_ids(reqs: Sequence[Req]) -> list[int] | None:
+    """Each entry's LoRA adapter uid (0: the base model), or None where none uses one."""
+    ids = [req.lora_id for req in reqs]
+    return ids if any(ids) else None

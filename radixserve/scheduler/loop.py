@@ -111,6 +111,8 @@ class SchedulerLoop:
             self.settle_compiled()
         if self._update is not None and self.may_update():
             self.update_weights()
+        for reply in self.scheduler.adapters.settle([*scheduler.live(), *self._after_update]):
+            self.transport.reply(reply)
         if self._mapping and not messages and not self.stepping:
             self._mapping = scheduler.map_idle_pages()
         if self.paused is not None:  # nothing steps; an abort still ends its request
@@ -162,6 +164,8 @@ class SchedulerLoop:
             self.abort(msg)
         elif isinstance(msg, ControlReq) and msg.op == "update_weights":
             self.wait_to_update(msg)
+        elif isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
+            self.scheduler.adapters.unload(msg)  # answered once no live request uses it
         elif isinstance(msg, ControlReq):
             self.transport.reply(self.control(msg))
         else:
@@ -288,6 +292,8 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, self.scheduler.flush_cache())
         if msg.op == "get_state":
             return ControlReply(msg.call_id, self.state())
+        if msg.op == "load_lora_adapter":
+            return self.scheduler.adapters.load(msg)
         try:
             self.scheduler.check_kv_accounting()
         except AssertionError as e:

@@ -39,6 +39,7 @@ from radixserve.core.req import Req
 from radixserve.model.loader import ModelLoadError
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler import embedding
+from radixserve.scheduler.adapters import Adapters
 from radixserve.scheduler.kv_manager import KVManager, build_tiers
 from radixserve.scheduler.logprobs import record_input_logprobs, wants_prompt_logits
 from radixserve.scheduler.policy import order_waiting
@@ -90,6 +91,7 @@ class Scheduler:
         stops = StopChecker(runner.tokenizer, runner.eos_token_ids, self.info, self.grammars)
         self.post = OutputProcessor(self.grammars, stops, self.info, runner.device, self.stats)
         self.reserve = OutputReserve(config.init_new_token_ratio, config.min_new_token_ratio)
+        self.adapters = Adapters(runner)  # LoRA: which adapters requests may name
         self.spec: Speculator | None = None
         if speculative is not None and speculative.enabled:
             self.spec = Speculator(speculative, self.stats, self.info.context_length)
@@ -112,6 +114,7 @@ class Scheduler:
         compile (`compiled` hands it back). Raises ValueError if it can never run on this
         engine (GrammarError, for a constraint refused before, included)."""
         req.check_fits(self.info)
+        self.adapters.attach(req)
         if not self.grammars.attach(req):
             return False
         self._queue(req)

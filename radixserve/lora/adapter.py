@@ -1,0 +1,232 @@
+"""A LoRA adapter read from a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`,
+what `PeftModel.save_pretrained` writes), checked against the loaded model and laid out
+for the forward pass.
+
+A LoRA module adds `scaling * (x @ A.T) @ B.T` to a linear layer's product of x, with A
+(r, in), B (out, r) and scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). Here
+the layers that share an input share one product: per decoder layer four *sites*, `qkv`
+(q_proj, k_proj and v_proj of the attention input), `o` (o_proj), `gate_up` (gate_proj
+and up_proj of the MLP input, laid out as the model's fused gate/up product) and `down`.
+A site's A matrices are concatenated (in, R) and its B matrices placed block-diagonally
+(R, out of the site's outputs side by side), scaling folded in: two products per site and
+adapter, whichever of its modules the adapter trains (an untrained one's block is zeros).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# site → its modules in output order (PEFT's module names)
+SITES: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+SITE_OF = {module: site for site, modules in SITES.items() for module in modules}
+# PEFT's key of a LoRA matrix: ...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.name].weight
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
+
+
+class LoraError(ValueError):
+    """The adapter cannot be served on this model (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an adapter's matrices must fit: per module (in_features, out_features)."""
+
+    num_layers: int
+    dims: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, hidden: int, q_size: int, kv_size: int, intermediate: int, layers: int):
+        dims = {
+            "q_proj": (hidden, q_size),
+            "k_proj": (hidden, kv_size),
+            "v_proj": (hidden, kv_size),
+            "o_proj": (q_size, hidden),
+            "gate_proj": (hidden, intermediate),
+            "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden),
+        }
+        return cls(layers, dims)
+
+
+@dataclass(frozen=True)
+class SiteWeights:
+    a: torch.Tensor  # (in, R): the site's A matrices, transposed, side by side
+    b: torch.Tensor  # (R, out): their B matrices transposed, block-diagonal, scaled
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int  # the largest of its modules' ranks
+    modules: tuple[str, ...]  # the PEFT module names it trains, sorted
+    sites: dict[tuple[int, str], SiteWeights]  # (layer, site) → weights
+    digest: str  # of its weights and scaling: what the prefix cache is namespaced by
+
+    @property
+    def cache_key(self) -> str:
+        return f"lora:{self.digest}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.sites.values())
+
+    @classmethod
+    def load(
+        cls, name: str, path: str | Path, shape: ModelShape, dtype: torch.dtype, device
+    ) -> LoraAdapter:
+        folder = Path(path).expanduser()
+        config = _read_config(folder)
+        scaling_of = _scaling(config)
+        weights = folder / WEIGHTS_FILE
+        if not weights.is_file():
+            found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+            raise LoraError(
+                f"{folder} has no {WEIGHTS_FILE} (found: {found}); only safetensors adapter "
+                "weights are read (a pickled adapter_model.bin is not loaded)"
+            )
+        pairs = _read_pairs(weights, shape)
+        sites: dict[tuple[int, str], SiteWeights] = {}
+        for layer in sorted({layer for layer, _ in pairs}):
+            for site, modules in SITES.items():
+                trained = [(m, pairs[layer, m]) for m in modules if (layer, m) in pairs]
+                if trained:
+                    sites[layer, site] = _site(modules, dict(trained), shape, scaling_of)
+        sites = {
+            k: SiteWeights(w.a.to(device, dtype), w.b.to(device, dtype)) for k, w in sites.items()
+        }
+        digest = hashlib.blake2b(weights.read_bytes(), digest_size=16)
+        digest.update(json.dumps(sorted(scaling_of(r) for r in _ranks(pairs))).encode())
+        return cls(
+            name=name,
+            path=str(folder),
+            rank=max(_ranks(pairs)),
+            modules=tuple(sorted({m for _, m in pairs})),
+            sites=sites,
+            digest=digest.hexdigest(),
+        )
+
+
+def _read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise LoraError(f"LoRA adapter folder {folder} does not exist")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise LoraError(f"{folder} has no {CONFIG_FILE}: not a PEFT adapter folder") from None
+    except json.JSONDecodeError as e:
+        raise LoraError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoraError(f"the adapter in {folder} is {peft_type}, not LORA")
+    refused = {
+        "use_dora": "DoRA adapters are not supported",
+        "fan_in_fan_out": "fan_in_fan_out adapters (Conv1D layers) are not supported",
+        "modules_to_save": "modules_to_save (fully trained layers) are not supported",
+        "alpha_pattern": "per-module alpha_pattern is not supported",
+    }
+    for key, why in refused.items():
+        if config.get(key):
+            raise LoraError(f"{folder}: {why} ({key}={config[key]!r})")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"{folder}: trained biases are not supported (bias={config['bias']!r})")
+    return config
+
+
+def _scaling(config: dict):
+    """rank → the factor on B @ A (rank_pattern's ranks come from the matrices' shapes)."""
+    alpha = float(config.get("lora_alpha", 8))
+    if config.get("use_rslora"):
+        return lambda r: alpha / math.sqrt(r)
+    return lambda r: alpha / r
+
+
+def _read_pairs(weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple]:
+    """(layer, module) → (A (r, in), B (out, r)) in fp32, each checked against the model."""
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    with safe_open(weights, framework="pt") as f:
+        for key in f.keys():
+            match = _KEY.search(key)
+            if match is None:
+                raise LoraError(
+                    f"{weights}: tensor {key} is not a LoRA matrix of an attention or MLP "
+                    f"projection ({', '.join(SITE_OF)}); embedding and LM-head adapters are "
+                    "not supported"
+                )
+            layer, module, which = int(match[1]), match[2], match[3]
+            if module not in SITE_OF:
+                raise LoraError(
+                    f"{weights}: tensor {key} adapts {module}, not one of {', '.join(SITE_OF)}"
+                )
+            if layer >= shape.num_layers:
+                raise LoraError(
+                    f"{weights}: tensor {key} is for layer {layer}; "
+                    f"the model has {shape.num_layers}"
+                )
+            found[layer, module, which] = f.get_tensor(key).float()
+    if not found:
+        raise LoraError(f"{weights} holds no LoRA matrices")
+    pairs = {}
+    for layer, module, which in found:
+        if which == "B":
+            continue
+        a, b = found[layer, module, "A"], found.get((layer, module, "B"))
+        if b is None:
+            raise LoraError(f"{weights}: layer {layer} {module} has lora_A but no lora_B")
+        fan_in, fan_out = shape.dims[module]
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[0] != b.shape[1]
+            or (a.shape[1], b.shape[0]) != (fan_in, fan_out)
+        ):
+            raise LoraError(
+                f"{weights}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}; this model needs A (r, {fan_in}) and B ({fan_out}, r): "
+                "the adapter was trained for another model"
+            )
+        pairs[layer, module] = (a, b)
+    unpaired = {(layer, m) for layer, m, w in found if w == "B"} - set(pairs)
+    if unpaired:
+        layer, module = min(unpaired)
+        raise LoraError(f"{weights}: layer {layer} {module} has lora_B but no lora_A")
+    return pairs
+
+
+def _ranks(pairs: dict) -> list[int]:
+    return [a.shape[0] for a, _ in pairs.values()]
+
+
+def _site(modules, trained: dict, shape: ModelShape, scaling_of) -> SiteWeights:
+    """One site's (in, R) and block-diagonal (R, out) matrices (see the module's doc)."""
+    outs = [shape.dims[m][1] for m in modules]
+    ranks = [trained[m][0].shape[0] if m in trained else 0 for m in modules]
+    fan_in = shape.dims[modules[0]][0]
+    a = torch.zeros(fan_in, sum(ranks))
+    b = torch.zeros(sum(ranks), sum(outs))
+    r0 = o0 = 0
+    for module, r, out in zip(modules, ranks, outs, strict=True):
+        if r:
+            lora_a, lora_b = trained[module]
+            a[:, r0 : r0 + r] = lora_a.t()
+            b[r0 : r0 + r, o0 : o0 + out] = lora_b.t() * scaling_of(r)
+        r0, o0 = r0 + r, o0 + out
+    return SiteWeights(a, b)

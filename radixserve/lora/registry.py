@@ -1,0 +1,90 @@
+"""The edge's names of the loaded LoRA adapters (the server's tokenizer process, the
+Engine's caller thread): requests name an adapter, the scheduler knows it by a uid.
+
+Uids are handed out here, once each: the adapters of --lora-paths get 1..n in order (the
+runner loads them at start with the same numbers), each later load the next one. A name
+leaves the registry before its unload is sent, so no request can name it after; the
+scheduler unloads it once the requests already sent have ended.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from radixserve.config import LoraConfig
+from radixserve.native import InvalidRequest
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    name: str
+    path: str
+    uid: int
+
+
+class LoraRegistry:
+    def __init__(self, config: LoraConfig) -> None:
+        self.enabled = config.enabled
+        self.refs: dict[str, LoraRef] = {
+            name: LoraRef(name, path, uid)
+            for uid, (name, path) in enumerate(config.adapters, start=1)
+        }
+        self._uids = itertools.count(len(self.refs) + 1)
+        self.pending: set[str] = set()  # names being loaded or unloaded right now
+
+    def new_ref(self, name: str, path: str) -> LoraRef:
+        """A uid for a load of `name` (InvalidRequest if the name is taken or busy)."""
+        if not self.enabled:
+            raise InvalidRequest(
+                "LoRA adapters are not served: start the server with --enable-lora", "lora_name"
+            )
+        if not name:
+            raise InvalidRequest("lora_name is empty", "lora_name")
+        if name in self.refs or name in self.pending:
+            raise InvalidRequest(
+                f"a LoRA adapter named {name!r} is already loaded (unload it first)", "lora_name"
+            )
+        return LoraRef(name, path, next(self._uids))
+
+    def uid(self, name: str | None, param: str = "lora_path") -> int:
+        """The uid of the adapter called `name` (0 for None: the base model)."""
+        if name is None:
+            return 0
+        ref = self.refs.get(name)
+        if ref is None:
+            loaded = ", ".join(sorted(self.refs)) or "none"
+            raise InvalidRequest(
+                f"LoRA adapter {name!r} is not loaded (loaded: {loaded})",
+                param,
+                code="lora_not_found",
+            )
+        return ref.uid
+
+    def uids(self, names: str | Sequence[str | None] | None) -> int | list[int]:
+        """/generate's `lora_path`: one name for every prompt, or one per prompt (a list,
+        whose length `expand_request` checks)."""
+        if names is None or isinstance(names, str):
+            return self.uid(names)
+        if not isinstance(names, list | tuple):
+            raise InvalidRequest(
+                "lora_path must be a name, or a list of one per prompt", "lora_path"
+            )
+        return [self.uid(name) for name in names]
+
+    def model_uid(self, model: str | None) -> int:
+        """The OpenAI routes' `model`: an adapter's name, or BASE:NAME (SGLang's form),
+        names an adapter; anything else is the base model."""
+        if not model or not self.refs:
+            return 0
+        if model in self.refs:
+            return self.refs[model].uid
+        _, sep, name = model.rpartition(":")
+        if sep and name in self.refs:
+            return self.refs[name].uid
+        return 0
+
+    def loaded(self) -> dict[str, str]:
+        """name → path of every loaded adapter (SGLang's `loaded_adapters`)."""
+        return {ref.name: ref.path for ref in self.refs.values()}
