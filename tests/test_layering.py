@@ -58,6 +58,8 @@ FORBIDDEN = {
         "hardware",
     ),
     "server": ("engine", "bench", "cli"),
+    # LoRA adapters: read by the model runner, named at the edge; neither side's parts
+    "lora": ("cache", "model", "constrained", "scheduler", "server", "engine", "output", "bench"),
 }
 # the root modules, by file
 ROOT_FORBIDDEN = {

@@ -42,7 +42,12 @@ class LoraRegistry:
             )
         if not name:
             raise InvalidRequest("lora_name is empty", "lora_name")
-        if name in self.refs or name in self.pending:
+        if name in self.pending:
+            raise InvalidRequest(
+                f"LoRA adapter {name!r} is being loaded or unloaded; retry once that ends",
+                "lora_name",
+            )
+        if name in self.refs:
             raise InvalidRequest(
                 f"a LoRA adapter named {name!r} is already loaded (unload it first)", "lora_name"
             )

@@ -124,9 +124,15 @@ def embedding_reqs(body: EmbeddingRequest, state: ServerState) -> list[Req]:
     check_dimensions(body.dimensions, state.manager.info.hidden_size)  # type: ignore[union-attr]
     texts, ids = split_input(body.input)
     params = embed_params(state.config.embedding)
+    lora_id = state.adapter_of(body.model)  # an adapter's name, or the base model
     try:
         expanded = expand_embedding(
-            state.manager.encode, texts, ids, params, max_sequences=MAX_SEQUENCES_PER_REQUEST
+            state.manager.encode,
+            texts,
+            ids,
+            params,
+            max_sequences=MAX_SEQUENCES_PER_REQUEST,
+            lora_id=lora_id,
         )
     except ValueError as e:
         raise call_error(e, EMBEDDING_FIELDS) from None

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve import __version__
 from radixserve.config import Config
+from radixserve.lora.registry import LoraRegistry
 from radixserve.server import openai_api as oai
 from radixserve.server import routes_native, routes_openai, routes_responses
 from radixserve.server.body import validation_error
@@ -35,7 +36,8 @@ STARTED = oai.now()
 
 def build_app(manager: TokenizerManager, config: Config, model_name: str) -> FastAPI:
     app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None)
-    app.state.server = ServerState(manager, config, model_name, STARTED)
+    loras = LoraRegistry(config.lora)
+    app.state.server = ServerState(manager, config, model_name, STARTED, loras)
     app.state.responses = ResponseStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
     app.add_exception_handler(APIError, _api_error)

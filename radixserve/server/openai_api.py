@@ -160,6 +160,7 @@ class _SamplingFields(StrictBody):
     ebnf: str | None = None
     rid: str | None = None
     priority: int | None = None
+    lora_path: str | None = None  # a loaded LoRA adapter's name (SGLang's; or `model`)
     # SGLang's extras that sglang-router forwards at their defaults on every request
     return_hidden_states: Literal[False] = False  # hidden states: not served by these routes
 
@@ -358,7 +359,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # -- requests → native sequences ------------------------------------------------------------
-def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]]) -> list[Req]:
+def completion_reqs(
+    body: CompletionRequest, encode: Callable[[str], list[int]], lora_id: int = 0
+) -> list[Req]:
     prompt = body.prompt
     if prompt == [] or prompt == "":
         raise bad_request("prompt is empty", param="prompt")
@@ -378,6 +381,7 @@ def completion_reqs(body: CompletionRequest, encode: Callable[[str], list[int]])
             rid=body.rid,
             priority=body.priority,
             max_sequences=MAX_SEQUENCES_PER_REQUEST,
+            lora_ids=lora_id,
         ).reqs
     except ValueError as e:
         raise call_error(e, COMPLETION_FIELDS) from None
@@ -452,9 +456,11 @@ def chat_call(
     max_context: int,
     plan: ToolPlan,
     fields: Fields = CHAT_FIELDS,
+    lora_id: int = 0,
 ) -> ChatCall:
-    """The sequences of a chat request; `fields`: how the API that took it names its fields
-    in errors (/v1/responses builds a chat request from its own)."""
+    """The sequences of a chat request (run with LoRA adapter `lora_id`, 0: none);
+    `fields`: how the API that took it names its fields in errors (/v1/responses builds a
+    chat request from its own)."""
     if body.top_logprobs and not body.logprobs:  # as OpenAI: refused, not ignored
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     prompt = chat_prompt(body, tokenizer, plan, fields)
@@ -475,6 +481,7 @@ def chat_call(
             rid=body.rid,
             priority=body.priority,
             max_sequences=MAX_SEQUENCES_PER_REQUEST,
+            lora_ids=lora_id,
         ).reqs
     except ValueError as e:
         raise call_error(e, fields) from None

@@ -18,6 +18,7 @@ from pydantic import ConfigDict, WithJsonSchema
 from radixserve import __version__
 from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.lora.registry import LoraRegistry
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
 from radixserve.server.body import JSONBodyRoute, StrictBody, off_the_loop_if_large
@@ -37,6 +38,7 @@ from radixserve.server.tokenizer_manager import Call
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # a weight update waits for the running requests to end: as long as they may take
 UPDATE_WEIGHTS_TIMEOUT_S = 3600.0
+LORA_LOAD_TIMEOUT_S = 120.0  # reading an adapter's folder (it waits for no request)
 
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 
@@ -68,12 +70,13 @@ class GenerateRequest(StrictBody):
     priority: int | None = None
     # the constraint applies after the model's reasoning (needs --reasoning-parser)
     require_reasoning: bool = False
+    # a loaded LoRA adapter's name to run with, or one per prompt (None: the base model)
+    lora_path: str | list[str | None] | None = None
     # SGLang's fields for what this server does not do: accepted at their defaults (clients
     # and routers send them so), a 400 naming them otherwise (see UNSUPPORTED)
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    lora_path: Any = None
     return_hidden_states: Any = False
 
 
@@ -81,7 +84,6 @@ UNSUPPORTED = {
     "image_data": "image_data: this server runs text-only models",
     "video_data": "video_data: this server runs text-only models",
     "audio_data": "audio_data: this server runs text-only models",
-    "lora_path": "lora_path: LoRA adapters are not supported",
     "return_hidden_states": "return_hidden_states is not supported",
 }
 
@@ -246,6 +248,74 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: State) -> 
     return JSONResponse(answer)
 
 
+class LoadLoraRequest(StrictBody):
+    """SGLang's /load_lora_adapter body (and vLLM's /v1/load_lora_adapter)."""
+
+    model_config = ConfigDict(extra="ignore")  # SGLang's `pinned`: every adapter is resident
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(StrictBody):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+
+
+@router.post("/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", operation_id="load_lora_adapter_v1")
+async def load_lora_adapter(body: LoadLoraRequest, state: State) -> JSONResponse:
+    """Load the LoRA adapter in PEFT folder `lora_path` (on this machine) as `lora_name`,
+    as SGLang's route (needs --enable-lora): requests then pick it by that name.
+    `{"success", "error_message", "loaded_adapters"}`; a folder that cannot be served on
+    this model is a 400 that says why (and also carries the error shape)."""
+    loras = state.loras
+    try:
+        ref = loras.new_ref(body.lora_name, body.lora_path)
+    except ValueError as e:
+        raise call_error(e, native_fields("lora_name")) from None
+    loras.pending.add(ref.name)
+    try:
+        args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
+        replies = await state.manager.control("load_lora_adapter", LORA_LOAD_TIMEOUT_S, args)
+        failed = [r.message for r in replies if not r.success]
+        if failed and len(failed) < len(replies):  # data parallelism: none keeps it
+            await state.manager.control(
+                "unload_lora_adapter", LORA_LOAD_TIMEOUT_S, {"uid": ref.uid}
+            )
+        if not failed:
+            loras.refs[ref.name] = ref
+    finally:
+        loras.pending.discard(ref.name)
+    answer = _lora_answer(loras, failed[0] if failed else None)
+    if failed:
+        error = bad_request(failed[0], param="lora_path")
+        return JSONResponse({**answer, **error.body()}, status_code=400)
+    return JSONResponse(answer)
+
+
+@router.post("/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", operation_id="unload_lora_adapter_v1")
+async def unload_lora_adapter(body: UnloadLoraRequest, state: State) -> JSONResponse:
+    """Unload an adapter, as SGLang's route: requests naming it are refused from now on;
+    it is dropped (and this answers) once the requests already running with it end."""
+    loras = state.loras
+    try:
+        uid = loras.uid(body.lora_name, "lora_name")
+    except ValueError as e:
+        raise call_error(e, native_fields("lora_name")) from None
+    del loras.refs[body.lora_name]
+    loras.pending.add(body.lora_name)  # not loaded again under this name until it is gone
+    try:
+        await state.manager.control("unload_lora_adapter", UPDATE_WEIGHTS_TIMEOUT_S, {"uid": uid})
+    finally:
+        loras.pending.discard(body.lora_name)
+    return JSONResponse(_lora_answer(loras, None))
+
+
+def _lora_answer(loras: LoraRegistry, error: str | None) -> dict[str, Any]:
+    return {"success": error is None, "error_message": error, "loaded_adapters": loras.loaded()}
+
+
 class PauseRequest(StrictBody):
     """SGLang's /pause_generation body."""
 
@@ -360,6 +430,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
             raise bad_request(message, name)
     fields = native_fields("input_ids" if body.input_ids is not None else "text")
     try:
+        lora_ids = state.loras.uids(body.lora_path)
         expanded = await off_the_loop_if_large(
             request,
             lambda: expand_request(
@@ -374,6 +445,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
                 body.priority,
                 max_sequences=MAX_SEQUENCES_PER_REQUEST,
                 token_ids_logprob=body.token_ids_logprob,
+                lora_ids=lora_ids,
             ),
         )
     except ValueError as e:

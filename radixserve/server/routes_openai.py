@@ -16,12 +16,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.core.req import Req
+from radixserve.lora.registry import LoraRef
 from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
 from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
 from radixserve.server.checks import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    call_error,
     check_sequences,
     constraint_error,
 )
@@ -52,24 +54,33 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     }
 
 
+def _adapter_card(state: ServerState, ref: LoraRef) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: its name for `model`, its folder, the base model."""
+    return {**_model_card(state), "id": ref.name, "root": ref.path, "parent": state.model_name}
+
+
 @router.get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(state)]}
+    adapters = [_adapter_card(state, ref) for ref in state.loras.refs.values()]
+    return {"object": "list", "data": [_model_card(state), *adapters]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, state: State) -> dict[str, Any]:
-    if model_id != state.model_name:
-        message = f"The model {model_id!r} does not exist"
-        raise APIError(404, message, param="model", code="model_not_found")
-    return _model_card(state)
+    if model_id == state.model_name:
+        return _model_card(state)
+    if model_id in state.loras.refs:
+        return _adapter_card(state, state.loras.refs[model_id])
+    message = f"The model {model_id!r} does not exist"
+    raise APIError(404, message, param="model", code="model_not_found")
 
 
 # -- generation -----------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(body: oai.CompletionRequest, request: Request, state: State) -> Response:
+    lora_id = _adapter(body, state, COMPLETION_FIELDS)
     reqs = await off_the_loop_if_large(
-        request, lambda: oai.completion_reqs(body, state.manager.encode)
+        request, lambda: oai.completion_reqs(body, state.manager.encode, lora_id)
     )
     check_sequences(reqs, state, COMPLETION_FIELDS)
     token_bytes = await token_bytes_of(request, state) if body.logprobs is not None else None
@@ -86,8 +97,10 @@ async def chat_completions(
     plan = await off_the_loop_if_large(  # compiles each tool's parameters to check them
         request, lambda: body.tool_plan(parser_flag, oai.template_source(tokenizer))
     )
+    lora_id = _adapter(body, state, CHAT_FIELDS)
+    context = state.model.max_seq_len
     chat = await off_the_loop_if_large(
-        request, lambda: oai.chat_call(body, tokenizer, state.model.max_seq_len, plan)
+        request, lambda: oai.chat_call(body, tokenizer, context, plan, lora_id=lora_id)
     )
     check_sequences(chat.reqs, state, CHAT_FIELDS)
     thinking = chat_reasoning(body, chat, state)
@@ -95,6 +108,16 @@ async def chat_completions(
     shape = _Chat(token_bytes, plan, thinking)
     field = body.constraint_field(chat.reqs)
     return await _serve(request, state, body, chat.reqs, shape, field)
+
+
+def _adapter(
+    body: oai.CompletionRequest | oai.ChatCompletionRequest, state: ServerState, fields
+) -> int:
+    """The LoRA adapter the request runs with (0: none), by `lora_path` or `model`."""
+    try:
+        return state.adapter_of(body.model, body.lora_path)
+    except ValueError as e:
+        raise call_error(e, fields) from None
 
 
 def chat_reasoning(

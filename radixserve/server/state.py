@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from radixserve.config import Config
+from radixserve.lora.registry import LoraRegistry
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 
@@ -18,6 +19,15 @@ class ServerState:
     config: Config
     model_name: str  # the id /v1/models reports
     started: int  # unix time the server started (the model card's `created`)
+    loras: LoraRegistry  # the LoRA adapters' names, for requests to pick one by
+
+    def adapter_of(self, model: str | None, lora_path: str | None = None) -> int:
+        """The uid of the LoRA adapter an OpenAI-API request names (0: the base model):
+        `lora_path` (SGLang's extra field), else its `model` where that is an adapter's
+        name or BASE:NAME. InvalidRequest for a `lora_path` that is not loaded."""
+        if lora_path is not None:
+            return self.loras.uid(lora_path)
+        return self.loras.model_uid(model)
 
     @property
     def model(self) -> ServedModel:

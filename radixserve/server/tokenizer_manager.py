@@ -346,7 +346,7 @@ class TokenizerManager:
         if errors:
             gather.future.set_exception(APIError(500, "; ".join(errors)))
             return
-        results = [r.update or r.result for r in gather.replies]
+        results = [r.update or r.lora or r.result for r in gather.replies]
         if all(isinstance(r, SchedulerStats) for r in results):
             results = [r.as_dict() for r in sorted(results, key=lambda r: r.dp_rank)]
         gather.future.set_result(results)

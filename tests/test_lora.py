@@ -1,0 +1,338 @@
+"""LoRA serving through the in-process Engine, against PEFT (the reference implementation of
+LoRA) on the same base weights: adapters made and saved by PEFT itself, in its folder
+format, and PEFT's forward pass as the expected output.
+
+One batch mixes two adapters of different shapes and the base model; greedy tokens must be
+PEFT's, token for token, and the prompt's logprobs close to its log-softmax (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from radixserve.config import Config
+from radixserve.engine import Engine
+from radixserve.lora.adapter import LoraAdapter, LoraError, ModelShape
+from radixserve.model.loader import resolve_model_folder
+from tests.conftest import FP32, build_tiny_model
+
+STEPS = 12
+GREEDY = {"temperature": 0, "max_new_tokens": STEPS}
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a land far away, there lived a",
+]
+EVERY_MODULE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# adapter "a": every module, rank 8; "b": a few modules, rank 4, rsLoRA's scaling
+ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=EVERY_MODULE),
+    "b": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+}
+
+
+def make_adapter(base: torch.nn.Module, folder: Path, seed: int, **config) -> Path:
+    """A PEFT LoRA adapter of random A and B (PEFT's own init leaves B zero, a no-op),
+    saved by PEFT; the base model is left as it was."""
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():  # large enough to move greedy choices, not to drown the base
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4.0)
+    model.save_pretrained(folder)
+    model.unload()  # the base's modules back as they were
+    return folder
+
+
+class Case:
+    """A base model folder, its adapters, and PEFT's answers on them."""
+
+    def __init__(self, folder: Path, adapters: dict[str, Path]) -> None:
+        from peft import PeftModel
+
+        self.folder, self.adapters = folder, adapters
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        names = list(adapters)
+        self.peft = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            self.peft.load_adapter(adapters[name], adapter_name=name)
+        self.peft.eval()
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    @torch.no_grad()
+    def greedy(self, prompt: str, adapter: str | None) -> list[int]:
+        ids = torch.tensor([self.ids(prompt)])
+        if adapter is None:
+            with self.peft.disable_adapter():
+                out = self.peft.generate(ids, max_new_tokens=STEPS, do_sample=False)
+        else:
+            self.peft.set_adapter(adapter)
+            out = self.peft.generate(ids, max_new_tokens=STEPS, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt: str, adapter: str) -> torch.Tensor:
+        """log-softmax of each prompt token after the ones before it (the first has none)."""
+        ids = torch.tensor([self.ids(prompt)])
+        self.peft.set_adapter(adapter)
+        logits = self.peft(ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def build_case(root: Path, arch: str) -> Case:
+    if arch == "smollm2":
+        folder = resolve_model_folder(None, Config.from_flat().model.cache_dir, progress=False)
+    else:
+        folder = build_tiny_model(root / arch, arch)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapters = {
+        name: make_adapter(base, root / f"{arch}-{name}", seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)
+    }
+    return Case(folder, adapters)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "smollm2"])
+def case(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    case = build_case(root, request.param)
+    paths = [f"{name}={path}" for name, path in case.adapters.items()]
+    # chunks of 16 tokens: the prompts' prefills run in pieces too
+    engine = Engine(
+        str(case.folder),
+        progress=False,
+        dtype=FP32,
+        max_total_tokens=4096,
+        chunked_prefill_size=16,
+        lora_paths=paths,
+    )
+    yield case, engine
+    engine.shutdown()
+
+
+def test_mixed_batch_matches_peft(case):
+    """Every prompt under adapter a, adapter b and the base model, all in one call (one
+    batch): each output is PEFT's greedy output for that adapter."""
+    case, engine = case
+    names = ["a", "b", None]
+    prompts = [p for p in PROMPTS for _ in names]
+    adapters = names * len(PROMPTS)
+    outs = engine.generate(prompts, GREEDY, lora_path=adapters)
+    expected = [case.greedy(p, a) for p, a in zip(prompts, adapters, strict=True)]
+    got = [o["output_ids"] for o in outs]
+    assert got == expected
+    for prompt in PROMPTS:  # the adapters do change the output (so the test could fail)
+        assert len({tuple(case.greedy(prompt, a)) for a in names}) > 1, prompt
+    engine.check_kv_accounting()
+
+
+def test_prompt_logprobs_close_to_peft(case):
+    case, engine = case
+    for adapter in ("a", "b"):
+        prompt = PROMPTS[0]
+        out = engine.generate(
+            prompt,
+            {"temperature": 0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+            lora_path=adapter,
+        )
+        ours = torch.tensor([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
+        ref = case.prompt_logprobs(prompt, adapter)
+        assert torch.allclose(ours, ref, atol=2e-4), (adapter, (ours - ref).abs().max())
+
+
+def test_prefix_cache_is_per_adapter(case):
+    """A prefix cached under one adapter is never served to another, nor to the base
+    model; a request under the same adapter finds it."""
+    case, engine = case
+    engine.flush_cache()
+    prompt = PROMPTS[2] * 3
+    first = engine.generate(prompt, GREEDY, lora_path="a")
+    again = engine.generate(prompt, GREEDY, lora_path="a")
+    other = engine.generate(prompt, GREEDY, lora_path="b")
+    base = engine.generate(prompt, GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert other["meta_info"]["cached_tokens"] == 0
+    assert base["meta_info"]["cached_tokens"] == 0
+    assert again["output_ids"] == first["output_ids"] == case.greedy(prompt, "a")
+    assert base["output_ids"] == case.greedy(prompt, None)
+    engine.check_kv_accounting()
+
+
+def test_unknown_adapter_is_refused(case):
+    _, engine = case
+    with pytest.raises(ValueError, match="'nope' is not loaded"):
+        engine.generate(PROMPTS[0], GREEDY, lora_path="nope")
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        engine.generate(PROMPTS[:2], GREEDY, lora_path=["a"])
+
+
+# -- loading and unloading while serving ----------------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-dynamic")
+    case = build_case(root, "llama")
+    engine = Engine(str(case.folder), progress=False, dtype=FP32, enable_lora=True)
+    yield case, engine, root
+    engine.shutdown()
+
+
+def test_load_serve_unload(llama):
+    case, engine, _ = llama
+    prompt = PROMPTS[1]
+    answer = engine.load_lora_adapter("x", str(case.adapters["a"]))
+    assert answer == {
+        "success": True,
+        "error_message": None,
+        "loaded_adapters": {"x": str(case.adapters["a"])},
+    }
+    assert engine.generate(prompt, GREEDY, lora_path="x")["output_ids"] == case.greedy(prompt, "a")
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora_adapter("x", str(case.adapters["b"]))
+    # the same weights under a second name: the same prefix-cache namespace
+    engine.load_lora_adapter("y", str(case.adapters["a"]))
+    assert engine.generate(prompt, GREEDY, lora_path="y")["meta_info"]["cached_tokens"] > 0
+    assert engine.unload_lora_adapter("x")["loaded_adapters"] == {"y": str(case.adapters["a"])}
+    with pytest.raises(ValueError, match="'x' is not loaded"):
+        engine.generate(prompt, GREEDY, lora_path="x")
+    engine.unload_lora_adapter("y")
+    # a name may be loaded again, with other weights
+    engine.load_lora_adapter("x", str(case.adapters["b"]))
+    assert engine.generate(prompt, GREEDY, lora_path="x")["output_ids"] == case.greedy(prompt, "b")
+    engine.unload_lora_adapter("x")
+    assert engine.scheduler.runner.lora.adapters == {}
+    engine.check_kv_accounting()
+
+
+def test_unload_waits_for_running_requests(llama):
+    case, engine, _ = llama
+    engine.load_lora_adapter("z", str(case.adapters["a"]))
+    prompt = PROMPTS[0]
+    stream = engine.generate(prompt, GREEDY, lora_path="z", stream=True)
+    first = next(stream)
+    assert not first["meta_info"]["finish_reason"]
+    unloaded: list[dict] = []
+    unloading = threading.Thread(target=lambda: unloaded.append(engine.unload_lora_adapter("z")))
+    unloading.start()
+    *_, last = stream  # the request runs to its end under the adapter
+    unloading.join(timeout=60)
+    assert unloaded and unloaded[0]["success"]
+    assert last["output_ids"] == case.greedy(prompt, "a")
+    assert engine.scheduler.runner.lora.adapters == {}
+
+
+def test_adapters_that_cannot_be_served(llama, tmp_path):
+    case, engine, root = llama
+    missing = engine.load_lora_adapter("m", str(tmp_path / "nowhere"))
+    assert missing["success"] is False and "does not exist" in missing["error_message"]
+    qwen3 = build_case(root / "other", "qwen3")  # q is 384 wide there, 256 in the llama
+    wrong = engine.load_lora_adapter("w", str(qwen3.adapters["a"]))
+    assert wrong["success"] is False and "trained for another model" in wrong["error_message"]
+    assert wrong["loaded_adapters"] == {}
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.generate(PROMPTS[0], GREEDY, lora_path="w")
+
+
+def test_engine_without_lora_refuses_loads(tiny_model_dirs):
+    with Engine(str(tiny_model_dirs["llama"]), progress=False, dtype=FP32) as engine:
+        with pytest.raises(ValueError, match="--enable-lora"):
+            engine.load_lora_adapter("a", "/nowhere")
+        with pytest.raises(ValueError, match="not loaded"):
+            engine.generate(PROMPTS[0], GREEDY, lora_path="a")
+
+
+# -- reading PEFT folders -------------------------------------------------------------------
+SHAPE = ModelShape.of(hidden=256, q_size=256, kv_size=128, intermediate=512, layers=4)
+
+
+def _adapter_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "adapter_model.safetensors")
+    return folder
+
+
+def _pair(layer: int, module: str, r: int, fan_in: int, fan_out: int) -> dict[str, torch.Tensor]:
+    kind = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
+    return {
+        f"{key}.lora_A.weight": torch.randn(r, fan_in),
+        f"{key}.lora_B.weight": torch.randn(fan_out, r),
+    }
+
+
+def load(folder: Path) -> LoraAdapter:
+    return LoraAdapter.load("t", folder, SHAPE, torch.float32, torch.device("cpu"))
+
+
+def test_site_weights_fold_scaling_and_place_blocks(tmp_path):
+    """k_proj alone at rank 2: the qkv site's B is zero but for k's columns, scaled by
+    alpha / r; layers the adapter does not train have no site."""
+    tensors = _pair(1, "k_proj", 2, 256, 128)
+    adapter = load(_adapter_folder(tmp_path / "k", {"r": 2, "lora_alpha": 6}, tensors))
+    assert set(adapter.sites) == {(1, "qkv")}
+    site = adapter.sites[1, "qkv"]
+    a = tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"]
+    assert site.a.shape == (256, 2) and site.b.shape == (2, 256 + 128 + 128)
+    assert torch.equal(site.a, a.t())
+    assert torch.allclose(site.b[:, 256:384], b.t() * 3.0)
+    assert not site.b[:, :256].any() and not site.b[:, 384:].any()
+    assert adapter.rank == 2 and adapter.modules == ("k_proj",)
+
+
+@pytest.mark.parametrize(
+    "config, tensors, message",
+    [
+        ({"use_dora": True}, _pair(0, "q_proj", 2, 256, 256), "DoRA"),
+        ({"bias": "all"}, _pair(0, "q_proj", 2, 256, 256), "biases"),
+        ({"peft_type": "IA3"}, _pair(0, "q_proj", 2, 256, 256), "not LORA"),
+        (
+            {},
+            {"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(2, 512)},
+            "embedding",
+        ),
+        ({}, _pair(7, "q_proj", 2, 256, 256), "layer 7"),
+        ({}, _pair(0, "q_proj", 2, 256, 384), "trained for another model"),
+        (
+            {},
+            {k: v for k, v in _pair(0, "o_proj", 2, 256, 256).items() if "lora_A" in k},
+            "no lora_B",
+        ),
+    ],
+)
+def test_refused_adapters_say_why(tmp_path, config, tensors, message):
+    folder = _adapter_folder(tmp_path / "bad", {"r": 2, "lora_alpha": 4, **config}, tensors)
+    with pytest.raises(LoraError, match=message):
+        load(folder)
+
+
+def test_only_safetensors_weights_are_read(tmp_path):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 2}))
+    (folder / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(LoraError, match="only safetensors"):
+        load(folder)
+
+
+def test_peft_key_layout_is_what_the_loader_reads(llama):
+    """The keys PEFT writes (the format this loader follows) name every trained module."""
+    case, _, _ = llama
+    keys = load_file(case.adapters["a"] / "adapter_model.safetensors")
+    assert all(".lora_A." in k or ".lora_B." in k for k in keys)
+    assert len(keys) == 2 * len(EVERY_MODULE) * 4  # A and B, every module, 4 layers
