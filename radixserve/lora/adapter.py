@@ -7,9 +7,10 @@ A LoRA module adds `scaling * (x @ A.T) @ B.T` to a linear layer's product of x,
 the layers that share an input share one product: per decoder layer four *sites*, `qkv`
 (q_proj, k_proj and v_proj of the attention input), `o` (o_proj), `gate_up` (gate_proj
 and up_proj of the MLP input, laid out as the model's fused gate/up product) and `down`.
-A site's A matrices are concatenated (in, R) and its B matrices placed block-diagonally
-(R, out of the site's outputs side by side), scaling folded in: two products per site and
-adapter, whichever of its modules the adapter trains (an untrained one's block is zeros).
+A site's A matrices are concatenated (in, R), so that one product x @ A serves all its
+modules; each module's B (r, out), scaling folded in, then takes its span of those
+columns (`torch.addmm` onto the base product). A module the adapter does not train has no
+columns and no B.
 """
 
 from __future__ import annotations
@@ -69,7 +70,15 @@ class ModelShape:
 @dataclass(frozen=True)
 class SiteWeights:
     a: torch.Tensor  # (in, R): the site's A matrices, transposed, side by side
-    b: torch.Tensor  # (R, out): their B matrices transposed, block-diagonal, scaled
+    # per module of the site (SITES order): its columns of x @ a, and its B transposed and
+    # scaled (r, out); None where the module is not trained
+    spans: tuple[tuple[int, int], ...]
+    bs: tuple[torch.Tensor | None, ...]
+    owners: torch.Tensor | None = None  # (R,): each column's adapter in a stack (state.py)
+
+    def to(self, device, dtype) -> SiteWeights:
+        bs = tuple(None if b is None else b.to(device, dtype) for b in self.bs)
+        return SiteWeights(self.a.to(device, dtype), self.spans, bs, self.owners)
 
 
 @dataclass
@@ -87,7 +96,8 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.sites.values())
+        sites = self.sites.values()
+        return sum(w.a.nbytes + sum(b.nbytes for b in w.bs if b is not None) for w in sites)
 
     @classmethod
     def load(
@@ -109,10 +119,8 @@ class LoraAdapter:
             for site, modules in SITES.items():
                 trained = [(m, pairs[layer, m]) for m in modules if (layer, m) in pairs]
                 if trained:
-                    sites[layer, site] = _site(modules, dict(trained), shape, scaling_of)
-        sites = {
-            k: SiteWeights(w.a.to(device, dtype), w.b.to(device, dtype)) for k, w in sites.items()
-        }
+                    sites[layer, site] = _site(modules, dict(trained), scaling_of)
+        sites = {k: w.to(device, dtype) for k, w in sites.items()}
         digest = hashlib.blake2b(weights.read_bytes(), digest_size=16)
         digest.update(json.dumps(sorted(scaling_of(r) for r in _ranks(pairs))).encode())
         return cls(
@@ -215,18 +223,19 @@ def _ranks(pairs: dict) -> list[int]:
     return [a.shape[0] for a, _ in pairs.values()]
 
 
-def _site(modules, trained: dict, shape: ModelShape, scaling_of) -> SiteWeights:
-    """One site's (in, R) and block-diagonal (R, out) matrices (see the module's doc)."""
-    outs = [shape.dims[m][1] for m in modules]
-    ranks = [trained[m][0].shape[0] if m in trained else 0 for m in modules]
-    fan_in = shape.dims[modules[0]][0]
-    a = torch.zeros(fan_in, sum(ranks))
-    b = torch.zeros(sum(ranks), sum(outs))
-    r0 = o0 = 0
-    for module, r, out in zip(modules, ranks, outs, strict=True):
-        if r:
-            lora_a, lora_b = trained[module]
-            a[:, r0 : r0 + r] = lora_a.t()
-            b[r0 : r0 + r, o0 : o0 + out] = lora_b.t() * scaling_of(r)
-        r0, o0 = r0 + r, o0 + out
-    return SiteWeights(a, b)
+def _site(modules, trained: dict, scaling_of) -> SiteWeights:
+    """One site's (in, R) A and per-module B (see the module's doc)."""
+    a_parts, spans, bs = [], [], []
+    start = 0
+    for module in modules:
+        if module not in trained:
+            spans.append((start, start))
+            bs.append(None)
+            continue
+        lora_a, lora_b = trained[module]
+        r = lora_a.shape[0]
+        a_parts.append(lora_a.t())
+        spans.append((start, start + r))
+        bs.append((lora_b.t() * scaling_of(r)).contiguous())
+        start += r
+    return SiteWeights(torch.cat(a_parts, dim=1).contiguous(), tuple(spans), tuple(bs))

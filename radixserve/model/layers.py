@@ -473,10 +473,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(h[..., :half]) * h[..., half:])
 
     def _with_lora(self, x: torch.Tensor, lora: LoraSite) -> torch.Tensor:
-        (h,) = lora.add("gate_up", x, [self.gate_up_proj(x)])
-        half = self.intermediate
-        act = self.act(h[..., :half]) * h[..., half:]
-        return lora.add("down", act, [self.down_proj(act)])[0]
+        h, half = self.gate_up_proj(x), self.intermediate
+        gate, up = h[..., :half], h[..., half:]
+        lora.add("gate_up", x, [gate, up])
+        act = self.act(gate) * up
+        out = self.down_proj(act)
+        lora.add("down", act, [out])
+        return out
 
     def act_in_product(self, x: torch.Tensor) -> bool:
         """The gate/up product of x's rows goes to a blocked kernel that applies SiLU * up

@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
         if last is None:
             q, k, v = shared_input_products(self.shared_input_linears(), x)
             if lora is not None:
-                q, k, v = lora.add("qkv", x, [q, k, v])
+                lora.add("qkv", x, [q, k, v])
         else:
             assert lora is None, "a step with LoRA rows runs every row of the last layer"
             q, k, v = self.q_proj(x[last[0].rows]), self.k_proj(x), self.v_proj(x)
@@ -99,10 +99,12 @@ class LlamaAttention(nn.Module):
         if last is None:
             q, k = rotary.apply(q, k)
             out = attn.forward(self.layer, q, k, v, meta)
-            if lora is not None:
-                out = out.reshape(out.shape[0], -1)
-                return self.tp.all_reduce(lora.add("o", out, [self.o_proj(out)])[0])
-            return self.tp.all_reduce(self.o_proj(out))
+            if lora is None:
+                return self.tp.all_reduce(self.o_proj(out))
+            out = out.reshape(out.shape[0], -1)
+            projected = self.o_proj(out)
+            lora.add("o", out, [projected])
+            return self.tp.all_reduce(projected)
         rows, tables = last
         k, q = rotary.apply_one(k), tables.apply_one(q)
         attn.write(self.layer, k, v, meta)  # every row's; the rows' again below, alike

@@ -402,7 +402,7 @@ class ModelRunner:
 
     def unload_lora(self, uid: int) -> None:
         if self.lora is not None:
-            self.lora.adapters.pop(uid, None)
+            self.lora.drop(uid)
 
     def model_info(self) -> ModelInfo:
         """The loaded model and the limits derived from it (sent to every process)."""
@@ -478,7 +478,7 @@ class ModelRunner:
         if batch.uses_lora:  # the rows' adapters, for this step alone
             if self.lora is None:
                 raise LoraError("a step names LoRA adapters, which are not served here")
-            self.lora.begin(batch.lora_ids, batch.extend_lens, self.device)
+            self.lora.begin(batch.lora_ids, batch.extend_lens, self.dtype)
             try:
                 return self._run(batch, narrow=False)  # every row of the last layer too
             finally:

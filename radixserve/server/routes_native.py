@@ -166,6 +166,7 @@ async def get_server_info(state: State) -> dict[str, Any]:
         **state.model.fields,
         "served_model_name": state.model_name,
         "version": __version__,
+        "loaded_lora_adapters": state.loras.loaded(),
         "internal_states": replica_states,
     }
 

@@ -1,0 +1,154 @@
+"""LoRA adapters through `radixserve serve` (SmolLM2-135M-Instruct, fp32), driven as their
+clients drive them: SGLang's `lora_path` on /generate (one name, or one per prompt), the
+`model` field of the OpenAI routes (an adapter's name, or BASE:NAME) with the official
+`openai` client, /v1/models listing the adapters, and SGLang's /load_lora_adapter and
+/unload_lora_adapter while serving. Outputs are PEFT's on the same weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import requests
+from transformers import AutoModelForCausalLM
+
+from radixserve.config import Config
+from radixserve.model.loader import resolve_model_folder
+from tests.server_utils import ServerProcess, assert_kv_clean
+from tests.test_lora import ADAPTERS, GREEDY, Case, make_adapter
+
+TIMEOUT = 120
+PROMPT = "The three primary colors are"
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    root = tmp_path_factory.mktemp("server-lora")
+    folder = resolve_model_folder(None, Config.from_flat().model.cache_dir, progress=False)
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    adapters = {
+        name: make_adapter(base, root / name, seed, **config)
+        for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)
+    }
+    return Case(folder, adapters)
+
+
+@pytest.fixture(scope="module")
+def server(case, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-lora-log") / "server.log"
+    flags = ["--max-total-tokens", "8192", "--lora-paths", f"a={case.adapters['a']}"]
+    proc = ServerProcess(*flags, log=log)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def post(server, path: str, body: dict[str, Any]) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=TIMEOUT)
+
+
+def generate(server, body: dict[str, Any]) -> Any:
+    r = post(server, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def error_of(r: requests.Response, status: int = 400) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == ERROR_KEYS
+    return error
+
+
+def test_generate_picks_the_adapter_per_prompt(server, case):
+    outs = generate(
+        server, {"text": [PROMPT, PROMPT], "sampling_params": GREEDY, "lora_path": ["a", None]}
+    )
+    assert outs[0]["output_ids"] == case.greedy(PROMPT, "a")
+    assert outs[1]["output_ids"] == case.greedy(PROMPT, None)
+    assert outs[0]["output_ids"] != outs[1]["output_ids"]
+    one = generate(server, {"text": PROMPT, "sampling_params": GREEDY, "lora_path": "a"})
+    assert one["output_ids"] == outs[0]["output_ids"]
+
+
+def test_openai_model_names_the_adapter(server, client, case):
+    expected = case.tokenizer.decode(case.greedy(PROMPT, "a"))
+    for model in ("a", "default:a"):
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert reply.choices[0].text == expected, model
+        assert reply.model == model
+    base = client.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert base.choices[0].text == case.tokenizer.decode(case.greedy(PROMPT, None))
+    via_extra = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"lora_path": "a"}
+    )
+    assert via_extra.choices[0].text == expected
+    chat = client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_lists_the_adapters(server, client, case):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[1:] == ["a"]
+    card = requests.get(server.url + "/v1/models/a", timeout=TIMEOUT).json()
+    assert card["parent"] == ids[0] and card["root"] == str(case.adapters["a"])
+    info = requests.get(server.url + "/get_server_info", timeout=TIMEOUT).json()
+    assert info["loaded_lora_adapters"] == {"a": str(case.adapters["a"])}
+
+
+def test_unknown_adapters_are_400s(server, client):
+    error = error_of(post(server, "/generate", {"text": PROMPT, "lora_path": "nope"}))
+    assert error["param"] == "lora_path" and "'nope' is not loaded" in error["message"]
+    assert error["code"] == "lora_not_found"
+    error = error_of(post(server, "/generate", {"text": [PROMPT, PROMPT], "lora_path": ["a"]}))
+    assert error["param"] == "lora_path" and "one entry per prompt" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="not loaded"):
+        client.completions.create(
+            model="default", prompt=PROMPT, max_tokens=2, extra_body={"lora_path": "nope"}
+        )
+
+
+def test_load_and_unload_while_serving(server, case):
+    path_b = str(case.adapters["b"])
+    r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": path_b})
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "success": True,
+        "error_message": None,
+        "loaded_adapters": {"a": str(case.adapters["a"]), "b": path_b},
+    }
+    out = generate(server, {"text": PROMPT, "sampling_params": GREEDY, "lora_path": "b"})
+    assert out["output_ids"] == case.greedy(PROMPT, "b")
+    again = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": path_b})
+    assert "already loaded" in error_of(again)["message"]
+    r = post(server, "/v1/unload_lora_adapter", {"lora_name": "b"})  # vLLM's path
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(case.adapters["a"])}
+    error = error_of(post(server, "/generate", {"text": PROMPT, "lora_path": "b"}))
+    assert "'b' is not loaded" in error["message"]
+    error = error_of(post(server, "/unload_lora_adapter", {"lora_name": "b"}))
+    assert error["param"] == "lora_name"
+
+
+def test_a_folder_that_cannot_be_served_is_a_400(server, tmp_path):
+    r = post(server, "/load_lora_adapter", {"lora_name": "c", "lora_path": str(tmp_path)})
+    body = r.json()
+    assert r.status_code == 400 and body["success"] is False
+    assert "adapter_config.json" in body["error_message"]
+    assert body["error"]["param"] == "lora_path"
+    assert "c" not in body["loaded_adapters"]
+    error = error_of(post(server, "/load_lora_adapter", {"lora_name": "c"}))
+    assert "lora_path" in error["message"]
+
+
+def test_nothing_leaks(server):
+    assert_kv_clean(server)
