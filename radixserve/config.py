@@ -444,7 +444,7 @@ def parse_lora_entry(entry: str) -> tuple[str, str]:
                 f'--lora-paths entry {entry!r} is not JSON {{"lora_name": ..., "lora_path": ...}}'
             ) from None
     name, sep, path = entry.partition("=")
-    if not sep:
+    if not sep or os.path.isdir(os.path.expanduser(entry)):  # a path (with its own "=")
         return entry, entry
     if not name or not path:
         raise ValueError(f"--lora-paths entry {entry!r} is not NAME=PATH")

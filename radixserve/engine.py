@@ -208,6 +208,7 @@ class Engine:
         # So the caller's thread does no torch work of ours.
         built: Future[None] = Future()
         self.loras = LoraRegistry(self.config.lora)  # the adapters' names (lora_path)
+        self._lora_lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._run, args=(progress, built), name="radixserve-scheduler", daemon=True
         )
@@ -372,17 +373,22 @@ class Engine:
         rid: str | list[str] | None = None,
         pooling: str | None = None,
         normalize: bool | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Embeddings of a prompt (a dict) or a batch (a list), as `POST /encode` answers:
         `{"embedding": [...], "meta_info": {...}}` each. The final-norm hidden states are
         pooled (`pooling` "last" or "mean") and L2-normalized unless `normalize` is False;
         both default to the config (--embedding-pooling, --embedding-normalize). The
-        requests share the scheduler and the prefix cache with generation."""
+        requests share the scheduler and the prefix cache with generation; `lora_path`
+        names a LoRA adapter to run with, as `generate`'s."""
         embed = EmbedParams(
             pooling or self.config.embedding.embedding_pooling,  # type: ignore[arg-type]
             self.config.embedding.embedding_normalize if normalize is None else normalize,
         )
-        expanded = expand_embedding(self.tokenizer.encode, prompt, input_ids, embed, rid)
+        lora_ids = self.loras.uids(lora_path)
+        expanded = expand_embedding(
+            self.tokenizer.encode, prompt, input_ids, embed, rid, lora_ids=lora_ids
+        )
         results = self._run_all(expanded.reqs)
         return results[0] if expanded.single else results
 
@@ -443,19 +449,20 @@ class Engine:
         Engine call; needs enable_lora=True or lora_paths). Returns `{"success",
         "error_message", "loaded_adapters"}`; a folder that cannot be served on this model
         fails with the reason."""
-        ref = self.loras.new_ref(lora_name, lora_path)
-        update = self._control(
-            "load_lora_adapter", {"uid": ref.uid, "name": ref.name, "path": ref.path}
-        )
-        if update.success:
-            self.loras.refs[ref.name] = ref
-        return self._lora_answer(update)
+        with self._lora_lock:  # one load or unload at a time: names stay consistent
+            ref = self.loras.new_ref(lora_name, lora_path)
+            args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
+            update = self._control("load_lora_adapter", args)
+            if update.success:
+                self.loras.add(ref)
+            return self._lora_answer(update)
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Unload an adapter: calls naming it fail from now on; it is dropped once the
         requests already running with it have ended (this waits for that)."""
-        uid = self.loras.uid(lora_name, "lora_name")
-        del self.loras.refs[lora_name]
+        with self._lora_lock:
+            uid = self.loras.uid(lora_name, "lora_name")
+            self.loras.remove(lora_name)
         return self._lora_answer(self._control("unload_lora_adapter", {"uid": uid}))
 
     def _lora_answer(self, update: LoraUpdate) -> dict[str, Any]:

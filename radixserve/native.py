@@ -109,7 +109,7 @@ def expand_embedding(
     embed: EmbedParams,
     rid: str | list[str] | None = None,
     max_sequences: int | None = None,
-    lora_id: int = 0,
+    lora_ids: int | Sequence[int] = 0,
 ) -> Expanded:
     """An embedding call (/encode, /v1/embeddings, Engine.encode): one prefill-only request
     per prompt (max_new_tokens 0), pooled as `embed` says; rids as for generation."""
@@ -121,7 +121,7 @@ def expand_embedding(
         rid=rid,
         max_sequences=max_sequences,
         embed=embed,
-        lora_ids=lora_id,
+        lora_ids=lora_ids,
     )
 
 

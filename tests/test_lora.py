@@ -312,12 +312,39 @@ def test_site_weights_fold_scaling(tmp_path):
             {k: v for k, v in _pair(0, "o_proj", 2, 256, 256).items() if "lora_A" in k},
             "no lora_B",
         ),
+        ({"lora_alpha": "abc"}, _pair(0, "q_proj", 2, 256, 256), "lora_alpha must be a number"),
+        ({}, _pair(0, "q_proj", 0, 256, 256), "rank 0"),
+        (
+            {},
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(
+                    2, 256, dtype=torch.int32
+                )
+            },
+            "not floating point",
+        ),
+        (
+            {},
+            {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.ones(256)},
+            "bias adapters",
+        ),
     ],
 )
 def test_refused_adapters_say_why(tmp_path, config, tensors, message):
     folder = _adapter_folder(tmp_path / "bad", {"r": 2, "lora_alpha": 4, **config}, tensors)
     with pytest.raises(LoraError, match=message):
         load(folder)
+
+
+def test_unreadable_files_say_why(tmp_path):
+    not_object = _adapter_folder(tmp_path / "list", {}, _pair(0, "q_proj", 2, 256, 256))
+    (not_object / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(LoraError, match="not a JSON object"):
+        load(not_object)
+    corrupt = _adapter_folder(tmp_path / "corrupt", {"r": 2}, _pair(0, "q_proj", 2, 256, 256))
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(LoraError, match="not a readable safetensors file"):
+        load(corrupt)
 
 
 def test_only_safetensors_weights_are_read(tmp_path):
@@ -335,3 +362,37 @@ def test_peft_key_layout_is_what_the_loader_reads(llama):
     keys = load_file(case.adapters["a"] / "adapter_model.safetensors")
     assert all(".lora_A." in k or ".lora_B." in k for k in keys)
     assert len(keys) == 2 * len(EVERY_MODULE) * 4  # A and B, every module, 4 layers
+
+
+def test_embeddings_run_with_the_adapter(llama):
+    """Engine.encode under an adapter: PEFT's final-norm hidden states, mean-pooled and
+    normalized."""
+    case, engine, _ = llama
+    engine.load_lora_adapter("e", str(case.adapters["b"]))
+    try:
+        prompt = PROMPTS[0]
+        out = engine.encode(prompt, pooling="mean", lora_path="e")
+        base = engine.encode(prompt, pooling="mean")
+    finally:
+        engine.unload_lora_adapter("e")
+    case.peft.set_adapter("b")
+    with torch.no_grad():
+        ids = torch.tensor([case.ids(prompt)])
+        hidden = case.peft(ids, output_hidden_states=True).hidden_states[-1][0]
+    expected = torch.nn.functional.normalize(hidden.mean(0), dim=0)
+    assert torch.allclose(torch.tensor(out["embedding"]), expected, atol=1e-4)
+    assert not torch.allclose(torch.tensor(base["embedding"]), expected, atol=1e-3)
+
+
+def test_a_load_that_fails_unexpectedly_fails_alone(llama, monkeypatch):
+    """A fault while loading (here a RuntimeError no check foresaw) fails that load; the
+    scheduler serves on."""
+    case, engine, _ = llama
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setattr(LoraAdapter, "load", broken)
+    answer = engine.load_lora_adapter("r", str(case.adapters["a"]))
+    assert answer["success"] is False and "RuntimeError: out of memory" in answer["error_message"]
+    assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == case.greedy(PROMPTS[0], None)

@@ -97,6 +97,15 @@ def test_openai_model_names_the_adapter(server, client, case):
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_encode_runs_with_the_adapter(server):
+    body = {"text": PROMPT}
+    base = post(server, "/encode", body).json()["embedding"]
+    adapted = post(server, "/encode", {**body, "lora_path": "a"}).json()["embedding"]
+    again = post(server, "/v1/embeddings", {"input": PROMPT, "model": "a"}).json()
+    assert adapted != base
+    assert again["data"][0]["embedding"] == pytest.approx(adapted, abs=1e-5)
+
+
 def test_models_lists_the_adapters(server, client, case):
     ids = [m.id for m in client.models.list().data]
     assert ids[1:] == ["a"]
@@ -118,6 +127,19 @@ def test_unknown_adapters_are_400s(server, client):
         )
 
 
+def test_a_model_naming_no_loaded_adapter_is_a_404(server, client):
+    """BASE:NAME with NAME not loaded, or the name of an adapter since unloaded, is
+    OpenAI's 404 model_not_found, not the base model's output; any other `model` is the
+    base model, as before."""
+    served = client.models.list().data[0].id
+    with pytest.raises(openai.NotFoundError, match="'typo' is not loaded"):
+        client.completions.create(model=f"{served}:typo", prompt=PROMPT, max_tokens=2)
+    anything = client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert anything.choices[0].finish_reason == "length"
+    error = error_of(post(server, "/load_lora_adapter", {"lora_name": served, "lora_path": "/x"}))
+    assert error["param"] == "lora_name" and "served model's name" in error["message"]
+
+
 def test_load_and_unload_while_serving(server, case):
     path_b = str(case.adapters["b"])
     r = post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": path_b})
@@ -135,6 +157,8 @@ def test_load_and_unload_while_serving(server, case):
     assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": str(case.adapters["a"])}
     error = error_of(post(server, "/generate", {"text": PROMPT, "lora_path": "b"}))
     assert "'b' is not loaded" in error["message"]
+    gone = post(server, "/v1/completions", {"model": "b", "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404 and "'b' was unloaded" in gone.json()["error"]["message"]
     error = error_of(post(server, "/unload_lora_adapter", {"lora_name": "b"}))
     assert error["param"] == "lora_name"
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -40,6 +40,9 @@ SITE_OF = {module: site for site, modules in SITES.items() for module in modules
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+
+
+MAX_RANK = 1024  # past any trained adapter's rank; a larger one is refused, not allocated
 
 
 class LoraError(ValueError):
@@ -142,6 +145,13 @@ def _read_config(folder: Path) -> dict:
         raise LoraError(f"{folder} has no {CONFIG_FILE}: not a PEFT adapter folder") from None
     except json.JSONDecodeError as e:
         raise LoraError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LoraError(f"{folder / CONFIG_FILE} cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"{folder / CONFIG_FILE} is not a JSON object")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoraError(f"{folder / CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise LoraError(f"the adapter in {folder} is {peft_type}, not LORA")
@@ -169,15 +179,23 @@ def _scaling(config: dict):
 
 def _read_pairs(weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple]:
     """(layer, module) → (A (r, in), B (out, r)) in fp32, each checked against the model."""
+    try:
+        return _pairs(_read_matrices(weights, shape), weights, shape)
+    except SafetensorError as e:
+        raise LoraError(f"{weights} is not a readable safetensors file: {e}") from None
+
+
+def _read_matrices(weights: Path, shape: ModelShape) -> dict[tuple[int, str, str], torch.Tensor]:
+    """(layer, module, "A" | "B") → the matrix in fp32."""
     found: dict[tuple[int, str, str], torch.Tensor] = {}
     with safe_open(weights, framework="pt") as f:
         for key in f.keys():
             match = _KEY.search(key)
             if match is None:
                 raise LoraError(
-                    f"{weights}: tensor {key} is not a LoRA matrix of an attention or MLP "
-                    f"projection ({', '.join(SITE_OF)}); embedding and LM-head adapters are "
-                    "not supported"
+                    f"{weights}: tensor {key} is not a LoRA matrix (lora_A / lora_B weight) "
+                    f"of an attention or MLP projection ({', '.join(SITE_OF)}); embedding, "
+                    "LM-head and bias adapters are not supported"
                 )
             layer, module, which = int(match[1]), match[2], match[3]
             if module not in SITE_OF:
@@ -189,9 +207,21 @@ def _read_pairs(weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple
                     f"{weights}: tensor {key} is for layer {layer}; "
                     f"the model has {shape.num_layers}"
                 )
-            found[layer, module, which] = f.get_tensor(key).float()
+            if (layer, module, which) in found:
+                raise LoraError(
+                    f"{weights}: two lora_{which} tensors for layer {layer} {module} (the "
+                    f"second: {key}); one adapter per folder, of a text model"
+                )
+            tensor = f.get_tensor(key)
+            if not tensor.is_floating_point():
+                raise LoraError(f"{weights}: tensor {key} is {tensor.dtype}, not floating point")
+            found[layer, module, which] = tensor.float()
     if not found:
         raise LoraError(f"{weights} holds no LoRA matrices")
+    return found
+
+
+def _pairs(found: dict, weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple]:
     pairs = {}
     for layer, module, which in found:
         if which == "B":
@@ -200,6 +230,11 @@ def _read_pairs(weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple
         if b is None:
             raise LoraError(f"{weights}: layer {layer} {module} has lora_A but no lora_B")
         fan_in, fan_out = shape.dims[module]
+        if a.dim() == 2 and not 1 <= a.shape[0] <= MAX_RANK:
+            raise LoraError(
+                f"{weights}: layer {layer} {module} has rank {a.shape[0]}; ranks of 1 to "
+                f"{MAX_RANK} are served"
+            )
         if (
             a.dim() != 2
             or b.dim() != 2

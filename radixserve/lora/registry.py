@@ -24,9 +24,17 @@ class LoraRef:
     uid: int
 
 
+class LoraNotFound(InvalidRequest):
+    """`model` names an adapter that is not loaded (an OpenAI route's 404)."""
+
+
 class LoraRegistry:
-    def __init__(self, config: LoraConfig) -> None:
+    """`reserved`: names an adapter may not take (the served model's: `model` picks it)."""
+
+    def __init__(self, config: LoraConfig, reserved: tuple[str, ...] = ()) -> None:
         self.enabled = config.enabled
+        self.reserved = reserved
+        self.retired: set[str] = set()  # names unloaded (and not loaded again)
         self.refs: dict[str, LoraRef] = {
             name: LoraRef(name, path, uid)
             for uid, (name, path) in enumerate(config.adapters, start=1)
@@ -42,6 +50,11 @@ class LoraRegistry:
             )
         if not name:
             raise InvalidRequest("lora_name is empty", "lora_name")
+        if name in self.reserved:
+            raise InvalidRequest(
+                f"lora_name {name!r} is the served model's name; give the adapter another",
+                "lora_name",
+            )
         if name in self.pending:
             raise InvalidRequest(
                 f"LoRA adapter {name!r} is being loaded or unloaded; retry once that ends",
@@ -78,16 +91,32 @@ class LoraRegistry:
             )
         return [self.uid(name) for name in names]
 
+    def add(self, ref: LoraRef) -> None:
+        self.refs[ref.name] = ref
+        self.retired.discard(ref.name)
+
+    def remove(self, name: str) -> int:
+        """Drop a loaded name (`uid` checks it first); its uid."""
+        self.retired.add(name)
+        return self.refs.pop(name).uid
+
     def model_uid(self, model: str | None) -> int:
-        """The OpenAI routes' `model`: an adapter's name, or BASE:NAME (SGLang's form),
-        names an adapter; anything else is the base model."""
-        if not model or not self.refs:
+        """The OpenAI routes' `model`: an adapter's name, or BASE:NAME (SGLang's form, BASE
+        the served model), names an adapter; LoraNotFound where it names one that is not
+        loaded (BASE:NAME, or the name of an adapter since unloaded); anything else is the
+        base model (any `model` is taken, as the wire contract has it)."""
+        if not model:
             return 0
         if model in self.refs:
             return self.refs[model].uid
-        _, sep, name = model.rpartition(":")
+        base, sep, name = model.rpartition(":")
         if sep and name in self.refs:
             return self.refs[name].uid
+        if model in self.retired or (sep and name in self.retired):
+            raise LoraNotFound(f"LoRA adapter {name or model!r} was unloaded", "model")
+        if sep and base in self.reserved and self.enabled:
+            loaded = ", ".join(sorted(self.refs)) or "none"
+            raise LoraNotFound(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})", "model")
         return 0
 
     def loaded(self) -> dict[str, str]:

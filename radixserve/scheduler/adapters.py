@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class AdapterNotLoaded(ValueError):
-    param = "lora_path"
+    """The request names an adapter unloaded before it got here (sent just before)."""
 
 
 class Adapters:
@@ -37,7 +37,9 @@ class Adapters:
         lora = self.runner.lora
         adapter = None if lora is None else lora.adapters.get(req.lora_id)
         if adapter is None or req.lora_id in self.unloading:
-            raise AdapterNotLoaded(f"the request's LoRA adapter (uid {req.lora_id}) is not loaded")
+            raise AdapterNotLoaded(
+                "the request's LoRA adapter was unloaded before the request was admitted"
+            )
         req.extra_key = adapter.cache_key
 
     def load(self, msg: ControlReq) -> ControlReply:
@@ -47,6 +49,11 @@ class Adapters:
         except (LoraError, OSError) as e:  # a bad folder, or one this model cannot serve
             logger.warning("LoRA adapter %s not loaded: %s", args["name"], e)
             return ControlReply(msg.call_id, lora=LoraUpdate(False, str(e)))
+        except Exception as e:  # a fault of this load alone (a file nobody checked for it,
+            # memory): it fails, the scheduler serves on
+            logger.exception("LoRA adapter %s not loaded", args["name"])
+            message = f"loading the adapter failed: {type(e).__name__}: {e}"
+            return ControlReply(msg.call_id, lora=LoraUpdate(False, message))
         return ControlReply(msg.call_id, lora=LoraUpdate(True, f"loaded {args['name']}"))
 
     def unload(self, msg: ControlReq) -> None:

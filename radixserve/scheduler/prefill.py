@@ -195,12 +195,14 @@ class PrefillAdder:
     def _shares_uncached_prefix(self, req: Req) -> bool:
         """True if a request admitted this round will compute a prefix `req` could reuse
         (IN_BATCH_PREFIX_MIN tokens past what the tree holds, or IN_BATCH_SHARE_MIN that
-        are at least half of `req`'s uncached tokens): it waits a round."""
-        if self.kv.tree is None or not self.reqs or not self.in_batch_sharing:
+        are at least half of `req`'s uncached tokens): it waits a round. Only requests of
+        its prefix-cache namespace (its LoRA adapter's) count: no other's K/V serve it."""
+        kin = [other for other in self.reqs if other.extra_key == req.extra_key]
+        if self.kv.tree is None or not kin or not self.in_batch_sharing:
             return False
         ids = req.all_ids
         cached = self.kv.peek_prefix_len(ids, req)
-        shared = max(common_prefix_len(ids, other.all_ids) for other in self.reqs) - cached
+        shared = max(common_prefix_len(ids, other.all_ids) for other in kin) - cached
         return shared >= IN_BATCH_PREFIX_MIN or (
             shared >= IN_BATCH_SHARE_MIN and 2 * shared >= len(ids) - cached
         )

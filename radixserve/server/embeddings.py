@@ -42,6 +42,7 @@ class EncodeRequest(StrictBody):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None  # as /generate's
 
 
 class EmbeddingRequest(StrictBody):
@@ -112,6 +113,7 @@ def encode_reqs(body: EncodeRequest, state: ServerState) -> Expanded:
             params,
             body.rid,
             max_sequences=MAX_SEQUENCES_PER_REQUEST,
+            lora_ids=state.loras.uids(body.lora_path),
         )
     except ValueError as e:
         raise call_error(e, fields) from None
@@ -132,7 +134,7 @@ def embedding_reqs(body: EmbeddingRequest, state: ServerState) -> list[Req]:
             ids,
             params,
             max_sequences=MAX_SEQUENCES_PER_REQUEST,
-            lora_id=lora_id,
+            lora_ids=lora_id,
         )
     except ValueError as e:
         raise call_error(e, EMBEDDING_FIELDS) from None

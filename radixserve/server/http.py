@@ -36,7 +36,7 @@ STARTED = oai.now()
 
 def build_app(manager: TokenizerManager, config: Config, model_name: str) -> FastAPI:
     app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None)
-    loras = LoraRegistry(config.lora)
+    loras = LoraRegistry(config.lora, reserved=(model_name,))
     app.state.server = ServerState(manager, config, model_name, STARTED, loras)
     app.state.responses = ResponseStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background

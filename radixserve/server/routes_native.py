@@ -277,14 +277,16 @@ async def load_lora_adapter(body: LoadLoraRequest, state: State) -> JSONResponse
     loras.pending.add(ref.name)
     try:
         args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
-        replies = await state.manager.control("load_lora_adapter", LORA_LOAD_TIMEOUT_S, args)
+        try:
+            replies = await state.manager.control("load_lora_adapter", LORA_LOAD_TIMEOUT_S, args)
+        except APIError:  # no answer in time: the load may still end, unnamed; undo it
+            state.manager.send_control("unload_lora_adapter", {"uid": ref.uid})
+            raise
         failed = [r.message for r in replies if not r.success]
         if failed and len(failed) < len(replies):  # data parallelism: none keeps it
-            await state.manager.control(
-                "unload_lora_adapter", LORA_LOAD_TIMEOUT_S, {"uid": ref.uid}
-            )
+            state.manager.send_control("unload_lora_adapter", {"uid": ref.uid})
         if not failed:
-            loras.refs[ref.name] = ref
+            loras.add(ref)
     finally:
         loras.pending.discard(ref.name)
     answer = _lora_answer(loras, failed[0] if failed else None)
@@ -304,7 +306,7 @@ async def unload_lora_adapter(body: UnloadLoraRequest, state: State) -> JSONResp
         uid = loras.uid(body.lora_name, "lora_name")
     except ValueError as e:
         raise call_error(e, native_fields("lora_name")) from None
-    del loras.refs[body.lora_name]
+    loras.remove(body.lora_name)
     loras.pending.add(body.lora_name)  # not loaded again under this name until it is gone
     try:
         await state.manager.control("unload_lora_adapter", UPDATE_WEIGHTS_TIMEOUT_S, {"uid": uid})

@@ -9,7 +9,9 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from radixserve.config import Config
-from radixserve.lora.registry import LoraRegistry
+from radixserve.lora.registry import LoraNotFound, LoraRegistry
+from radixserve.native import InvalidRequest
+from radixserve.server.errors import APIError, bad_request
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 
@@ -25,9 +27,14 @@ class ServerState:
         """The uid of the LoRA adapter an OpenAI-API request names (0: the base model):
         `lora_path` (SGLang's extra field), else its `model` where that is an adapter's
         name or BASE:NAME. InvalidRequest for a `lora_path` that is not loaded."""
-        if lora_path is not None:
-            return self.loras.uid(lora_path)
-        return self.loras.model_uid(model)
+        try:
+            if lora_path is not None:
+                return self.loras.uid(lora_path)
+            return self.loras.model_uid(model)
+        except LoraNotFound as e:  # as OpenAI's and vLLM's answer to an unknown model
+            raise APIError(404, str(e), param="model", code="model_not_found") from None
+        except InvalidRequest as e:
+            raise bad_request(str(e), param=e.param, code=e.code) from None
 
     @property
     def model(self) -> ServedModel:

@@ -228,6 +228,11 @@ class TokenizerManager:
         if self.dead is None:
             self.to_scheduler.send(AbortReq(rid, message))
 
+    def send_control(self, op: str, args: dict[str, Any]) -> None:
+        """A control request whose answers nobody waits for (undoing a load that failed)."""
+        if self.dead is None:
+            self.to_scheduler.send(ControlReq(next(self.call_ids), op, args))
+
     async def control(
         self,
         op: str,
