@@ -62,8 +62,6 @@ class Adapters:
 
     def settle(self, live: Iterable[Req]) -> list[ControlReply]:
         """Unload the adapters no live request uses any more; their ops' answers."""
-        if not self.unloading:
-            return []
         used = {req.lora_id for req in live}
         replies = []
         for uid in [u for u in self.unloading if u not in used]:

@@ -111,8 +111,9 @@ class SchedulerLoop:
             self.settle_compiled()
         if self._update is not None and self.may_update():
             self.update_weights()
-        for reply in self.scheduler.adapters.settle([*scheduler.live(), *self._after_update]):
-            self.transport.reply(reply)
+        if scheduler.adapters.unloading:  # LoRA unloads waiting for their requests to end
+            for reply in scheduler.adapters.settle([*scheduler.live(), *self._after_update]):
+                self.transport.reply(reply)
         if self._mapping and not messages and not self.stepping:
             self._mapping = scheduler.map_idle_pages()
         if self.paused is not None:  # nothing steps; an abort still ends its request
