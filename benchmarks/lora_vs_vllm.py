@@ -62,16 +62,16 @@ def run_case(url: str, models: list[str], tokens: int) -> float:
 
 
 def measure(server: ServerProcess, base: str, names: list[str], args) -> dict[str, float]:
+    """Median output tok/s per case (the base model alone where `names` is empty)."""
     server.start(START_TIMEOUT_S)
     try:
         wait_until_pool_mapped(server.url, 120)
         n = args.requests
-        cases = {
-            "base model": [base] * n,
-            "one adapter": [names[0]] * n,
-            "four adapters": [names[i % len(names)] for i in range(n)],
-        }
-        run_case(server.url, cases["four adapters"], 8)  # warm up (vLLM loads adapters)
+        cases = {"base model": [base] * n}
+        if names:
+            cases["one adapter"] = [names[0]] * n
+            cases["four adapters"] = [names[i % len(names)] for i in range(n)]
+        run_case(server.url, cases[list(cases)[-1]], 8)  # warm up (vLLM loads adapters)
         rates: dict[str, list[float]] = {case: [] for case in cases}
         for _ in range(args.rounds):
             for case, models in cases.items():
@@ -107,6 +107,14 @@ def main() -> None:
             log_dir / "radixserve.log",
         )
         lora_flags = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", str(args.rank)]
+        env = vllm_env(venv, os.sched_getaffinity(0), 4, find_preloads(venv))
+        plain = ServerProcess(
+            "vLLM without LoRA",
+            vllm_command(venv, folder, "float32", port := _free_port()),
+            env,
+            port,
+            log_dir / "vllm-plain.log",
+        )
         theirs = ServerProcess(
             "vLLM",
             vllm_command(
@@ -116,13 +124,14 @@ def main() -> None:
                 port := _free_port(),
                 [*lora_flags, "--lora-modules", *modules],
             ),
-            vllm_env(venv, os.sched_getaffinity(0), 4, find_preloads(venv)),
+            env,
             port,
             log_dir / "vllm.log",
         )
         figures = {
             "radixserve": measure(ours, "default", names, args),
             "vLLM": measure(theirs, str(folder), names, args),
+            "vLLM without LoRA": measure(plain, str(folder), [], args),
         }
     print(
         f"{args.requests} concurrent /v1/completions x {args.tokens} tokens, rank {args.rank}, "
@@ -138,6 +147,11 @@ def main() -> None:
             f"{theirs_rate:>10.1f}{theirs_rate / figures['vLLM']['base model']:>8.2f}x"
             f"{ours_rate / theirs_rate:>10.2f}x"
         )
+    alone = figures["vLLM without LoRA"]["base model"]
+    print(
+        f"vLLM started without --enable-lora: base model {alone:.1f} tok/s "
+        f"(radixserve's base model {figures['radixserve']['base model'] / alone:.2f}x that)"
+    )
 
 
 if __name__ == "__main__":
