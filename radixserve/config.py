@@ -472,6 +472,12 @@ class ServerConfig:
         "The model id reported by /v1/models. Default: --model-path as given (as SGLang and "
         "vLLM report it), or SmolLM2-135M-Instruct for the default model.",
     )
+    chat_template: str | None = _opt(
+        None,
+        "The chat template for the chat routes in place of the model's own: a Jinja file "
+        "(as vLLM's and SGLang's flag take one), or the template text itself. It is what "
+        "/tokenizer_info reports and what /get_model_info's chat_roles are read from.",
+    )
     max_queued_requests: int = _opt(
         2048, "Most requests waiting for admission; past it new requests get 503 at once."
     )

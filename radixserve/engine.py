@@ -50,6 +50,7 @@ from radixserve.output import RequestState
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scoring import check_fits, plan_scoring, token_texts
+from radixserve.tokenizer import read_chat_template
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +208,8 @@ class Engine:
         # regions; a decode step then costs up to 2x (measured on 2 cores: 38 vs 72 ms).
         # So the caller's thread does no torch work of ours.
         built: Future[None] = Future()
+        template = self.config.server.chat_template  # in place of the model's (chat_roles)
+        self._chat_template = None if template is None else read_chat_template(template)
         self.loras = LoraRegistry(self.config.lora)  # the adapters' names (lora_path)
         self._lora_lock = threading.Lock()
         self._thread = threading.Thread(
@@ -257,6 +260,8 @@ class Engine:
             logger.info("scheduler thread: %s", place_process(parallel, 0))
         self.runner = ModelRunner(self.config, progress=progress)
         self.tokenizer = self.runner.tokenizer
+        if self._chat_template is not None:
+            self.tokenizer.chat_template = self._chat_template
         self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)
         self.scheduler = Scheduler.from_config(self.runner, self.config)
         self._loop = SchedulerLoop(

@@ -19,6 +19,36 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
         raise TokenizerLoadError(f"cannot load the tokenizer of {folder}: {e}") from e
 
 
+class ChatTemplateError(ValueError):
+    """--chat-template is neither a readable template file nor a valid template."""
+
+
+def read_chat_template(source: str) -> str:
+    """--chat-template's Jinja text: the file it names, or the text itself; ChatTemplateError
+    where it is neither (a missing file, a template that does not parse)."""
+    import jinja2
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"--chat-template {source}: cannot read it: {e}") from None
+    elif "{{" in source or "{%" in source:
+        text = source
+    else:
+        raise ChatTemplateError(
+            f"--chat-template {source!r} is neither a file nor a Jinja template"
+        )
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"--chat-template: the template does not parse (line {e.lineno}): {e.message}"
+        ) from None
+    return text
+
+
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most characters any one token stands for, from the vocabulary's keys: a byte-level
     key has a character per byte, a SentencePiece key one per character (a byte fallback

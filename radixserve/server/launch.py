@@ -34,7 +34,12 @@ from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
 from radixserve.server.metrics import Metrics
 from radixserve.server.tokenizer_manager import TokenizerManager
-from radixserve.tokenizer import TokenizerLoadError, load_tokenizer, longest_token_chars
+from radixserve.tokenizer import (
+    TokenizerLoadError,
+    load_tokenizer,
+    longest_token_chars,
+    read_chat_template,
+)
 
 logger = logging.getLogger("radixserve.server")
 
@@ -117,9 +122,11 @@ def launch_server(config: Config, log_level: str = "info") -> int:
     process died or failed to start."""
     if config.parallel.node_rank > 0:
         return launch_node(config, log_level)
+    template = config.server.chat_template
+    chat_template = None if template is None else read_chat_template(template)  # fails early
     sock = bind_socket(config.server.host, config.server.port)
     endpoints = Endpoints.fresh(config.parallel.dp_size)
-    launcher = Launcher(config, endpoints, sock, log_level)
+    launcher = Launcher(config, endpoints, sock, log_level, chat_template)
     try:
         return asyncio.run(launcher.run())
     finally:
@@ -130,9 +137,15 @@ def launch_server(config: Config, log_level: str = "info") -> int:
 
 class Launcher:
     def __init__(
-        self, config: Config, endpoints: Endpoints, sock: socket.socket, log_level: str
+        self,
+        config: Config,
+        endpoints: Endpoints,
+        sock: socket.socket,
+        log_level: str,
+        chat_template: str | None = None,
     ) -> None:
         self.config = config
+        self.chat_template = chat_template  # --chat-template's text, in place of the model's
         self.endpoints = endpoints
         self.sock = sock
         self.log_level = log_level
@@ -196,6 +209,8 @@ class Launcher:
         except TokenizerLoadError as e:
             self.fail(f"cannot start: {e}")
             return
+        if self.chat_template is not None:
+            tokenizer.chat_template = self.chat_template
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.longest_token = longest_token_chars(tokenizer)
         self.manager.tokenizer = tokenizer

@@ -1,0 +1,75 @@
+"""`--chat-template`: a template of one's own for the chat routes in place of the model's
+(a Jinja file, or the text itself), as vLLM's and SGLang's flag; one tiny-model server
+started with a file, and the refusals that stop a start early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from radixserve.engine import Engine
+from radixserve.tokenizer import ChatTemplateError, read_chat_template
+from tests.conftest import FP32
+from tests.server_utils import tiny_model_server
+
+# a template unlike the tiny tokenizer's own (ChatML): [role] content, then [assistant]
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, template_file, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("chat-template-server")
+    flags = ("--chat-template", str(template_file))
+    yield from tiny_model_server(tiny_model_dirs["llama"], log_dir, *flags)
+
+
+def test_chat_prompts_follow_the_template(server, tiny_model_dirs):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dirs["llama"])
+    ours = "[system] Be brief.\n[user] Hi\n[assistant] "
+    own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert own != ours  # the model's own template would give another prompt
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(ours, add_special_tokens=False))
+    info = requests.get(server.url + "/tokenizer_info", timeout=30).json()
+    assert info["chat_template"] == TEMPLATE
+    roles = requests.get(server.url + "/get_model_info", timeout=30).json()["chat_roles"]
+    assert roles is not None and roles["roles"]["user"][0] == "[user] "
+
+
+def test_the_engine_reads_it_too(tiny_model_dirs):
+    with Engine(
+        str(tiny_model_dirs["llama"]), progress=False, dtype=FP32, chat_template=TEMPLATE
+    ) as engine:
+        assert engine.chat_roles()["roles"]["assistant"][0] == "[assistant] "
+
+
+def test_text_that_is_no_template_is_refused(tmp_path):
+    assert read_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ChatTemplateError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        read_chat_template("{% for m in messages %}no end")
+
+
+def test_a_bad_template_stops_the_start_with_the_reason(tmp_path):
+    cmd = [sys.executable, "-m", "radixserve", "serve", "--chat-template", "{% if %}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "does not parse" in done.stderr + done.stdout
