@@ -9,7 +9,9 @@ PEFT's, token for token, and the prompt's logprobs close to its log-softmax (fp3
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -313,6 +315,7 @@ def test_site_weights_fold_scaling(tmp_path):
             "no lora_B",
         ),
         ({"lora_alpha": "abc"}, _pair(0, "q_proj", 2, 256, 256), "lora_alpha must be a number"),
+        ({"lora_alpha": 10**400}, _pair(0, "q_proj", 2, 256, 256), "lora_alpha must be a number"),
         ({}, _pair(0, "q_proj", 0, 256, 256), "rank 0"),
         (
             {},
@@ -345,6 +348,15 @@ def test_unreadable_files_say_why(tmp_path):
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(LoraError, match="not a readable safetensors file"):
         load(corrupt)
+
+
+def test_a_pipe_is_not_read(tmp_path):
+    """A FIFO in place of a file would block the scheduler's read forever."""
+    folder = tmp_path / "fifo"
+    folder.mkdir()
+    os.mkfifo(folder / "adapter_config.json")
+    with pytest.raises(LoraError, match="not a regular file"):
+        load(folder)
 
 
 def test_only_safetensors_weights_are_read(tmp_path):
@@ -396,3 +408,63 @@ def test_a_load_that_fails_unexpectedly_fails_alone(llama, monkeypatch):
     answer = engine.load_lora_adapter("r", str(case.adapters["a"]))
     assert answer["success"] is False and "RuntimeError: out of memory" in answer["error_message"]
     assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == case.greedy(PROMPTS[0], None)
+
+
+def test_an_unload_serves_requests_queued_behind_a_weight_update(llama):
+    """A request sent before an unload, held behind a weight update, runs under the
+    adapter once the update is done; the unload then goes ahead."""
+    case, engine, _ = llama
+    engine.load_lora_adapter("u", str(case.adapters["a"]))
+    loop, prompt = engine._loop, PROMPTS[1]
+    long = {"temperature": 0, "max_new_tokens": 1900, "ignore_eos": True}  # seconds
+    stream = engine.generate(prompt, long, lora_path="u", stream=True)
+    next(stream)  # running
+    done: dict[str, object] = {}
+
+    def in_thread(key, call):
+        thread = threading.Thread(target=lambda: done.__setitem__(key, call()))
+        thread.start()
+        return thread
+
+    def until(condition):
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    update = in_thread("update", lambda: engine.update_weights_from_disk(str(case.folder)))
+    until(lambda: loop._update is not None)
+    held = in_thread("held", lambda: engine.generate(prompt, GREEDY, lora_path="u"))
+    until(lambda: loop._after_update)
+    unload = in_thread("unload", lambda: engine.unload_lora_adapter("u"))
+    until(lambda: engine.scheduler.adapters.unloading)
+    for _ in stream:
+        pass
+    for thread in (update, held, unload):
+        thread.join(60)
+    assert done["update"]["success"] and done["unload"]["success"]
+    assert done["held"]["output_ids"] == case.greedy(prompt, "a")
+
+
+def test_registry_names():
+    from radixserve.config import LoraConfig
+    from radixserve.lora.registry import LoraNotFound, LoraRef, LoraRegistry
+
+    with pytest.raises(ValueError, match="served model's name"):
+        LoraRegistry(LoraConfig(lora_paths=("llama3:8b=/a",)), reserved=("llama3:8b",))
+    registry = LoraRegistry(LoraConfig(lora_paths=("8b=/a",)), reserved=("llama3:8b",))
+    assert registry.model_uid("llama3:8b") == 0  # the served model, though 8b is an adapter
+    assert registry.model_uid("8b") == registry.model_uid("any:8b") == 1
+    assert registry.model_uid("gpt-4o") == registry.model_uid("gpt:zzz") == 0
+    with pytest.raises(LoraNotFound, match="'typo' is not loaded"):
+        registry.model_uid("llama3:8b:typo")
+    registry.remove("8b")
+    with pytest.raises(LoraNotFound, match="was unloaded"):
+        registry.model_uid("8b")
+    assert registry.model_uid("other:8b") == 0  # not the served model's NAME form
+    registry.pending.add("9b")
+    with pytest.raises(LoraNotFound, match="being loaded"):
+        registry.model_uid("9b")
+    registry.pending.clear()
+    registry.add(LoraRef("8b", "/b", 7))
+    assert registry.model_uid("8b") == 7 and registry.retired == set()

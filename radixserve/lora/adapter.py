@@ -22,8 +22,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -116,7 +117,11 @@ class LoraAdapter:
                 f"{folder} has no {WEIGHTS_FILE} (found: {found}); only safetensors adapter "
                 "weights are read (a pickled adapter_model.bin is not loaded)"
             )
-        pairs = _read_pairs(weights, shape)
+        try:
+            data = weights.read_bytes()  # once: the digest is of the bytes the matrices are
+        except OSError as e:
+            raise LoraError(f"{weights} cannot be read: {e}") from None
+        pairs = _read_pairs(data, weights, shape)
         sites: dict[tuple[int, str], SiteWeights] = {}
         for layer in sorted({layer for layer, _ in pairs}):
             for site, modules in SITES.items():
@@ -124,7 +129,7 @@ class LoraAdapter:
                 if trained:
                     sites[layer, site] = _site(modules, dict(trained), scaling_of)
         sites = {k: w.to(device, dtype) for k, w in sites.items()}
-        digest = hashlib.blake2b(weights.read_bytes(), digest_size=16)
+        digest = hashlib.blake2b(data, digest_size=16)
         digest.update(json.dumps(sorted(scaling_of(r) for r in _ranks(pairs))).encode())
         return cls(
             name=name,
@@ -139,6 +144,9 @@ class LoraAdapter:
 def _read_config(folder: Path) -> dict:
     if not folder.is_dir():
         raise LoraError(f"LoRA adapter folder {folder} does not exist")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):  # (a pipe would block the scheduler's read)
+        if (folder / name).exists() and not (folder / name).is_file():
+            raise LoraError(f"{folder / name} is not a regular file")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except FileNotFoundError:
@@ -150,7 +158,7 @@ def _read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise LoraError(f"{folder / CONFIG_FILE} is not a JSON object")
     alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not _finite(alpha):
         raise LoraError(f"{folder / CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -169,6 +177,13 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past any float
+        return False
+
+
 def _scaling(config: dict):
     """rank → the factor on B @ A (rank_pattern's ranks come from the matrices' shapes)."""
     alpha = float(config.get("lora_alpha", 8))
@@ -177,45 +192,46 @@ def _scaling(config: dict):
     return lambda r: alpha / r
 
 
-def _read_pairs(weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple]:
-    """(layer, module) → (A (r, in), B (out, r)) in fp32, each checked against the model."""
+def _read_pairs(data: bytes, weights: Path, shape: ModelShape) -> dict[tuple[int, str], tuple]:
+    """(layer, module) → (A (r, in), B (out, r)) in fp32, each checked against the model
+    (`data`: the bytes of `weights`)."""
     try:
-        return _pairs(_read_matrices(weights, shape), weights, shape)
+        tensors = safetensors.torch.load(data)
     except SafetensorError as e:
         raise LoraError(f"{weights} is not a readable safetensors file: {e}") from None
+    return _pairs(_read_matrices(tensors, weights, shape), weights, shape)
 
 
-def _read_matrices(weights: Path, shape: ModelShape) -> dict[tuple[int, str, str], torch.Tensor]:
+def _read_matrices(
+    tensors: dict[str, torch.Tensor], weights: Path, shape: ModelShape
+) -> dict[tuple[int, str, str], torch.Tensor]:
     """(layer, module, "A" | "B") → the matrix in fp32."""
     found: dict[tuple[int, str, str], torch.Tensor] = {}
-    with safe_open(weights, framework="pt") as f:
-        for key in f.keys():
-            match = _KEY.search(key)
-            if match is None:
-                raise LoraError(
-                    f"{weights}: tensor {key} is not a LoRA matrix (lora_A / lora_B weight) "
-                    f"of an attention or MLP projection ({', '.join(SITE_OF)}); embedding, "
-                    "LM-head and bias adapters are not supported"
-                )
-            layer, module, which = int(match[1]), match[2], match[3]
-            if module not in SITE_OF:
-                raise LoraError(
-                    f"{weights}: tensor {key} adapts {module}, not one of {', '.join(SITE_OF)}"
-                )
-            if layer >= shape.num_layers:
-                raise LoraError(
-                    f"{weights}: tensor {key} is for layer {layer}; "
-                    f"the model has {shape.num_layers}"
-                )
-            if (layer, module, which) in found:
-                raise LoraError(
-                    f"{weights}: two lora_{which} tensors for layer {layer} {module} (the "
-                    f"second: {key}); one adapter per folder, of a text model"
-                )
-            tensor = f.get_tensor(key)
-            if not tensor.is_floating_point():
-                raise LoraError(f"{weights}: tensor {key} is {tensor.dtype}, not floating point")
-            found[layer, module, which] = tensor.float()
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise LoraError(
+                f"{weights}: tensor {key} is not a LoRA matrix (lora_A / lora_B weight) "
+                f"of an attention or MLP projection ({', '.join(SITE_OF)}); embedding, "
+                "LM-head and bias adapters are not supported"
+            )
+        layer, module, which = int(match[1]), match[2], match[3]
+        if module not in SITE_OF:
+            raise LoraError(
+                f"{weights}: tensor {key} adapts {module}, not one of {', '.join(SITE_OF)}"
+            )
+        if layer >= shape.num_layers:
+            raise LoraError(
+                f"{weights}: tensor {key} is for layer {layer}; the model has {shape.num_layers}"
+            )
+        if (layer, module, which) in found:
+            raise LoraError(
+                f"{weights}: two lora_{which} tensors for layer {layer} {module} (the "
+                f"second: {key}); one adapter per folder, of a text model"
+            )
+        if not tensor.is_floating_point():
+            raise LoraError(f"{weights}: tensor {key} is {tensor.dtype}, not floating point")
+        found[layer, module, which] = tensor.float()
     if not found:
         raise LoraError(f"{weights} holds no LoRA matrices")
     return found

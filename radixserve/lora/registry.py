@@ -28,12 +28,23 @@ class LoraNotFound(InvalidRequest):
     """`model` names an adapter that is not loaded (an OpenAI route's 404)."""
 
 
+def check_names(config: LoraConfig, reserved: tuple[str, ...]) -> None:
+    """ValueError where --lora-paths names an adapter as the served model is named."""
+    taken = sorted(name for name, _ in config.adapters if name in reserved)
+    if taken:
+        raise ValueError(
+            f"--lora-paths names an adapter {taken[0]!r}, the served model's name; give it "
+            "another (--lora-paths NAME=PATH)"
+        )
+
+
 class LoraRegistry:
     """`reserved`: names an adapter may not take (the served model's: `model` picks it)."""
 
     def __init__(self, config: LoraConfig, reserved: tuple[str, ...] = ()) -> None:
         self.enabled = config.enabled
         self.reserved = reserved
+        check_names(config, reserved)
         self.retired: set[str] = set()  # names unloaded (and not loaded again)
         self.refs: dict[str, LoraRef] = {
             name: LoraRef(name, path, uid)
@@ -105,16 +116,19 @@ class LoraRegistry:
         the served model), names an adapter; LoraNotFound where it names one that is not
         loaded (BASE:NAME, or the name of an adapter since unloaded); anything else is the
         base model (any `model` is taken, as the wire contract has it)."""
-        if not model:
+        if not model or model in self.reserved:
             return 0
         if model in self.refs:
             return self.refs[model].uid
         base, sep, name = model.rpartition(":")
         if sep and name in self.refs:
             return self.refs[name].uid
-        if model in self.retired or (sep and name in self.retired):
-            raise LoraNotFound(f"LoRA adapter {name or model!r} was unloaded", "model")
-        if sep and base in self.reserved and self.enabled:
+        served = bool(sep) and base in self.reserved  # SERVED:NAME
+        if model in self.pending or (served and name in self.pending):
+            raise LoraNotFound(f"LoRA adapter {model!r} is being loaded or unloaded", "model")
+        if model in self.retired or (served and name in self.retired):
+            raise LoraNotFound(f"LoRA adapter {name if served else model!r} was unloaded", "model")
+        if served and self.enabled:
             loaded = ", ".join(sorted(self.refs)) or "none"
             raise LoraNotFound(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})", "model")
         return 0

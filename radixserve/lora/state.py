@@ -38,6 +38,12 @@ class Stack:
     uids: tuple[int, ...]
     sites: dict[tuple[int, str], SiteWeights]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            w.a.nbytes + sum(b.nbytes for b in w.bs if b is not None) for w in self.sites.values()
+        )
+
     @classmethod
     def of(cls, adapters: Sequence[tuple[int, LoraAdapter]]) -> Stack:
         keys = sorted({key for _, adapter in adapters for key in adapter.sites})
@@ -118,13 +124,18 @@ class LoraState:
             del self.stacks[uids]
 
     def _stack(self, uids: tuple[int, ...]) -> Stack:
+        """The set's stack, made or kept; the least recent others dropped past STACKS_KEPT
+        or past the loaded adapters' bytes (a copy of each set's matrices is kept)."""
         stack = self.stacks.get(uids)
-        if stack is None:
-            stack = Stack.of([(uid, self.adapters[uid]) for uid in uids])
-            self.stacks[uids] = stack
-            if len(self.stacks) > STACKS_KEPT:
-                self.stacks.popitem(last=False)
-        self.stacks.move_to_end(uids)
+        if stack is not None:
+            self.stacks.move_to_end(uids)
+            return stack
+        stack = self.stacks[uids] = Stack.of([(uid, self.adapters[uid]) for uid in uids])
+        budget = sum(adapter.nbytes for adapter in self.adapters.values())
+        while len(self.stacks) > 1 and (
+            len(self.stacks) > STACKS_KEPT or sum(s.nbytes for s in self.stacks.values()) > budget
+        ):
+            self.stacks.popitem(last=False)
         return stack
 
     def mask(self, owners: torch.Tensor) -> torch.Tensor:

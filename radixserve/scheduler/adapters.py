@@ -36,7 +36,7 @@ class Adapters:
             return
         lora = self.runner.lora
         adapter = None if lora is None else lora.adapters.get(req.lora_id)
-        if adapter is None or req.lora_id in self.unloading:
+        if adapter is None:  # (one being unloaded still serves the requests sent before)
             raise AdapterNotLoaded(
                 "the request's LoRA adapter was unloaded before the request was admitted"
             )

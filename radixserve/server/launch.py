@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config, rank_addr
+from radixserve.lora.registry import check_names
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
@@ -124,6 +125,7 @@ def launch_server(config: Config, log_level: str = "info") -> int:
         return launch_node(config, log_level)
     template = config.server.chat_template
     chat_template = None if template is None else read_chat_template(template)  # fails early
+    check_names(config.lora, reserved=(served_model_name(config),))
     sock = bind_socket(config.server.host, config.server.port)
     endpoints = Endpoints.fresh(config.parallel.dp_size)
     launcher = Launcher(config, endpoints, sock, log_level, chat_template)
