@@ -478,6 +478,16 @@ class ServerConfig:
         "(as vLLM's and SGLang's flag take one), or the template text itself. It is what "
         "/tokenizer_info reports and what /get_model_info's chat_roles are read from.",
     )
+    log_requests: bool = _opt(
+        False,
+        "Log every request at INFO when it is sent to the scheduler (its rid, prompt tokens, "
+        "the sampling parameters set, its LoRA adapter) and when it ends (finish reason, "
+        "tokens, cached tokens, seconds) or is refused; no texts unless "
+        "--log-requests-chars.",
+    )
+    log_requests_chars: int = _opt(
+        0, "With --log-requests, also log the first N characters of each prompt and output."
+    )
     max_queued_requests: int = _opt(
         2048, "Most requests waiting for admission; past it new requests get 503 at once."
     )
@@ -514,6 +524,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if self.log_requests_chars < 0:
+            raise ValueError(f"log_requests_chars must be >= 0, got {self.log_requests_chars}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 

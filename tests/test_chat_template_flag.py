@@ -73,3 +73,31 @@ def test_a_bad_template_stops_the_start_with_the_reason(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "does not parse" in done.stderr + done.stdout
+
+
+# -- --log-requests (one more flag of the serve command, on the same kind of server) --------
+@pytest.fixture(scope="module")
+def logged(tiny_model_dirs, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("log-requests-server")
+    flags = ("--log-requests", "--log-requests-chars", "12")
+    yield from tiny_model_server(tiny_model_dirs["llama"], log_dir, *flags)
+
+
+def test_requests_are_logged_with_their_outcome(logged):
+    body = {
+        "text": "hello world, this is a test",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop": ["zz"]},
+        "rid": "logged-1",
+    }
+    r = requests.post(logged.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    refused = {**body, "rid": "logged-2", "input_ids": [10**6]}
+    del refused["text"]
+    assert requests.post(logged.url + "/generate", json=refused, timeout=60).status_code == 400
+    lines = logged.log_path.read_text().splitlines()
+    sent = next(line for line in lines if "request logged-1:" in line)
+    assert "prompt tokens" in sent and "max_new_tokens=4" in sent and "stop=['zz']" in sent
+    assert "temperature=0" in sent and "top_p" not in sent  # only what differs from defaults
+    assert "prompt 'hello world,'…" in sent  # the first 12 characters
+    ended = next(line for line in lines if "request logged-1 ended (length)" in line)
+    assert "4 generated; output" in ended

@@ -34,6 +34,7 @@ from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
 from radixserve.server.metrics import Metrics
+from radixserve.server.request_log import RequestLog
 from radixserve.server.tokenizer_manager import TokenizerManager
 from radixserve.tokenizer import (
     TokenizerLoadError,
@@ -213,6 +214,9 @@ class Launcher:
             return
         if self.chat_template is not None:
             tokenizer.chat_template = self.chat_template
+        server = self.config.server
+        if server.log_requests:
+            self.manager.request_log = RequestLog(server.log_requests_chars, tokenizer.decode)
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.longest_token = longest_token_chars(tokenizer)
         self.manager.tokenizer = tokenizer

@@ -43,6 +43,7 @@ from radixserve.server.messages import (
     StrOutBatch,
 )
 from radixserve.server.metrics import Metrics
+from radixserve.server.request_log import RequestLog
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class TokenizerManager:
     def __init__(self, to_scheduler: Dispatcher, metrics: Metrics) -> None:
         self.tokenizer: Any = None  # loaded by the launcher while the children start
         self.chat_roles: ChatRoles | None = None  # read off its chat template, with it
+        self.request_log: RequestLog | None = None  # --log-requests (set with the tokenizer)
         # the most characters one token stands for (set with the tokenizer; None: not known)
         self.longest_token: int | None = None
         # where the scheduler found the model, before it loads it (the launcher waits on it)
@@ -207,6 +209,8 @@ class TokenizerManager:
             )
             self.pending[req.rid] = _Track(call, index, results)
             self.to_scheduler.send(GenerateReq.from_req(req, return_text_in_logprobs, stream))
+            if self.request_log is not None:
+                self.request_log.sent(req)
         return call
 
     def check_available(self) -> None:
@@ -310,6 +314,8 @@ class TokenizerManager:
         self.metrics.prompt_tokens.inc(out.prompt_tokens)
         self.metrics.cached_tokens.inc(out.cached_tokens)
         track.call.queue.put_nowait((track.index, track.results.add(out, now - track.start)))
+        if self.request_log is not None:
+            self.request_log.ended(out, now - track.start, track.results.pieces)
 
     def _observe_tokens(self, track: _Track, completion_tokens: int, now: float) -> None:
         new = completion_tokens - track.tokens
@@ -327,12 +333,16 @@ class TokenizerManager:
         """An error confined to one request (its detokenization failed): its call ends with
         a 500; the abort frees its KV if the scheduler still runs it (a no-op otherwise)."""
         logger.error("request %s failed: %s", rid, message)
+        if self.request_log is not None:
+            self.request_log.refused(rid, f"failed: {message}")
         self.send_abort(rid, message)
         track.call.queue.put_nowait(APIError(500, message))
 
     def _on_rejected(self, msg: Rejected) -> None:
         track = self.pending.pop(msg.rid, None)
         self.to_scheduler.done(msg.rid)
+        if self.request_log is not None:
+            self.request_log.refused(msg.rid, msg.message)
         if track is not None:
             status = REJECTION_STATUS[msg.kind]
             track.call.queue.put_nowait(APIError(status, msg.message, param=msg.param))
