@@ -104,8 +104,11 @@ class _Renderer:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
-        except ValueError as e:  # transformers' refusals (no template, bad messages)
-            raise TemplateShapeError(str(e)) from e
+        except TemplateError:
+            raise
+        except Exception as e:  # transformers' refusals (no template, bad messages), or
+            # the template's own fault (a TypeError of `tools | length` on None...)
+            raise TemplateShapeError(f"{type(e).__name__}: {e}") from e
         if not isinstance(text, str):
             raise TemplateShapeError(f"the template rendered a {type(text).__name__}")
         return text

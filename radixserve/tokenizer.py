@@ -27,9 +27,14 @@ def read_chat_template(source: str) -> str:
     """--chat-template's Jinja text: the file it names, or the text itself; ChatTemplateError
     where it is neither (a missing file, a template that does not parse)."""
     import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     path = Path(source).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # template text longer than a file name may be
+        is_file = False
+    if is_file:
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
@@ -40,8 +45,8 @@ def read_chat_template(source: str) -> str:
         raise ChatTemplateError(
             f"--chat-template {source!r} is neither a file nor a Jinja template"
         )
-    try:
-        jinja2.Environment().parse(text)
+    try:  # as transformers compiles it to render (its sandbox, extensions and filters)
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(
             f"--chat-template: the template does not parse (line {e.lineno}): {e.message}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -68,6 +69,44 @@ def test_text_that_is_no_template_is_refused(tmp_path):
         read_chat_template("{% for m in messages %}no end")
 
 
+def test_templates_are_checked_as_transformers_compiles_them():
+    """transformers' own extensions and loop controls pass; an unknown filter does not;
+    template text longer than a file name may be is text, not a path."""
+    hf_only = (
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+        "{% if loop.index > 3 %}{% break %}{% endif %}{% endfor %}"
+    )
+    assert read_chat_template(hf_only) == hf_only
+    with pytest.raises(ChatTemplateError, match="No filter named 'nosuchfilter'"):
+        read_chat_template("{{ messages | nosuchfilter }}")
+    long = TEMPLATE + "{# " + "x" * 400 + " #}"
+    assert read_chat_template(long) == long
+
+
+# `tools | length` on the None that transformers passes without tools: a TypeError
+FAILS_WITHOUT_TOOLS = (
+    "{% if tools | length > 0 %}[tools]{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def test_a_template_that_fails_to_render_fails_each_request_alone(tiny_model_dirs):
+    """No chat roles where the template fails on the sentinel conversations (not a start
+    that never ends), and a 400 that names the template's error per request."""
+    from radixserve.chat_roles import derive_chat_roles
+    from radixserve.server import openai_api as oai
+    from radixserve.server.errors import APIError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dirs["llama"])
+    tokenizer.chat_template = FAILS_WITHOUT_TOOLS
+    assert derive_chat_roles(tokenizer) is None
+    body = oai.ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
+    plan = body.tool_plan(None, FAILS_WITHOUT_TOOLS)
+    with pytest.raises(APIError) as raised:
+        oai.chat_prompt(body, tokenizer, plan)
+    assert raised.value.status == 400 and "TypeError" in raised.value.message
+
+
 def test_a_bad_template_stops_the_start_with_the_reason(tmp_path):
     cmd = [sys.executable, "-m", "radixserve", "serve", "--chat-template", "{% if %}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -101,3 +140,20 @@ def test_requests_are_logged_with_their_outcome(logged):
     assert "prompt 'hello world,'…" in sent  # the first 12 characters
     ended = next(line for line in lines if "request logged-1 ended (length)" in line)
     assert "4 generated; output" in ended
+
+
+def test_a_client_that_leaves_is_logged_as_gone(logged):
+    body = {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+        "rid": "logged-gone",
+        "stream": True,
+    }
+    with requests.post(logged.url + "/generate", json=body, stream=True, timeout=60) as r:
+        next(r.iter_lines())  # the first chunk, then away
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if "request logged-gone ended (abort, its client left)" in logged.log_path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(logged.logs())

@@ -133,6 +133,10 @@ class LoraRegistry:
             raise LoraNotFound(f"LoRA adapter {name!r} is not loaded (loaded: {loaded})", "model")
         return 0
 
+    def name_of(self, uid: int) -> str | None:
+        """The name of the loaded adapter `uid` (None: none is)."""
+        return next((ref.name for ref in self.refs.values() if ref.uid == uid), None)
+
     def loaded(self) -> dict[str, str]:
         """name → path of every loaded adapter (SGLang's `loaded_adapters`)."""
         return {ref.name: ref.path for ref in self.refs.values()}

@@ -166,6 +166,7 @@ class Launcher:
         dispatcher = Dispatcher(senders, self.config.parallel.load_balance_method)
         self.manager = TokenizerManager(dispatcher, Metrics())
         app = build_app(self.manager, self.config, served_model_name(self.config))
+        self.loras = app.state.server.loras  # (names for --log-requests)
         self.server = _Server(
             uvicorn.Config(
                 app,
@@ -177,9 +178,11 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_signal, sig)
+        starting = asyncio.create_task(self.start())
+        starting.add_done_callback(self._started)
         tasks = [
             asyncio.create_task(self.manager.receive_loop(receiver)),
-            asyncio.create_task(self.start()),
+            starting,
             asyncio.create_task(self.watch()),
         ]
         try:
@@ -216,10 +219,22 @@ class Launcher:
             tokenizer.chat_template = self.chat_template
         server = self.config.server
         if server.log_requests:
-            self.manager.request_log = RequestLog(server.log_requests_chars, tokenizer.decode)
+            names = self.loras.name_of
+            self.manager.request_log = RequestLog(
+                server.log_requests_chars, tokenizer.decode, names
+            )
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.longest_token = longest_token_chars(tokenizer)
         self.manager.tokenizer = tokenizer
+
+    def _started(self, task: asyncio.Task) -> None:
+        """A start that raised (what no check foresaw) stops the server with the reason,
+        not a server answering 503 "starting" for good."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        logger.error("start-up failed", exc_info=error)
+        self.fail(f"cannot start: {type(error).__name__}: {error}")
 
     def start_child(self, name: str, role: str, first_arg: object, *rest: object) -> None:
         """Start the child `name` running `role`'s entry (CHILD_MAINS)."""

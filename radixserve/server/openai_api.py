@@ -413,6 +413,10 @@ def chat_prompt(
     except (TemplateError, ValueError) as e:  # e.g. roles out of the template's order
         message = f"the chat template refused the {fields.prompt}: {e}"
         raise bad_request(message, fields.prompt) from None
+    except Exception as e:  # the template's own fault on these messages (a TypeError of
+        # `content + 1`...): this request fails, as its messages are what it cannot render
+        message = f"the chat template failed on the {fields.prompt}: {type(e).__name__}: {e}"
+        raise bad_request(message, fields.prompt) from None
     return text
 
 

@@ -298,6 +298,9 @@ class TokenizerManager:
             if out.finish_reason is not None:
                 del self.pending[out.rid]
                 self.to_scheduler.done(out.rid)
+                if self.request_log is not None:
+                    seconds = time.perf_counter() - track.start
+                    self.request_log.ended(out, seconds, track.results.pieces, "its client left")
             return
         now = time.perf_counter()
         self._observe_tokens(track, out.completion_tokens, now)
@@ -334,7 +337,7 @@ class TokenizerManager:
         a 500; the abort frees its KV if the scheduler still runs it (a no-op otherwise)."""
         logger.error("request %s failed: %s", rid, message)
         if self.request_log is not None:
-            self.request_log.refused(rid, f"failed: {message}")
+            self.request_log.failed(rid, message)
         self.send_abort(rid, message)
         track.call.queue.put_nowait(APIError(500, message))
 
@@ -369,8 +372,10 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every waiter ends with a 503 naming why."""
         self.dead = reason
-        for track in self.pending.values():
+        for rid, track in self.pending.items():
             track.call.queue.put_nowait(EngineUnavailable(f"the engine stopped: {reason}"))
+            if self.request_log is not None:
+                self.request_log.failed(rid, f"the engine stopped: {reason}")
         self.pending.clear()
         for gather in self.controls.values():
             if not gather.future.done():
