@@ -13,7 +13,8 @@ x @ A covers every adapter, a mask keeps each row's own adapter's columns (the b
 model's rows keep none), and one product per module adds them: the same few ops per site
 whatever the number of adapters, not a gather, products and a scatter per adapter
 (measured: `benchmarks/lora_overhead.py`). The stacks of recent sets of adapters are kept
-(`STACKS_KEPT`), since a set lasts from step to step while its requests decode.
+(`STACKS_KEPT`, within as many bytes as the loaded adapters take), since a set lasts from
+step to step while its requests decode.
 """
 
 from __future__ import annotations
