@@ -86,16 +86,20 @@ class ServerProcess:
         self.stop()
 
 
-def tiny_model_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[ServerProcess]:
-    """A module fixture's body: one server over the tests' tiny model, stopped afterwards."""
-    log = log_dir / "server.log"
-    proc = ServerProcess(
-        "--model-path", str(model_dir), "--max-total-tokens", "8192", *flags, log=log
-    )
+def served(log: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A module fixture's body: one server with these flags (the default model unless they
+    name another), its output in `log`, stopped afterwards."""
+    proc = ServerProcess(*flags, log=log)
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+def tiny_model_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A module fixture's body: one server over the tests' tiny model, stopped afterwards."""
+    model = ("--model-path", str(model_dir), "--max-total-tokens", "8192")
+    yield from served(log_dir / "server.log", *model, *flags)
 
 
 def state(server: ServerProcess) -> dict:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from radixserve.config import Config
 from radixserve.model.loader import resolve_model_folder
-from tests.server_utils import ServerProcess, assert_kv_clean
+from tests.server_utils import assert_kv_clean, served
 from tests.test_lora import ADAPTERS, GREEDY, Case, make_adapter
 
 TIMEOUT = 120
@@ -38,12 +38,7 @@ def case(tmp_path_factory) -> Case:
 @pytest.fixture(scope="module")
 def server(case, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-lora-log") / "server.log"
-    flags = ["--max-total-tokens", "8192", "--lora-paths", f"a={case.adapters['a']}"]
-    proc = ServerProcess(*flags, log=log)
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    yield from served(log, "--max-total-tokens", "8192", "--lora-paths", f"a={case.adapters['a']}")
 
 
 @pytest.fixture(scope="module")
