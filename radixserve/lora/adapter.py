@@ -80,6 +80,10 @@ class SiteWeights:
     bs: tuple[torch.Tensor | None, ...]
     owners: torch.Tensor | None = None  # (R,): each column's adapter in a stack (state.py)
 
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + sum(b.nbytes for b in self.bs if b is not None)
+
     def to(self, device, dtype) -> SiteWeights:
         bs = tuple(None if b is None else b.to(device, dtype) for b in self.bs)
         return SiteWeights(self.a.to(device, dtype), self.spans, bs, self.owners)
@@ -100,8 +104,7 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        sites = self.sites.values()
-        return sum(w.a.nbytes + sum(b.nbytes for b in w.bs if b is not None) for w in sites)
+        return sum(w.nbytes for w in self.sites.values())
 
     @classmethod
     def load(

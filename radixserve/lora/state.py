@@ -41,9 +41,7 @@ class Stack:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            w.a.nbytes + sum(b.nbytes for b in w.bs if b is not None) for w in self.sites.values()
-        )
+        return sum(w.nbytes for w in self.sites.values())
 
     @classmethod
     def of(cls, adapters: Sequence[tuple[int, LoraAdapter]]) -> Stack:

@@ -77,7 +77,7 @@ async def get_model(model_id: str, state: State) -> dict[str, Any]:
 # -- generation -----------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(body: oai.CompletionRequest, request: Request, state: State) -> Response:
-    lora_id = _adapter(body, state)
+    lora_id = state.adapter_of(body.model, body.lora_path)  # 0: the base model
     reqs = await off_the_loop_if_large(
         request, lambda: oai.completion_reqs(body, state.manager.encode, lora_id)
     )
@@ -96,7 +96,7 @@ async def chat_completions(
     plan = await off_the_loop_if_large(  # compiles each tool's parameters to check them
         request, lambda: body.tool_plan(parser_flag, oai.template_source(tokenizer))
     )
-    lora_id = _adapter(body, state)
+    lora_id = state.adapter_of(body.model, body.lora_path)
     context = state.model.max_seq_len
     chat = await off_the_loop_if_large(
         request, lambda: oai.chat_call(body, tokenizer, context, plan, lora_id=lora_id)
@@ -107,11 +107,6 @@ async def chat_completions(
     shape = _Chat(token_bytes, plan, thinking)
     field = body.constraint_field(chat.reqs)
     return await _serve(request, state, body, chat.reqs, shape, field)
-
-
-def _adapter(body: oai.CompletionRequest | oai.ChatCompletionRequest, state: ServerState) -> int:
-    """The LoRA adapter the request runs with (0: none), by `lora_path` or `model`."""
-    return state.adapter_of(body.model, body.lora_path)
 
 
 def chat_reasoning(
