@@ -20,7 +20,15 @@ from radixserve.core.output import SchedulerStats
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.scheduler.speculative import Speculator
-from radixserve.spec.controller import Acceptance, CostModel, plan, room_for_drafts
+from radixserve.spec.controller import (
+    MEASURED_MIN,
+    MEASURED_STALE,
+    Acceptance,
+    CostModel,
+    MatchStats,
+    plan,
+    room_for_drafts,
+)
 from radixserve.spec.ngram import NgramDrafter, NgramIndex, SharedIndex
 from tests.conftest import FP32
 from tests.reference import reference_greedy, verification_free
@@ -177,6 +185,33 @@ def test_cost_model_fits_the_measured_steps():
     for _ in range(10):
         rate.record(drafted=4, accepted=0)
     assert rate.rate() < 0.15 and rate.rate(prior=0.9) > rate.rate()
+
+
+def test_controller_recovers_from_a_bad_start():
+    """Neither a draft's step measured while something else held the cores nor a kind of
+    draft that failed at first keeps drafting off for good: drafts are not verified while
+    the controller believes them not to pay, so nothing else would correct it."""
+    cost = CostModel()
+    for _ in range(20):
+        cost.observe(1, 0.010)
+    for _ in range(MEASURED_MIN):
+        cost.observe(4, 0.050)  # a verify step of 3 drafts, slowed by another process
+    assert cost.seconds(4) == 0.050 and not room_for_drafts(cost.seconds, 1, alone=False)
+    steps = 0
+    while cost.seconds(4) > 0.020:
+        cost.observe(1, 0.010)
+        steps += 1
+    assert steps <= MEASURED_STALE + 1  # priced by the line again, until measured again
+    assert room_for_drafts(cost.seconds, 1, alone=False)
+
+    matches = MatchStats()
+    for _ in range(10):
+        matches.record("own", 2, drafted=4, accepted=0)
+    assert matches.rate("own", 2) < 0.15
+    for _ in range(2000):
+        matches.advance()
+    assert matches.rate("own", 2) > 0.4  # back near the prior: tried again
+    assert matches.rate("shared", 8) == 0.5
 
 
 def test_flags_are_checked():

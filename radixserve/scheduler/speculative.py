@@ -94,6 +94,7 @@ class Speculator:
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
+        self.matches.advance()
 
     def record(self, req: Req, drafted: int, accepted: int) -> None:
         """Request `req` verified `drafted` tokens this step and `accepted` of them."""

@@ -57,7 +57,10 @@ OUTLIER_MADS = 5.0  # a step this many median residuals off the fit is left out 
 
 MEASURED_KEEP = 5  # recent steps kept per token count
 MEASURED_MIN = 2  # steps of a token count before their median replaces the line
-MEASURED_STALE = 2000  # steps after which a token count not seen again is forgotten
+# steps after which a token count not seen again is forgotten and priced by the line again:
+# a count measured while something else held the cores would otherwise keep drafts out for
+# as long (re-measuring costs at most MEASURED_MIN steps of that count this often)
+MEASURED_STALE = 256
 
 
 class CostModel:
@@ -132,6 +135,9 @@ def _fit(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations the prior counts for against a request's own record
 GLOBAL_DECAY = 0.995  # per verified draft, for the statistics shared by all requests
+# per step, for the same statistics: a kind of draft whose record fell below the bar is not
+# verified again, so only time brings it back toward the prior (half-way in ~350 steps)
+IDLE_DECAY = 0.998
 # plan() looks past tokens that do not pay on the line by this factor (a step-shaped cost
 # can make several tokens pay where one does not), never further
 MIN_GAIN = 0.25
@@ -163,14 +169,35 @@ class MatchStats:
     over all requests: the prior of each request's estimate."""
 
     def __init__(self) -> None:
-        self._by_kind: dict[tuple[str, int], Acceptance] = {}
+        self._by_kind: dict[tuple[str, int], tuple[Acceptance, int]] = {}  # -> (record, step)
+        self._step = 0
+
+    def advance(self) -> None:
+        """One decode step went by."""
+        self._step += 1
+
+    def _current(self, kind: tuple[str, int]) -> Acceptance | None:
+        entry = self._by_kind.get(kind)
+        if entry is None:
+            return None
+        record, step = entry
+        if step < self._step:
+            fade = IDLE_DECAY ** (self._step - step)
+            record.accepted *= fade
+            record.tried *= fade
+            self._by_kind[kind] = (record, self._step)
+        return record
 
     def rate(self, source: str, match_len: int) -> float:
-        record = self._by_kind.get((source, match_len))
+        record = self._current((source, match_len))
         return 0.5 if record is None else record.rate()
 
     def record(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
-        record = self._by_kind.setdefault((source, match_len), Acceptance())
+        kind = (source, match_len)
+        record = self._current(kind)
+        if record is None:
+            record = Acceptance()
+            self._by_kind[kind] = (record, self._step)
         record.record(drafted, accepted, GLOBAL_DECAY)
 
 
