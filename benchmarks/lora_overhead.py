@@ -4,9 +4,11 @@ all under one adapter, and spread over four adapters (4 requests each), rounds a
 prints the median output tokens/s of each and its ratio to the base model's.
 
 The adapters are PEFT's (random weights, rank --rank on every attention and MLP
-projection), made in a temporary folder. A step with adapter rows runs the layers in Python
-(the fused C++ decode layers take no adapters) and adds two small products per projection
-group and adapter.
+projection), made in a temporary folder. A decode step with adapter rows runs in the fused
+C++ decode layers (decode_layers.cpp), which add each site's adapter products with
+fused_ops.cpp's lora_add; the adapter cases run a second time with the Python layers
+(the driver turned off for those runs alone), the way such steps ran before, as the
+baseline of that change.
 
     .venv/bin/python benchmarks/lora_overhead.py --rounds 5
 """
@@ -78,22 +80,30 @@ def main() -> None:
             "one adapter": [names[0]] * args.requests,
             "four adapters": [names[i % 4] for i in range(args.requests)],
         }
+        model = engine.runner.model
+        driver = model.decode_layers
+        python_layers = {f"{case}, Python layers": lora for case, lora in cases.items()}
+        del python_layers["base model, Python layers"]
         try:
             run(engine, prompts, 8, cases["four adapters"])  # warm up
-            rates: dict[str, list[float]] = {case: [] for case in cases}
+            rates: dict[str, list[float]] = {case: [] for case in (*cases, *python_layers)}
             for _ in range(args.rounds):
                 for case, lora in cases.items():
                     rates[case].append(run(engine, prompts, args.tokens, lora))
+                model.decode_layers = None
+                for case, lora in python_layers.items():
+                    rates[case].append(run(engine, prompts, args.tokens, lora))
+                model.decode_layers = driver
         finally:
             engine.shutdown()
     base = statistics.median(rates["base model"])
     print(
         f"{args.requests} requests x {args.tokens} tokens, rank {args.rank}, {args.rounds} rounds"
     )
-    print(f"{'batch':<16}{'median tok/s':>14}{'vs base':>10}")
+    print(f"{'batch':<32}{'median tok/s':>14}{'vs base':>10}")
     for case, values in rates.items():
         median = statistics.median(values)
-        print(f"{case:<16}{median:>14.1f}{median / base:>9.2f}x")
+        print(f"{case:<32}{median:>14.1f}{median / base:>9.2f}x")
 
 
 if __name__ == "__main__":

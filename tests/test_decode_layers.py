@@ -156,6 +156,62 @@ def test_prompts_and_mixed_steps_are_the_python_layers_bit_for_bit(
     assert runner.allocator.num_free == runner.allocator.size
 
 
+LORA_CASES = [(FP32, "auto", 1e-4), ("bfloat16", "auto", 0.1), (FP32, "avx2", 1e-4)]
+
+
+@pytest.mark.parametrize(("dtype", "plan", "tolerance"), LORA_CASES)
+def test_steps_with_lora_adapters_are_the_python_layers(
+    tiny_model_dirs, tmp_path, dtype, plan, tolerance, monkeypatch
+):
+    """Decode steps whose rows use LoRA adapters (one adapter for every row; two of
+    different shapes beside the base model's rows, their stack) run in the driver, each
+    adapter's products added where `LoraSite.add` adds them: the logits are the Python
+    layers' up to the products' order of sums (fp32: ~1e-5; bf16: a rounding or two)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import ADAPTERS, make_adapter
+
+    folder = tiny_model_dirs["llama"]
+    if plan == "avx2":
+        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: AVX2_PLAN))
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    paths = [
+        f"{name}={make_adapter(base, tmp_path / name, seed, **config)}"
+        for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)
+    ]
+    config = Config.from_flat(
+        model_path=str(folder), max_total_tokens=4096, dtype=dtype, lora_paths=paths
+    )
+    runner = ModelRunner(config, progress=False)
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    for rows, owners in ((1, [1]), (3, [2, 2, 2]), (3, [1, 0, 2]), (24, [0, 1, 2] * 8)):
+        reqs = []
+        for i, uid in enumerate(owners):
+            prompt = torch.randint(3, 500, (int(torch.randint(5, 60, (1,), generator=gen)),))
+            reqs.append(Req(f"r{i}", prompt.tolist(), params))
+            reqs[-1].lora_id = uid
+        try:
+            logits = runner.forward(builder.extend(reqs, [r.input_ids for r in reqs])).logits
+            for _ in range(2):
+                for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+                    req.output_ids.append(token)
+                batch = builder.decode(reqs)
+                # the base model's logits first (its K/V are written over next)
+                plain = runner.forward(dataclasses.replace(batch, lora_ids=None)).logits
+                logits, python, taken = both_ways(runner, batch)
+                assert taken == driver_takes(runner.kernels, rows), (rows, owners)
+                error = (logits - python).abs().max()
+                assert torch.allclose(logits, python, atol=tolerance, rtol=0), (rows, owners, error)
+                moved = (plain - logits).abs().amax(-1).tolist()  # adapters' rows alone
+                assert [m > 10 * tolerance for m in moved] == [bool(u) for u in owners], moved
+        finally:
+            for req in reqs:
+                builder.release(req)
+    assert runner.allocator.num_free == runner.allocator.size
+
+
 def test_the_driver_leaves_other_steps_and_models_to_python(tiny_model_dirs):
     for arch in ("qwen3", "gemma3"):  # q/k norms; another decoder
         config = Config.from_flat(

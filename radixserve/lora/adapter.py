@@ -7,10 +7,10 @@ A LoRA module adds `scaling * (x @ A.T) @ B.T` to a linear layer's product of x,
 the layers that share an input share one product: per decoder layer four *sites*, `qkv`
 (q_proj, k_proj and v_proj of the attention input), `o` (o_proj), `gate_up` (gate_proj
 and up_proj of the MLP input, laid out as the model's fused gate/up product) and `down`.
-A site's A matrices are concatenated (in, R), so that one product x @ A serves all its
-modules; each module's B (r, out), scaling folded in, then takes its span of those
-columns (`torch.addmm` onto the base product). A module the adapter does not train has no
-columns and no B.
+A site's A matrices are stacked (R, in), as a linear layer's weight, so that one product
+x @ A.T serves all its modules; each module's B (r, out), scaling folded in, then takes its
+span of those columns (`torch.addmm` onto the base product). A module the adapter does not
+train has no columns and no B.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class SiteWeights:
-    a: torch.Tensor  # (in, R): the site's A matrices, transposed, side by side
-    # per module of the site (SITES order): its columns of x @ a, and its B transposed and
+    a: torch.Tensor  # (R, in): the site's A matrices, one on top of the other
+    # per module of the site (SITES order): its columns of x @ a.T, and its B transposed and
     # scaled (r, out); None where the module is not trained
     spans: tuple[tuple[int, int], ...]
     bs: tuple[torch.Tensor | None, ...]
@@ -278,7 +278,7 @@ def _ranks(pairs: dict) -> list[int]:
 
 
 def _site(modules, trained: dict, scaling_of) -> SiteWeights:
-    """One site's (in, R) A and per-module B (see the module's doc)."""
+    """One site's (R, in) A and per-module B (see the module's doc)."""
     a_parts, spans, bs = [], [], []
     start = 0
     for module in modules:
@@ -288,8 +288,8 @@ def _site(modules, trained: dict, scaling_of) -> SiteWeights:
             continue
         lora_a, lora_b = trained[module]
         r = lora_a.shape[0]
-        a_parts.append(lora_a.t())
+        a_parts.append(lora_a)
         spans.append((start, start + r))
         bs.append((lora_b.t() * scaling_of(r)).contiguous())
         start += r
-    return SiteWeights(torch.cat(a_parts, dim=1).contiguous(), tuple(spans), tuple(bs))
+    return SiteWeights(torch.cat(a_parts).contiguous(), tuple(spans), tuple(bs))

@@ -5,14 +5,14 @@ clears them after (`end`); each attention and MLP module holds a `LoraSite` that
 adapters' products to the base layer's. A step with no adapter rows runs exactly as
 without LoRA (the fused decode layers included).
 
-Where every row uses one adapter, a site computes x @ A and adds each module's span of it
+Where every row uses one adapter, a site computes x @ A.T and adds each module's span of it
 times the module's B (adapter.py). Where rows use several (or some use the base model),
-the site's matrices of the step's adapters are stacked: A side by side (in, sum of
-ranks), each module's B on top of each other (sum of ranks, out), so that one product
-x @ A covers every adapter, a mask keeps each row's own adapter's columns (the base
-model's rows keep none), and one product per module adds them: the same few ops per site
-whatever the number of adapters, not a gather, products and a scatter per adapter
-(measured: `benchmarks/lora_overhead.py`). The stacks of recent sets of adapters are kept
+the site's matrices of the step's adapters are stacked: A (sum of ranks, in) and each
+module's B (sum of ranks, out) on top of each other, so that one product x @ A.T covers
+every adapter, a mask keeps each row's own adapter's columns (the base model's rows keep
+none), and one product per module adds them: the same few ops per site whatever the
+number of adapters, not a gather, products and a scatter per adapter (measured:
+`benchmarks/lora_overhead.py`). The stacks of recent sets of adapters are kept
 (`STACKS_KEPT`, within as many bytes as the loaded adapters take), since a set lasts from
 step to step while its requests decode.
 """
@@ -24,15 +24,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.lora.adapter import SITES, LoraAdapter, SiteWeights
 
 STACKS_KEPT = 8  # sets of adapters whose stacked matrices are kept (least recent dropped)
+LORA_SITE_FIELDS = 16  # fused_ops.cpp's LoraSite
+
+
+@dataclass(frozen=True)
+class DriverLora:
+    """The step's adapters as the fused decode layers take them (decode_layers.cpp): per
+    layer and site (SITES order) a LoraSite's fields, and each row's adapter in the stack
+    (None: every row uses the one adapter)."""
+
+    fields: torch.Tensor  # (layers, len(SITES), LORA_SITE_FIELDS) int64
+    row_owner: torch.Tensor | None
+
+
+def site_fields(weights: SiteWeights | None) -> list[int]:
+    """fused_ops.cpp's LoraSite of a site's weights (all 0 where there are none): pointers
+    into them, which stay valid while they are held."""
+    if weights is None:
+        return [0] * LORA_SITE_FIELDS
+    owners = 0 if weights.owners is None else weights.owners.data_ptr()
+    row = [weights.a.data_ptr(), weights.a.shape[0], owners, len(weights.spans)]
+    for (lo, hi), b in zip(weights.spans, weights.bs, strict=True):
+        row += [lo, hi, 0, 0] if b is None else [lo, hi, b.data_ptr(), b.shape[1]]
+    return row + [0] * (LORA_SITE_FIELDS - len(row))
 
 
 @dataclass
 class Stack:
-    """A set of adapters' matrices, stacked per site (see the module's doc): A's columns
+    """A set of adapters' matrices, stacked per site (see the module's doc): A's rows
     module by module, each module's adapters in the set's order, so that each module's
     stacked B takes one span of them; `owners` says whose each column is."""
 
@@ -62,14 +86,14 @@ def _stacked(adapters, key: tuple[int, str], shared: dict) -> SiteWeights:
             if weights is None or weights.bs[m] is None:
                 continue
             lo, hi = weights.spans[m]
-            a_parts.append(weights.a[:, lo:hi])
+            a_parts.append(weights.a[lo:hi])
             b_parts.append(weights.bs[m])
             owners += [j] * (hi - lo)
         end = start + sum(b.shape[0] for b in b_parts)
         spans.append((start, end))
         bs.append(torch.cat(b_parts, dim=0) if b_parts else None)
         start = end
-    a = torch.cat(a_parts, dim=1).contiguous()
+    a = torch.cat(a_parts).contiguous()
     layout = (tuple(owners), str(a.device))
     if layout not in shared:
         shared[layout] = torch.tensor(owners, device=a.device)
@@ -87,6 +111,10 @@ class LoraState:
     row_owner: torch.Tensor | None = None  # (T,)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # id(owners) → (T, R)
     dtype: torch.dtype = torch.float32
+    uids: tuple[int, ...] = ()  # the step's adapters
+    # DriverLora fields of the adapters used lately: (stacked, uids) → fields (pointers into
+    # the adapter's or the stack's tensors: dropped with them)
+    driver_fields: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -102,6 +130,7 @@ class LoraState:
             raise KeyError(f"a step names LoRA adapter {missing[0]}, which is not loaded")
         if not used:
             return
+        self.uids = tuple(used)
         if len(used) == 1 and all(uids):
             self.single = self.adapters[used[0]]
             return
@@ -115,12 +144,28 @@ class LoraState:
     def end(self) -> None:
         self.single = self.stack = self.row_owner = None
         self.masks = {}
+        self.uids = ()
 
     def drop(self, uid: int) -> None:
         """Forget an unloaded adapter, and the stacks it is in."""
         self.adapters.pop(uid, None)
         for uids in [u for u in self.stacks if uid in u]:
             del self.stacks[uids]
+        for key in [k for k in self.driver_fields if uid in k[1]]:
+            del self.driver_fields[key]
+
+    def driver_lora(self, layers: int) -> DriverLora:
+        """The step's adapters for the fused decode layers of a model of `layers` layers."""
+        key = (self.stack is not None, self.uids)
+        fields = self.driver_fields.get(key)
+        if fields is None:
+            sites = self.stack.sites if self.stack is not None else self.single.sites
+            fields = torch.tensor(
+                [[site_fields(sites.get((i, s))) for s in SITES] for i in range(layers)],
+                dtype=torch.int64,
+            )
+            self.driver_fields[key] = fields
+        return DriverLora(fields, self.row_owner)
 
     def _stack(self, uids: tuple[int, ...]) -> Stack:
         """The set's stack, made or kept; the least recent others dropped past STACKS_KEPT
@@ -134,7 +179,8 @@ class LoraState:
         while len(self.stacks) > 1 and (
             len(self.stacks) > STACKS_KEPT or sum(s.nbytes for s in self.stacks.values()) > budget
         ):
-            self.stacks.popitem(last=False)
+            dropped, _ = self.stacks.popitem(last=False)
+            self.driver_fields.pop((True, dropped), None)
         return stack
 
     def mask(self, owners: torch.Tensor) -> torch.Tensor:
@@ -165,13 +211,13 @@ class LoraSite:
             weights = state.single.sites.get(key)
             if weights is None:
                 return
-            xa = x @ weights.a  # (T, R)
+            xa = F.linear(x, weights.a)  # (T, R)
         else:
             assert state.stack is not None
             weights = state.stack.sites.get(key)
             if weights is None:
                 return
-            xa = (x @ weights.a) * state.mask(weights.owners)  # each row its adapter's
+            xa = F.linear(x, weights.a) * state.mask(weights.owners)  # each row its adapter's
         for out, (lo, hi), b in zip(outs, weights.spans, weights.bs, strict=True):
             if b is not None:
                 out.addmm_(xa[:, lo:hi], b)

@@ -185,6 +185,7 @@ class FusedOps:
             "add_rms_norm": [p, p, p, p, p, i64, i64, f32, threads],
             "rotary": [p, p, p, p, i64, i64, i64, i64, threads],
             "silu_mul": [p, p, p, i64, i64, i64, threads],
+            "lora_add": [p, i64, i64, p, p, p, p, threads],
         }
         self._kernels: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in signatures.items():
@@ -263,6 +264,26 @@ class FusedOps:
                 width if stride is None else stride, torch.get_num_threads(),
             )  # fmt: skip
         return out
+
+    def lora_add_(
+        self,
+        x: torch.Tensor,
+        site: torch.Tensor,
+        outs: Sequence[torch.Tensor],
+        row_owner: torch.Tensor | None = None,
+    ) -> None:
+        """Add a LoRA site's products of x (T, in) onto `outs` in place, one per module of
+        the site ((T, width) each, its rows any stride apart, its elements adjacent): `site`
+        is its fields (lora/state.py `site_fields`), `row_owner` each row's adapter in a
+        stack (-1: none)."""
+        assert x.is_contiguous() and all(o.stride(-1) == 1 for o in outs)
+        pointers = (ctypes.c_void_p * 3)(*(o.data_ptr() for o in outs))
+        strides = (ctypes.c_int64 * 3)(*(o.stride(0) for o in outs))
+        with profiled("kernel:lora"):
+            self._kernels["lora_add", x.dtype](
+                x.data_ptr(), x.shape[0], x.shape[1], site.data_ptr(), pointers, strides,
+                None if row_owner is None else row_owner.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
 
 
 @functools.cache

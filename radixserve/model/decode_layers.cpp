@@ -32,6 +32,9 @@ using DecodeAttention = void (*)(const void* q, const void* k_pool, const void* 
                                  const int64_t* seq_lens, void* out, int64_t batch, int64_t heads,
                                  int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
                                  int threads, int kv_dtype, int64_t window);
+using LoraAdd = void (*)(const void* x, int64_t rows, int64_t in, const int64_t* site,
+                         void* const* outs, const int64_t* strides, const int64_t* row_owner,
+                         int threads);
 using ExtendAttention = void (*)(const void* q, const void* k_pool, const void* v_pool,
                                  const int64_t* table, const int64_t* rows,
                                  const int64_t* prefix_lens, const int64_t* extend_lens, void* out,
@@ -70,11 +73,16 @@ static_assert(sizeof(Layer) == 28 * sizeof(int64_t), "decode_layers.py LAYER_FIE
 
 // The step's shapes and the kernels shared by every layer (decode_layers.py STEP_FIELDS).
 struct Step {
-    int64_t rms_norm, add_rms_norm, rotary, silu_mul;
+    int64_t rms_norm, add_rms_norm, rotary, silu_mul, lora_add;
     int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, elem_size, threads,
         table_stride;
 };
-static_assert(sizeof(Step) == 13 * sizeof(int64_t), "decode_layers.py STEP_FIELDS");
+static_assert(sizeof(Step) == 14 * sizeof(int64_t), "decode_layers.py STEP_FIELDS");
+
+// A layer's LoRA sites for the step's adapters (decode_layers.py LORA_LAYER_FIELDS): qkv, o,
+// gate_up, down, each fused_ops.cpp's LoraSite (16 fields; its A 0 where the layer has none).
+constexpr int64_t kLoraSiteFields = 16;
+enum LoraSiteIndex { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
 // A stretch of the step's rows attended by one kernel call, as the Python attention backend
 // makes it (attention.py driver_view; decode_layers.py SEGMENT_FIELDS): the decode kernel
@@ -101,6 +109,20 @@ char* at(void* base, int64_t elements, int64_t elem_size) {
     return (char*)base + elements * elem_size;
 }
 
+// The step's adapters' products for one site of a layer added onto outs (up to 3 modules,
+// rows `stride` elements apart each), where the step has adapters (lora: that layer's
+// sites) and the layer has that site.
+void add_lora(const Step& s, const int64_t* lora, int site, const int64_t* row_owner,
+              const void* x, int64_t rows, int64_t in, void* o0, void* o1, void* o2,
+              int64_t s0, int64_t s1, int64_t s2) {
+    if (lora == nullptr) return;
+    const int64_t* fields = lora + site * kLoraSiteFields;
+    if (fields[0] == 0) return;
+    void* outs[3] = {o0, o1, o2};
+    const int64_t strides[3] = {s0, s1, s2};
+    ((LoraAdd)s.lora_add)(x, rows, in, fields, outs, strides, row_owner, (int)s.threads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -112,11 +134,15 @@ extern "C" {
 // kernels' calls, in the rows' order, that cover every row (no sliding window). cut_fields:
 // a Cut, or null (the last layer runs every row); with one, x and delta come out for the
 // cut's rows alone, in their first rows. scratch: rows * (hidden + 2 * heads * head_dim + 2
-// * kv_heads * head_dim + 3 * intermediate) elements.
+// * kv_heads * head_dim + 3 * intermediate) elements. lora_fields: per layer its LoRA sites
+// for the step's adapters, or null (no adapter rows; then row_owner is null too); row_owner:
+// each row's adapter in their stack, or null where every row uses one adapter. A step with
+// adapters has no cut, and its gate/up kernels are plain (kRows) ones.
 void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int64_t num_layers,
                    void* x, void* delta, const void* cos, const void* sin, const int64_t* slots,
                    const int64_t* table, const int64_t* segment_fields, int64_t num_segments,
-                   const int64_t* cut_fields, void* scratch, float eps, float scale) {
+                   const int64_t* cut_fields, void* scratch, float eps, float scale,
+                   const int64_t* lora_fields, const int64_t* row_owner) {
     const Step& s = *(const Step*)step_fields;
     const Layer* layers = (const Layer*)layer_fields;
     const Cut* cut = (const Cut*)cut_fields;
@@ -132,6 +158,8 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
     char* act = at(gate_up, m * 2 * inter, es);
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer& l = layers[i];
+        const int64_t* lora =
+            lora_fields == nullptr ? nullptr : lora_fields + i * 4 * kLoraSiteFields;
         const bool narrow = cut != nullptr && i == num_layers - 1;
         if (i == 0)
             ((RmsNorm)s.rms_norm)(x, (const void*)l.input_norm, h, m, hidden, eps, threads);
@@ -141,6 +169,7 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
         if (!narrow) linear(l.q, h, q, m, q_width, hidden, threads);
         linear(l.k, h, k, m, kv_width, hidden, threads);
         linear(l.v, h, v, m, kv_width, hidden, threads);
+        add_lora(s, lora, kQkv, row_owner, h, m, hidden, q, k, v, q_width, kv_width, kv_width);
         ((Rotary)s.rotary)(q, k, cos, sin, m, narrow ? 0 : s.heads, s.kv_heads, s.head_dim,
                            threads);
         const int64_t row_bytes = kv_width * es;
@@ -183,16 +212,20 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
                                         (int)g.code);
         }
         linear(p->o, attn, delta, n, hidden, q_width, threads);
+        add_lora(s, lora, kO, row_owner, attn, n, q_width, delta, nullptr, nullptr, hidden, 0, 0);
         ((AddRmsNorm)s.add_rms_norm)(x, delta, (const void*)l.post_norm, x, h, n, hidden, eps,
                                      threads);
         if (p->gate_up.kind == kActRows) {
             linear(p->gate_up, h, act, n, inter, hidden, threads);
         } else {
             linear(p->gate_up, h, gate_up, n, 2 * inter, hidden, threads);
+            add_lora(s, lora, kGateUp, row_owner, h, n, hidden, gate_up, at(gate_up, inter, es),
+                     nullptr, 2 * inter, 2 * inter, 0);
             ((SiluMul)s.silu_mul)(gate_up, at(gate_up, inter, es), act, n, inter, 2 * inter,
                                   threads);
         }
         linear(p->down, act, delta, n, hidden, inter, threads);
+        add_lora(s, lora, kDown, row_owner, act, n, inter, delta, nullptr, nullptr, hidden, 0, 0);
     }
 }
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from radixserve.lora.state import DriverLora
 from radixserve.model.cpu_kernels import (
     BlockedLinear,
     FusedOps,
@@ -40,7 +41,7 @@ from radixserve.model.layers import MLP_CHUNK_ROWS
 logger = logging.getLogger(__name__)
 
 LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers of 4 fields
-STEP_FIELDS = 13  # decode_layers.cpp's Step
+STEP_FIELDS = 14  # decode_layers.cpp's Step
 SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
 CUT_FIELDS = 7  # decode_layers.cpp's Cut
 # how a linear kernel is called (decode_layers.cpp); ACT_ROWS_KIND: as ROWS_KIND, the
@@ -57,7 +58,7 @@ class DecodeLayers:
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
         self._run = library.decode_layers
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, i64, p, p, f32, f32]
+        self._run.argtypes = [p, p, i64, p, p, p, p, p, p, p, i64, p, p, f32, f32, p, p]
         self._run.restype = None
         self.model, self.fused = model, fused
         config = model.config
@@ -94,22 +95,35 @@ class DecodeLayers:
         )
 
     def __call__(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, meta, last=None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn,
+        meta,
+        last=None,
+        lora: DriverLora | None = None,
     ) -> torch.Tensor | None:
         """x (M, hidden): the embeddings of a step's M tokens → the residual stream after
         the last layer (before the final norm), or None where this step is not one the
         driver takes (the caller runs the Python layers then). With `last` ((LastRows,
         their rotary tables)) the last layer runs past its K/V for those rows alone, as
-        the Python layers do, and the result holds those rows."""
+        the Python layers do, and the result holds those rows. With `lora` (the step's
+        adapters, `LoraState.driver_lora`; never with `last`) their products are added to
+        each layer's as `LoraSite.add` adds them."""
         rows = x.shape[0]
         if rows > MAX_ROWS or x.dtype != self.dtype or not x.is_contiguous():
+            return None
+        if lora is not None and (
+            last is not None or lora.fields.shape[0] != len(self.model.layers)
+        ):
             return None
         view = getattr(attn, "driver_view", None)
         view = None if view is None else view(meta, self.dtype)
         if view is None:
             return None
         threads = torch.get_num_threads()
-        plan = self._plan_for(rows, threads, view)
+        plan = self._plan_for(rows, threads, view, act_in_product=lora is None)
         if plan is None:
             return None
         step, layers = plan
@@ -128,14 +142,17 @@ class DecodeLayers:
                 delta.data_ptr(), cos.data_ptr(), sin.data_ptr(), view.slots.data_ptr(),
                 view.table.data_ptr(), segments.data_ptr(), len(view.segments),
                 None if cut is None else cut[0].data_ptr(), scratch.data_ptr(), self.eps,
-                attn.scale,
+                attn.scale, None if lora is None else lora.fields.data_ptr(),
+                None if lora is None or lora.row_owner is None else lora.row_owner.data_ptr(),
             )  # fmt: skip
         return x[:kept] + delta[:kept]
 
-    def _plan_for(self, rows: int, threads: int, view) -> tuple[torch.Tensor, torch.Tensor] | None:
-        key = (rows, threads, view.pool_k[0].data_ptr())
+    def _plan_for(
+        self, rows: int, threads: int, view, act_in_product: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (rows, threads, view.pool_k[0].data_ptr(), act_in_product)
         if key not in self._plans:
-            self._plans[key] = self._plan(rows, threads, view)
+            self._plans[key] = self._plan(rows, threads, view, act_in_product)
         return self._plans[key]
 
     def _cut(self, last, attn, threads: int) -> tuple[torch.Tensor, ...] | None:
@@ -158,9 +175,13 @@ class DecodeLayers:
         assert len(fields) == CUT_FIELDS
         return torch.tensor(fields, dtype=torch.int64), layers, segments, indices, cos, sin, view
 
-    def _plan(self, rows: int, threads: int, view) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _plan(
+        self, rows: int, threads: int, view, act_in_product: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step and layer fields for steps of `rows` rows, or None where some product
-        goes elsewhere than a C kernel."""
+        goes elsewhere than a C kernel. Without `act_in_product` (a step with adapters,
+        whose products go onto gate/up's before SiLU * up), no gate/up kernel applies
+        SiLU * up itself."""
         pool_k, pool_v = view.pool_k, view.pool_v
         layers = []
         probe = torch.empty(rows, self.hidden, dtype=self.dtype, device="meta")
@@ -177,7 +198,7 @@ class DecodeLayers:
                 mlp.gate_up_proj, mlp.down_proj,
             ):  # fmt: skip
                 fields = self._linear_fields(linear, rows)
-                if linear is mlp.gate_up_proj and mlp.act_in_product(probe):
+                if linear is mlp.gate_up_proj and act_in_product and mlp.act_in_product(probe):
                     fields = [linear.blocked.silu_mul_address, fields[1], 0, ACT_ROWS_KIND]
                 if fields is None:
                     return None
@@ -185,7 +206,7 @@ class DecodeLayers:
             layers.append(row)
         ops = self.fused.pointers(self.dtype)
         step = [
-            ops["rms_norm"], ops["add_rms_norm"], ops["rotary"], ops["silu_mul"],
+            ops["rms_norm"], ops["add_rms_norm"], ops["rotary"], ops["silu_mul"], ops["lora_add"],
             rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             torch.empty(0, dtype=self.dtype).element_size(), threads, view.table.stride(0),
         ]  # fmt: skip

@@ -20,6 +20,9 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <vector>
 
 // a * b + c stays two roundings, as in the torch ops these kernels replace
 #pragma GCC optimize("fp-contract=off")
@@ -83,6 +86,25 @@ struct io<uint16_t> {
     static v::F load(const uint16_t* p) { return v::load_bf16(p); }
     static void store(uint16_t* p, v::F a) { v::store_bf16(p, a); }
     static v::F round(v::F a) { return v::round_bf16(a); }
+    static float get(const uint16_t* p) {
+        const uint32_t bits = (uint32_t)*p << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    static void put(uint16_t* p, float f) {  // round to nearest even, as torch rounds
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof f);
+        if ((bits & 0x7fffffffu) > 0x7f800000u)
+            *p = 0x7fc0;  // NaN
+        else
+            *p = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+    static float round1(float f) {
+        uint16_t h;
+        put(&h, f);
+        return get(&h);
+    }
 };
 
 template <>
@@ -90,6 +112,9 @@ struct io<float> {
     static v::F load(const float* p) { return v::load(p); }
     static void store(float* p, v::F a) { v::store(p, a); }
     static v::F round(v::F a) { return a; }
+    static float get(const float* p) { return *p; }
+    static void put(float* p, float f) { *p = f; }
+    static float round1(float f) { return f; }
 };
 
 // out = w * T(row * rsqrt(sum_sq / dim + eps)) for a row whose squares sum to sum_sq
@@ -185,6 +210,82 @@ void silu_mul(const T* gate, const T* up, T* out, int64_t rows, int64_t width, i
     }
 }
 
+// One LoRA site (radixserve/lora/adapter.py SiteWeights; decode_layers.py LORA_SITE_FIELDS):
+// its A (R, in), the columns' adapters in a stack (or 0: one adapter), how many modules,
+// then per module (at most 3) the span [lo, hi) of x @ A.T it takes, its B (hi - lo, width)
+// (0: not trained) and its output's width.
+struct LoraSite {
+    int64_t a, rank, owners, modules;
+    struct {
+        int64_t lo, hi, b, width;
+    } module[3];
+};
+static_assert(sizeof(LoraSite) == 16 * sizeof(int64_t), "decode_layers.py LORA_SITE_FIELDS");
+
+// acc[0:n] += s * b[0:n]
+template <typename T>
+inline void axpy(float* acc, float s, const T* b, int64_t n) {
+    const v::F sv = v::set1(s);
+    int64_t d = 0;
+    for (; d + v::kLanes <= n; d += v::kLanes)
+        v::store(acc + d, v::fmadd(sv, io<T>::load(b + d), v::load(acc + d)));
+    for (; d < n; d++) acc[d] += s * io<T>::get(b + d);
+}
+
+// x[0:n] . y[0:n], x in fp32
+template <typename T>
+inline float dot(const float* x, const T* y, int64_t n) {
+    v::F acc = v::set1(0.0f);
+    int64_t d = 0;
+    for (; d + v::kLanes <= n; d += v::kLanes) acc = v::fmadd(v::load(x + d), io<T>::load(y + d), acc);
+    float sum = v::sum(acc);
+    for (; d < n; d++) sum += x[d] * io<T>::get(y + d);
+    return sum;
+}
+
+template <typename T>
+void lora_add(const T* x, int64_t rows, int64_t in, const LoraSite& site, T* const* outs,
+              const int64_t* strides, const int64_t* row_owner, int num_threads) {
+    const T* a = (const T*)site.a;
+    const int64_t rank = site.rank;
+    const int64_t* owners = (const int64_t*)site.owners;
+    if (a == nullptr) return;
+    int64_t widest = 0;
+    for (int64_t m = 0; m < site.modules; m++)
+        widest = site.module[m].width > widest ? site.module[m].width : widest;
+    const int threads = rows > 1 && rows * in * rank >= v::kParallelMin ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> xr(in), xa(rank), acc(widest);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            const int64_t own = row_owner != nullptr ? row_owner[t] : 0;
+            if (own < 0) continue;  // the base model's row
+            for (int64_t i = 0; i < in; i++) xr[i] = io<T>::get(x + t * in + i);
+            // x @ A.T, in T as the product's result is; the row's own adapter's columns
+            for (int64_t c = 0; c < rank; c++)
+                xa[c] = owners != nullptr && owners[c] != own
+                            ? 0.0f
+                            : io<T>::round1(dot(xr.data(), a + c * in, in));
+            for (int64_t m = 0; m < site.modules; m++) {
+                const auto& mod = site.module[m];
+                const T* b = (const T*)mod.b;
+                if (b == nullptr) continue;
+                int64_t lo = mod.lo, hi = mod.hi;
+                while (lo < hi && xa[lo] == 0.0f) lo++;  // another adapter's columns
+                while (hi > lo && xa[hi - 1] == 0.0f) hi--;
+                if (lo == hi) continue;
+                T* out = outs[m] + t * strides[m];
+                for (int64_t d = 0; d < mod.width; d++) acc[d] = 0.0f;
+                for (int64_t c = lo; c < hi; c++)
+                    axpy(acc.data(), xa[c], b + (c - mod.lo) * mod.width, mod.width);
+                for (int64_t d = 0; d < mod.width; d++)
+                    io<T>::put(out + d, io<T>::get(out + d) + acc[d]);
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -234,6 +335,23 @@ void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int6
 void silu_mul_f32(const float* gate, const float* up, float* out, int64_t rows, int64_t width,
                   int64_t stride, int num_threads) {
     silu_mul(gate, up, out, rows, width, stride, num_threads);
+}
+
+// LoRA: one site's adapters' products of x's rows (rows, in) added in place onto its
+// modules' base products: module m's output row t at outs[m] + t * strides[m] (views of a
+// fused product: q/k/v, gate/up) gets (x @ A.T)[t, lo:hi] @ B, that product in fp32, x @ A.T
+// rounded to T first as torch's product is. row_owner (rows,): each row's adapter in a
+// stack (-1: the base model's row, left alone), or null: every row uses the site's one
+// adapter.
+void lora_add_bf16(const uint16_t* x, int64_t rows, int64_t in, const int64_t* site,
+                   uint16_t* const* outs, const int64_t* strides, const int64_t* row_owner,
+                   int num_threads) {
+    lora_add(x, rows, in, *(const LoraSite*)site, outs, strides, row_owner, num_threads);
+}
+void lora_add_f32(const float* x, int64_t rows, int64_t in, const int64_t* site,
+                  float* const* outs, const int64_t* strides, const int64_t* row_owner,
+                  int num_threads) {
+    lora_add(x, rows, in, *(const LoraSite*)site, outs, strides, row_owner, num_threads);
 }
 
 }  // extern "C"

@@ -170,8 +170,9 @@ class LlamaForCausalLM(CausalLM):
         x, delta = self.embed_tokens(input_ids), None
         rotary = self.rotary.tables(positions, x.dtype)
         narrowed = None if last is None else (last, self.rotary.tables(last.positions, x.dtype))
-        if self.decode_layers is not None and not self.lora_active:  # one C++ call
-            out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta, narrowed)
+        if self.decode_layers is not None:  # one C++ call
+            lora = self.lora.driver_lora(len(self.layers)) if self.lora_active else None
+            out = self.decode_layers(x, rotary.cos, rotary.sin, attn, meta, narrowed, lora)
             if out is not None:
                 return out
         final = len(self.layers) - 1
