@@ -18,7 +18,7 @@ from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.hardware import FEW_ROWS_MAX, KernelPlan
-from radixserve.model.decode_layers import MAX_ROWS, decode_layers_library
+from radixserve.model.decode_layers import LORA_MAX_ROWS, MAX_ROWS, decode_layers_library
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.conftest import FP32
@@ -164,7 +164,8 @@ def test_steps_with_lora_adapters_are_the_python_layers(
     tiny_model_dirs, tmp_path, dtype, plan, tolerance, monkeypatch
 ):
     """Decode steps whose rows use LoRA adapters (one adapter for every row; two of
-    different shapes beside the base model's rows, their stack) run in the driver, each
+    different shapes beside the base model's rows, their stack), and prompts' steps of up
+    to LORA_MAX_ROWS rows, run in the driver, each
     adapter's products added where `LoraSite.add` adds them: the logits are the Python
     layers' up to the products' order of sums (fp32: ~1e-5; bf16: a rounding or two)."""
     from transformers import AutoModelForCausalLM
@@ -186,6 +187,7 @@ def test_steps_with_lora_adapters_are_the_python_layers(
     builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
     gen = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=0.0, ignore_eos=True)
+    extends_taken = []
     for rows, owners in ((1, [1]), (3, [2, 2, 2]), (3, [1, 0, 2]), (24, [0, 1, 2] * 8)):
         reqs = []
         for i, uid in enumerate(owners):
@@ -193,7 +195,13 @@ def test_steps_with_lora_adapters_are_the_python_layers(
             reqs.append(Req(f"r{i}", prompt.tolist(), params))
             reqs[-1].lora_id = uid
         try:
-            logits = runner.forward(builder.extend(reqs, [r.input_ids for r in reqs])).logits
+            prompts = builder.extend(reqs, [r.input_ids for r in reqs])
+            logits, python, taken = both_ways(runner, prompts)
+            extend_rows = len(prompts.input_ids)
+            small = extend_rows <= LORA_MAX_ROWS[runner.dtype]
+            assert taken == (small and driver_takes(runner.kernels, extend_rows)), extend_rows
+            extends_taken.append(taken)
+            assert torch.allclose(logits, python, atol=tolerance, rtol=0), (rows, owners)
             for _ in range(2):
                 for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
                     req.output_ids.append(token)
@@ -209,6 +217,7 @@ def test_steps_with_lora_adapters_are_the_python_layers(
         finally:
             for req in reqs:
                 builder.release(req)
+    assert any(extends_taken) or plan == "avx2"  # (its kernels: FEW_ROWS_MAX rows; these have more)
     assert runner.allocator.num_free == runner.allocator.size
 
 

@@ -377,13 +377,24 @@ class ModelRunner:
     def load_lora(self, uid: int, name: str, path: str) -> LoraAdapter:
         """Read the adapter in PEFT folder `path` for requests naming `uid` (LoraError
         says why one cannot be served on this model)."""
+        self.check_lora_room()
+        adapter = self.read_lora(name, path)
+        self.add_lora(uid, adapter)
+        return adapter
+
+    def check_lora_room(self, pending: int = 0) -> None:
+        """LoraError where no other adapter may be loaded (`pending`: loads under way)."""
         if self.lora is None:
             raise LoraError("LoRA adapters are not served: start with --enable-lora")
         limit = self.config.lora.max_loaded_loras
-        if limit is not None and len(self.lora.adapters) >= limit:
+        if limit is not None and len(self.lora.adapters) + pending >= limit:
             raise LoraError(
                 f"{limit} adapters are loaded already (--max-loaded-loras); unload one first"
             )
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """The adapter in PEFT folder `path`, laid out for this model (LoraError says why
+        it cannot be served here). It changes nothing: it may run on another thread."""
         attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
         shape = ModelShape.of(
             hidden=int(self.hf_config.hidden_size),
@@ -392,13 +403,18 @@ class ModelRunner:
             intermediate=mlp.intermediate,
             layers=len(self.model.layers),
         )
-        adapter = LoraAdapter.load(name, path, shape, self.dtype, self.device)
+        return LoraAdapter.load(name, path, shape, self.dtype, self.device)
+
+    def add_lora(self, uid: int, adapter: LoraAdapter) -> None:
+        """Serve `adapter` to requests naming `uid` from the next step on."""
+        assert self.lora is not None
+        self.lora.drop(uid)  # (uids are not reused; were one, nothing of the old one stays)
         self.lora.adapters[uid] = adapter
         logger.info(
             "loaded LoRA adapter %s from %s: rank %d on %s (%.1f MiB)",
-            name, adapter.path, adapter.rank, ", ".join(adapter.modules), adapter.nbytes / 2**20,
+            adapter.name, adapter.path, adapter.rank, ", ".join(adapter.modules),
+            adapter.nbytes / 2**20,
         )  # fmt: skip
-        return adapter
 
     def unload_lora(self, uid: int) -> None:
         if self.lora is not None:

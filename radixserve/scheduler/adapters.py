@@ -1,5 +1,11 @@
 """The scheduler's side of LoRA serving: which adapter uids requests may name, what each
-namespaces the prefix cache by, and unloads that wait for the requests using them.
+namespaces the prefix cache by, loads read off the scheduler's thread, and unloads that
+wait for the requests using them.
+
+A load reads and checks the folder on a thread of its own (a large adapter, or a slow or
+hung file system, would otherwise stop every running request's steps meanwhile); the
+scheduler serves on, and installs the adapter between two steps once it is read. No request
+names it before: the edge holds its name back until the load is answered.
 
 Uids come from the edge (one per load, never reused), so every data-parallel replica
 agrees on them. A request's prefix-cache namespace is its adapter's digest, not its uid:
@@ -10,11 +16,13 @@ cached prefixes, and one whose weights changed never finds the old ones.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from radixserve.core.messages import ControlReply, ControlReq, LoraUpdate
 from radixserve.core.req import Req
-from radixserve.lora.adapter import LoraError
+from radixserve.lora.adapter import LoraAdapter, LoraError
 from radixserve.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -28,6 +36,7 @@ class Adapters:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.unloading: dict[int, list[ControlReq]] = {}  # uid → the ops waiting on it
+        self.loading: dict[int, tuple[ControlReq, Future[LoraAdapter]]] = {}  # uid → its load
 
     def attach(self, req: Req) -> None:
         """Namespace the request's prefix-cache lookups by its adapter (AdapterNotLoaded if
@@ -42,19 +51,53 @@ class Adapters:
             )
         req.extra_key = adapter.cache_key
 
-    def load(self, msg: ControlReq) -> ControlReply:
+    def load(self, msg: ControlReq) -> ControlReply | None:
+        """Start reading the adapter on a thread (`finish_loads` answers), or answer now
+        where none may be loaded."""
         args = msg.args
         try:
-            self.runner.load_lora(args["uid"], args["name"], args["path"])
-        except (LoraError, OSError) as e:  # a bad folder, or one this model cannot serve
-            logger.warning("LoRA adapter %s not loaded: %s", args["name"], e)
-            return ControlReply(msg.call_id, lora=LoraUpdate(False, str(e)))
-        except Exception as e:  # a fault of this load alone (a file nobody checked for it,
-            # memory): it fails, the scheduler serves on
-            logger.exception("LoRA adapter %s not loaded", args["name"])
-            message = f"loading the adapter failed: {type(e).__name__}: {e}"
-            return ControlReply(msg.call_id, lora=LoraUpdate(False, message))
-        return ControlReply(msg.call_id, lora=LoraUpdate(True, f"loaded {args['name']}"))
+            self.runner.check_lora_room(pending=len(self.loading))
+        except LoraError as e:
+            return self._failed(msg, e)
+        future: Future[LoraAdapter] = Future()
+        self.loading[args["uid"]] = (msg, future)
+        threading.Thread(
+            target=_read,
+            args=(self.runner, args["name"], args["path"], future),
+            name=f"lora-load-{args['uid']}",
+            daemon=True,  # a hung read never holds the process at its exit
+        ).start()
+        return None
+
+    def finish_loads(self) -> list[ControlReply]:
+        """Install the adapters read since the last call; their loads' answers."""
+        replies = []
+        for uid, (msg, future) in list(self.loading.items()):
+            if not future.done():
+                continue
+            del self.loading[uid]
+            try:
+                adapter = future.result()
+            except Exception as e:
+                replies.append(self._failed(msg, e))
+                continue
+            self.runner.add_lora(uid, adapter)
+            replies.append(
+                ControlReply(msg.call_id, lora=LoraUpdate(True, f"loaded {adapter.name}"))
+            )
+        return replies
+
+    @staticmethod
+    def _failed(msg: ControlReq, error: Exception) -> ControlReply:
+        name = msg.args["name"]
+        if isinstance(error, (LoraError, OSError)):  # a bad folder, or one this model cannot serve
+            logger.warning("LoRA adapter %s not loaded: %s", name, error)
+            message = str(error)
+        else:  # a fault of this load alone (a file nobody checked for it, memory): it fails,
+            # the scheduler serves on
+            logger.error("LoRA adapter %s not loaded", name, exc_info=error)
+            message = f"loading the adapter failed: {type(error).__name__}: {error}"
+        return ControlReply(msg.call_id, lora=LoraUpdate(False, message))
 
     def unload(self, msg: ControlReq) -> None:
         """Unload once no live request uses the adapter (`settle` answers)."""
@@ -62,10 +105,17 @@ class Adapters:
 
     def settle(self, live: Iterable[Req]) -> list[ControlReply]:
         """Unload the adapters no live request uses any more; their ops' answers."""
-        used = {req.lora_id for req in live}
+        used = {req.lora_id for req in live} | set(self.loading)  # (undoing a load: once read)
         replies = []
         for uid in [u for u in self.unloading if u not in used]:
             self.runner.unload_lora(uid)
             for msg in self.unloading.pop(uid):
                 replies.append(ControlReply(msg.call_id, lora=LoraUpdate(True, "unloaded")))
         return replies
+
+
+def _read(runner: ModelRunner, name: str, path: str, future: Future[LoraAdapter]) -> None:
+    try:
+        future.set_result(runner.read_lora(name, path))
+    except BaseException as e:  # answered as the load's failure by finish_loads
+        future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle loop waits for a message before checking `alive`
 GRAMMAR_POLL_S = 0.002  # how long it waits when its only requests wait for their grammar
+LOAD_POLL_S = 0.01  # how long an idle loop waits while a LoRA adapter is read
 STATE_INTERVAL_S = 0.2  # most frequent SchedulerState publication
 
 
@@ -103,6 +104,7 @@ class SchedulerLoop:
             wait = 0.0
         else:  # (while paused, queued requests wait for continue_generation)
             wait = GRAMMAR_POLL_S if scheduler.grammars.compiling else IDLE_WAIT_S
+            wait = min(wait, LOAD_POLL_S) if scheduler.adapters.loading else wait
         messages = self.transport.receive(wait)
         start = time.perf_counter()
         for msg in messages:
@@ -111,6 +113,9 @@ class SchedulerLoop:
             self.settle_compiled()
         if self._update is not None and self.may_update():
             self.update_weights()
+        if scheduler.adapters.loading:  # LoRA adapters being read: installed once read
+            for reply in scheduler.adapters.finish_loads():
+                self.transport.reply(reply)
         if scheduler.adapters.unloading:  # LoRA unloads waiting for their requests to end
             for reply in scheduler.adapters.settle([*scheduler.live(), *self._after_update]):
                 self.transport.reply(reply)
@@ -167,6 +172,10 @@ class SchedulerLoop:
             self.wait_to_update(msg)
         elif isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
             self.scheduler.adapters.unload(msg)  # answered once no live request uses it
+        elif isinstance(msg, ControlReq) and msg.op == "load_lora_adapter":
+            refused = self.scheduler.adapters.load(msg)  # answered once read, or now
+            if refused is not None:
+                self.transport.reply(refused)
         elif isinstance(msg, ControlReq):
             self.transport.reply(self.control(msg))
         else:
@@ -293,8 +302,6 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, self.scheduler.flush_cache())
         if msg.op == "get_state":
             return ControlReply(msg.call_id, self.state())
-        if msg.op == "load_lora_adapter":
-            return self.scheduler.adapters.load(msg)
         try:
             self.scheduler.check_kv_accounting()
         except AssertionError as e:
