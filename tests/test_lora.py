@@ -429,49 +429,52 @@ def test_a_slow_load_leaves_serving_going(llama, monkeypatch):
         return read(*args, **kwargs)
 
     monkeypatch.setattr(LoraAdapter, "load", slow)
-    adapters = engine.scheduler.adapters
-    done: dict[str, object] = {}
-    loading = threading.Thread(
-        target=lambda: done.setdefault(
-            "load", engine.load_lora_adapter("slow", str(case.adapters["a"]))
+    try:  # a failed check never leaves a read blocked on the module's engine
+        adapters = engine.scheduler.adapters
+        done: dict[str, object] = {}
+        loading = threading.Thread(
+            target=lambda: done.setdefault(
+                "load", engine.load_lora_adapter("slow", str(case.adapters["a"]))
+            )
         )
-    )
-    loading.start()
-    _until(lambda: adapters.loading)
-    assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == case.greedy(PROMPTS[0], None)
-    assert "load" not in done
-    release.set()
-    loading.join(60)
-    assert done["load"]["success"] and "slow" in done["load"]["loaded_adapters"]
-    out = engine.generate(PROMPTS[0], GREEDY, lora_path="slow")
-    assert out["output_ids"] == case.greedy(PROMPTS[0], "a")
-    assert engine.unload_lora_adapter("slow")["success"]
+        loading.start()
+        _until(lambda: adapters.loading)
+        assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == case.greedy(PROMPTS[0], None)
+        assert "load" not in done
+        release.set()
+        loading.join(60)
+        assert done["load"]["success"] and "slow" in done["load"]["loaded_adapters"]
+        out = engine.generate(PROMPTS[0], GREEDY, lora_path="slow")
+        assert out["output_ids"] == case.greedy(PROMPTS[0], "a")
+        assert engine.unload_lora_adapter("slow")["success"]
 
-    release.clear()
-    loading = threading.Thread(
-        target=lambda: done.__setitem__(
-            "load", engine.load_lora_adapter("undone", str(case.adapters["b"]))
+        release.clear()
+        loading = threading.Thread(
+            target=lambda: done.__setitem__(
+                "load", engine.load_lora_adapter("undone", str(case.adapters["b"]))
+            )
         )
-    )
-    loading.start()
-    _until(lambda: adapters.loading)
-    (uid,) = adapters.loading
-    undo = threading.Thread(
-        target=lambda: done.__setitem__(
-            "undo", engine._control("unload_lora_adapter", {"uid": uid})
+        loading.start()
+        _until(lambda: adapters.loading)
+        (uid,) = adapters.loading
+        undo = threading.Thread(
+            target=lambda: done.__setitem__(
+                "undo", engine._control("unload_lora_adapter", {"uid": uid})
+            )
         )
-    )
-    undo.start()
-    _until(lambda: uid in adapters.unloading)
-    time.sleep(0.1)
-    assert "undo" not in done  # waits for the load
-    release.set()
-    loading.join(60)
-    undo.join(60)
-    assert done["load"]["success"] and done["undo"].success
-    assert uid not in engine.runner.lora.adapters and not adapters.loading
-    engine.loras.remove("undone")
-    engine.check_kv_accounting()
+        undo.start()
+        _until(lambda: uid in adapters.unloading)
+        time.sleep(0.1)
+        assert "undo" not in done  # waits for the load
+        release.set()
+        loading.join(60)
+        undo.join(60)
+        assert done["load"]["success"] and done["undo"].success
+        assert uid not in engine.runner.lora.adapters and not adapters.loading
+        engine.loras.remove("undone")
+        engine.check_kv_accounting()
+    finally:
+        release.set()
 
 
 def test_an_unload_serves_requests_queued_behind_a_weight_update(llama):

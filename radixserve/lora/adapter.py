@@ -15,6 +15,7 @@ train has no columns and no B.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -105,6 +106,11 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.sites.values())
+
+    def to(self, device) -> LoraAdapter:
+        """The adapter with its matrices on `device`."""
+        sites = {k: w.to(device, w.a.dtype) for k, w in self.sites.items()}
+        return dataclasses.replace(self, sites=sites)
 
     @classmethod
     def load(

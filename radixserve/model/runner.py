@@ -393,8 +393,9 @@ class ModelRunner:
             )
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
-        """The adapter in PEFT folder `path`, laid out for this model (LoraError says why
-        it cannot be served here). It changes nothing: it may run on another thread."""
+        """The adapter in PEFT folder `path`, laid out for this model in host memory
+        (LoraError says why it cannot be served here). It changes nothing and touches no
+        accelerator: it may run on another thread (`add_lora` moves it to the device)."""
         attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
         shape = ModelShape.of(
             hidden=int(self.hf_config.hidden_size),
@@ -403,11 +404,13 @@ class ModelRunner:
             intermediate=mlp.intermediate,
             layers=len(self.model.layers),
         )
-        return LoraAdapter.load(name, path, shape, self.dtype, self.device)
+        return LoraAdapter.load(name, path, shape, self.dtype, "cpu")
 
     def add_lora(self, uid: int, adapter: LoraAdapter) -> None:
         """Serve `adapter` to requests naming `uid` from the next step on."""
         assert self.lora is not None
+        if self.device.type != "cpu":  # on this thread: a CUDA graph capture may be under way
+            adapter = adapter.to(self.device)
         self.lora.drop(uid)  # (uids are not reused; were one, nothing of the old one stays)
         self.lora.adapters[uid] = adapter
         logger.info(
