@@ -476,7 +476,10 @@ class GatedMLP(nn.Module):
         h, half = self.gate_up_proj(x), self.intermediate
         gate, up = h[..., :half], h[..., half:]
         lora.add("gate_up", x, [gate, up])
-        act = self.act(gate) * up
+        if self.fused is not None and h.dim() == 2 and self.fused.fits(h, widths=2):
+            act = self.fused.silu_mul(h)  # one pass, as `_local` takes it
+        else:
+            act = self.act(gate) * up
         out = self.down_proj(act)
         lora.add("down", act, [out])
         return out
