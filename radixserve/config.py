@@ -392,6 +392,10 @@ class EmbeddingConfig:
             )
 
 
+# the projections a LoRA adapter may train (radixserve/lora/adapter.py SITES)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     enable_lora: bool = _opt(
@@ -410,9 +414,38 @@ class LoraConfig:
     max_loaded_loras: int | None = _opt(
         None, "Most adapters loaded at once (unbounded by default: they live in memory)."
     )
+    max_loras_per_batch: int = _opt(
+        8,
+        "Most distinct adapters the running requests use at once (a step reads each one's "
+        "matrices): a request naming another waits until the requests of one of them have "
+        "ended. Requests of the base model take none.",
+    )
+    max_lora_rank: int | None = _opt(
+        None, "Refuse adapters with a module of a higher rank (default: up to 1024)."
+    )
+    lora_target_modules: tuple[str, ...] = _opt(
+        (),
+        "The modules adapters may train (q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or all); an adapter that trains another is refused. Default: any of them.",
+        nargs="+",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
+        targets = tuple(self.lora_target_modules)
+        object.__setattr__(self, "lora_target_modules", targets)
+        unknown = sorted(set(targets) - {*LORA_MODULES, "all"})
+        if unknown:
+            raise ValueError(
+                f"--lora-target-modules: {', '.join(unknown)} is not one of "
+                f"{', '.join(LORA_MODULES)} or all"
+            )
+        if self.max_loras_per_batch < 1:
+            raise ValueError(
+                f"--max-loras-per-batch must be at least 1, got {self.max_loras_per_batch}"
+            )
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
         names = [name for name, _ in self.adapters]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
@@ -426,6 +459,12 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def modules(self) -> frozenset[str]:
+        """The modules adapters may train."""
+        targets = self.lora_target_modules
+        return frozenset(LORA_MODULES if not targets or "all" in targets else targets)
 
     @property
     def adapters(self) -> list[tuple[str, str]]:

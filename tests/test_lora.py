@@ -535,3 +535,67 @@ def test_registry_names():
     registry.pending.clear()
     registry.add(LoraRef("8b", "/b", 7))
     assert registry.model_uid("8b") == 7 and registry.retired == set()
+
+
+def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
+    """--max-loras-per-batch 1: requests under two adapters and the base model, sent
+    together, each step uses one adapter at most (the base model's rows beside it), and each
+    output is still PEFT's. --max-lora-rank and --lora-target-modules refuse, with the
+    reason, an adapter past them (here at the start: --lora-paths)."""
+    case, _, _ = llama
+    paths = [f"{name}={path}" for name, path in case.adapters.items()]
+    with Engine(
+        str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_loras_per_batch=1
+    ) as engine:
+        steps: list[set[int]] = []
+        forward = engine.runner.forward
+
+        def spy(batch):
+            steps.append(set(batch.lora_ids or ()) - {0})
+            return forward(batch)
+
+        engine.runner.forward = spy
+        names = ["a", "b", None, "b", "a"]
+        outs = engine.generate([PROMPTS[0]] * len(names), GREEDY, lora_path=names)
+        assert [o["output_ids"] for o in outs] == [case.greedy(PROMPTS[0], n) for n in names]
+        assert all(len(used) <= 1 for used in steps) and {1, 2} <= set().union(*steps)
+        engine.check_kv_accounting()
+
+    with pytest.raises(LoraError, match="rank 8 is above --max-lora-rank 4"):
+        Engine(str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_lora_rank=4)
+    narrow = ["q_proj", "v_proj", "down_proj"]  # adapter b's modules, not a's
+    with pytest.raises(LoraError, match="trains gate_proj, k_proj, o_proj, up_proj, outside"):
+        Engine(
+            str(case.folder),
+            progress=False,
+            dtype=FP32,
+            lora_paths=paths,
+            lora_target_modules=narrow,
+        )
+    with Engine(
+        str(case.folder),
+        progress=False,
+        dtype=FP32,
+        lora_paths=[paths[1]],
+        max_lora_rank=4,
+        lora_target_modules=narrow,
+    ) as engine:
+        out = engine.generate(PROMPTS[1], GREEDY, lora_path="b")
+        assert out["output_ids"] == case.greedy(PROMPTS[1], "b")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"max_loras_per_batch": 0}, "--max-loras-per-batch must be at least 1"),
+        ({"max_lora_rank": 0}, "--max-lora-rank must be at least 1"),
+        ({"lora_target_modules": ["q_proj", "lm_head"]}, "lm_head is not one of q_proj"),
+    ],
+)
+def test_lora_flags_are_checked(flags, message):
+    from radixserve.config import LORA_MODULES
+    from radixserve.lora.adapter import SITE_OF
+
+    assert set(LORA_MODULES) == set(SITE_OF)  # what the flags name is what adapters train
+    with pytest.raises(ValueError, match=message):
+        Config.from_flat(enable_lora=True, **flags)

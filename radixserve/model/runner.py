@@ -404,7 +404,20 @@ class ModelRunner:
             intermediate=mlp.intermediate,
             layers=len(self.model.layers),
         )
-        return LoraAdapter.load(name, path, shape, self.dtype, "cpu")
+        adapter = LoraAdapter.load(name, path, shape, self.dtype, "cpu")
+        limits = self.config.lora
+        if limits.max_lora_rank is not None and adapter.rank > limits.max_lora_rank:
+            raise LoraError(
+                f"{adapter.path}: rank {adapter.rank} is above --max-lora-rank "
+                f"{limits.max_lora_rank}"
+            )
+        others = sorted(set(adapter.modules) - limits.modules)
+        if others:
+            raise LoraError(
+                f"{adapter.path} trains {', '.join(others)}, outside --lora-target-modules "
+                f"({', '.join(sorted(limits.modules))})"
+            )
+        return adapter
 
     def add_lora(self, uid: int, adapter: LoraAdapter) -> None:
         """Serve `adapter` to requests naming `uid` from the next step on."""

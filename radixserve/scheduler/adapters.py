@@ -35,6 +35,9 @@ class AdapterNotLoaded(ValueError):
 class Adapters:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        lora = runner.config.lora
+        # the most distinct adapters running requests may use (None: LoRA not served)
+        self.per_batch = lora.max_loras_per_batch if lora.enabled else None
         self.unloading: dict[int, list[ControlReq]] = {}  # uid → the ops waiting on it
         self.loading: dict[int, tuple[ControlReq, Future[LoraAdapter]]] = {}  # uid → its load
 

@@ -83,6 +83,10 @@ class PrefillAdder:
     window_budget: int | None = None
     chunked_before: Req | None = None  # the continued chunk (counted in window_room already)
     in_batch_sharing: bool = True  # hold back a request whose prefix this batch computes
+    # LoRA: the adapters the running and admitted requests use, and how many they may be
+    # (--max-loras-per-batch; None: no limit)
+    adapters: set[int] = field(default_factory=set)
+    max_adapters: int | None = None
 
     @classmethod
     def for_step(
@@ -94,6 +98,7 @@ class PrefillAdder:
         page_size: int,
         running: list[Req],
         decode_tokens: int = 0,
+        max_adapters: int | None = None,
     ) -> PrefillAdder:
         """The adder of one step, its budgets taken from the config, the limits resolved at
         load (`info`) and the KV state."""
@@ -115,6 +120,8 @@ class PrefillAdder:
             has_running=bool(running),
             window_budget=window_budget,
             in_batch_sharing=not config.disable_in_batch_prefix_caching,
+            adapters={r.lora_id for r in running if r.lora_id},
+            max_adapters=max_adapters,
         )
 
     @property
@@ -132,7 +139,7 @@ class PrefillAdder:
         allow; else leave it untouched."""
         if self.chunked is not None or self.token_budget <= 0 or self.rows_left <= 0:
             return Admission.STOP
-        if self._shares_uncached_prefix(req):
+        if self._shares_uncached_prefix(req) or not self._adapter_fits(req):
             return Admission.SKIPPED
         if not self.kv.has_free_row:
             return Admission.STOP
@@ -172,6 +179,17 @@ class PrefillAdder:
         if self.window_budget is not None:
             self.window_budget -= self._window_charge(req)
         self.rows_left -= 1
+        if req.lora_id:
+            self.adapters.add(req.lora_id)
+
+    def _adapter_fits(self, req: Req) -> bool:
+        """Its adapter is one the batch uses already, or there is room for one more."""
+        return (
+            not req.lora_id
+            or self.max_adapters is None
+            or req.lora_id in self.adapters
+            or len(self.adapters) < self.max_adapters
+        )
 
     def _take(self, req: Req) -> list[int]:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which

@@ -280,7 +280,7 @@ class Scheduler:
             return None
         adder = PrefillAdder.for_step(
             self.config, self.info, self.kv, self.reserve, self.page_size, self.running,
-            decode_tokens,
+            decode_tokens, self.adapters.per_batch,
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
