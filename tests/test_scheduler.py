@@ -251,3 +251,16 @@ def test_prompt_logprobs_survive_chunking(tiny_model_dirs, start):
     one, chunked = results[None], results[16]
     assert (one[0] is None) == (chunked[0] is None) == (start == 0)
     assert chunked[1:] == pytest.approx(one[1:], abs=1e-4)
+
+
+def test_recent_rate_follows_the_last_seconds():
+    from radixserve.scheduler.scheduler import RATE_WINDOW_S, RecentRate
+
+    rate = RecentRate()
+    assert rate.update(0, now=0.0) == 0.0
+    assert rate.update(100, now=1.0) == pytest.approx(100.0)
+    for t in range(2, 30):
+        value = rate.update(100 + 50 * (t - 1), now=float(t))  # 50 a second from t = 1
+    assert value == pytest.approx(50.0, rel=0.02)
+    idle = [rate.update(100 + 50 * 28, now=29.0 + t) for t in range(1, int(RATE_WINDOW_S) + 3)]
+    assert idle[0] > 0 and idle[-1] == 0.0  # nothing new: it falls to 0 within the window

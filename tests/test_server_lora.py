@@ -169,5 +169,21 @@ def test_a_folder_that_cannot_be_served_is_a_400(server, tmp_path):
     assert "lora_path" in error["message"]
 
 
+def test_v1_loads_counts_the_adapters_in_use(server):
+    """/v1/loads's lora section: the adapters the running requests use, out of
+    --max-loras-per-batch (SGLang's default, 8)."""
+    long = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+    body = {"text": PROMPT, "sampling_params": long, "lora_path": "a", "stream": True}
+    body["rid"] = "loads-lora"
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=TIMEOUT) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith(b"data:"))  # running
+        (load,) = requests.get(server.url + "/v1/loads", timeout=TIMEOUT).json()["loads"]
+        assert post(server, "/abort_request", {"rid": "loads-lora"}).status_code == 200
+        for _ in lines:  # to its end
+            pass
+    assert load["lora"] == {"slots_used": 1, "slots_total": 8, "utilization": 0.125}, load
+
+
 def test_nothing_leaks(server):
     assert_kv_clean(server)

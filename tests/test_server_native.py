@@ -950,6 +950,47 @@ def test_get_load_counts_what_runs_and_the_kv_it_holds(url):
     assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
 
+def test_v1_loads_reports_each_replica_as_sglang_does(url):
+    """SGLang's /v1/loads (its model gateway polls it): a running request counts, with the
+    KV tokens it holds; the queues section, the aggregate, the filters, the Prometheus
+    form, and a 400 in the OpenAI shape for a replica or section that does not exist."""
+    rid = f"loads-{uuid.uuid4().hex[:8]}"
+    chunks = iter(stream(url, long_body(rid, True)))
+    next(chunks)
+    for _ in range(3):
+        next(chunks)  # a few tokens out: the state counts them
+    body = requests.get(url + "/v1/loads", timeout=30).json()
+    assert body["dp_rank_count"] == 1 and body["version"] and body["timestamp"]
+    (load,) = body["loads"]
+    assert load["dp_rank"] == 0 and load["num_running_reqs"] >= 1, load
+    assert load["num_total_reqs"] == load["num_running_reqs"] + load["num_waiting_reqs"]
+    assert 0 < load["num_used_tokens"] <= load["num_total_tokens"], load
+    assert load["max_total_num_tokens"] > 0 and 0 < load["token_usage"] <= 1, load
+    assert load["max_running_requests"] > 0 and load["utilization"] > 0, load
+    assert set(load["queues"]) == {"waiting", "grammar", "paused", "retracted"}
+    aggregate = body["aggregate"]
+    assert aggregate["total_running_reqs"] == load["num_running_reqs"]
+    assert aggregate["total_used_tokens"] == load["num_used_tokens"]
+    core = requests.get(url + "/v1/loads?include=core&dp_rank=0", timeout=30).json()
+    assert "queues" not in core["loads"][0] and "lora" not in core["loads"][0]
+    text = requests.get(url + "/v1/loads?format=prometheus", timeout=30)
+    assert text.status_code == 200 and "# TYPE sglang_num_running_reqs gauge" in text.text
+    assert 'sglang_queues_waiting{dp_rank="0"}' in text.text
+    post(url, "/abort_request", {"rid": rid})
+    list(chunks)
+    wait_idle(url)
+    after = requests.get(url + "/v1/loads", timeout=30).json()["loads"][0]
+    assert after["num_running_reqs"] == 0 and after["num_used_tokens"] == 0, after
+    assert after["gen_throughput"] > 0  # tokens came out within the last seconds
+    for query, param in (
+        ("dp_rank=7", "dp_rank"),
+        ("include=core,gpu", "include"),
+        ("format=xml", "format"),
+    ):
+        r = requests.get(url + "/v1/loads?" + query, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_abort_all(url):
     rid = f"abort-all-{uuid.uuid4().hex[:8]}"
     thread, box = run_in_thread(lambda: generate(url, long_body(rid, False)))

@@ -206,6 +206,10 @@ class SchedulerStats(msgspec.Struct):
     num_waiting: int = 0
     num_grammar_queue: int = 0  # waiting for their grammar to compile (not in num_waiting)
     num_waiting_tokens: int = 0  # the tokens of those and the waiting ones, not in KV yet
+    num_retracted_waiting: int = 0  # waiting ones retracted from running (output kept)
+    num_held_for_update: int = 0  # requests that came after a weight update and wait for it
+    lora_adapters_running: int = 0  # distinct LoRA adapters the running requests use
+    gen_throughput: float = 0.0  # output tokens a second over the last RATE_WINDOW_S or so
     paused: str | None = None  # the mode of pause_generation while paused (None: running)
     grammar: dict[str, float] = msgspec.field(default_factory=dict)
     hicache: dict[str, float] = msgspec.field(default_factory=dict)  # tiers, when on

@@ -314,6 +314,7 @@ class SchedulerLoop:
         stats.pid = os.getpid()
         stats.dp_rank = self.dp_rank
         stats.paused = self.paused
+        stats.num_held_for_update = len(self._after_update)
         return stats
 
     def publish_state(self) -> None:

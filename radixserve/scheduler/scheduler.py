@@ -24,6 +24,7 @@ runner's `forward`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import time
@@ -53,6 +54,26 @@ logger = logging.getLogger(__name__)
 Prefill = tuple[list[Req], list[list[int]]]  # requests and the tokens each extends by
 
 
+RATE_WINDOW_S = 10.0  # how far back RecentRate looks
+
+
+class RecentRate:
+    """The rate of a growing count over about the last RATE_WINDOW_S seconds, from the
+    readings `update` is given (the scheduler's state is read every ~0.7 s)."""
+
+    def __init__(self) -> None:
+        self._readings: collections.deque[tuple[float, int]] = collections.deque()
+
+    def update(self, count: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        readings = self._readings
+        readings.append((now, count))
+        while len(readings) > 2 and now - readings[1][0] >= RATE_WINDOW_S:
+            readings.popleft()  # the oldest kept is the last at or past the window's start
+        start, first = readings[0]
+        return (count - first) / (now - start) if now > start else 0.0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -64,6 +85,7 @@ class Scheduler:
     ) -> None:
         self.runner = runner
         self.config = config
+        self.gen_rate = RecentRate()  # output tokens a second (SchedulerStats.gen_throughput)
         self.info = runner.model_info()
         self.page_size = page_size
         use_tree = not config.disable_radix_cache
@@ -245,6 +267,9 @@ class Scheduler:
         stats.num_grammar_queue = len(self.grammars.compiling)
         queued = self.waiting + self.grammars.compiling
         stats.num_waiting_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in queued)
+        stats.num_retracted_waiting = sum(bool(r.output_ids) for r in self.waiting)
+        stats.lora_adapters_running = len({r.lora_id for r in self.running if r.lora_id})
+        stats.gen_throughput = self.gen_rate.update(stats.generated_tokens)
         stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
         stats.grammar = self.grammars.stats.as_dict()
         stats.hicache = self.kv.tier_usage()

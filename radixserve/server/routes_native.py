@@ -30,6 +30,7 @@ from radixserve.server.checks import (
 )
 from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.loads import loads_json, loads_prometheus, parse_include, replica_load
 from radixserve.server.reasoning import think_first
 from radixserve.server.state import State
 from radixserve.server.streaming import sse, until_disconnect
@@ -191,6 +192,28 @@ async def get_load(state: State) -> list[dict[str, int]]:
             }
         )
     return loads
+
+
+@router.get("/v1/loads")
+async def get_loads(
+    state: State, dp_rank: int | None = None, include: str | None = None, format: str = "json"
+) -> Response:
+    """Each replica's load as SGLang's /v1/loads reports it (radixserve/server/loads.py)."""
+    if format not in ("json", "prometheus"):
+        raise bad_request(f"format must be json or prometheus, got {format!r}", param="format")
+    sections = parse_include(include)
+    replicas = await state.manager.control("get_state")  # one per replica
+    if dp_rank is not None:
+        replicas = [stats for stats in replicas if stats["dp_rank"] == dp_rank]
+        if not replicas:
+            raise bad_request(f"dp_rank {dp_rank}: there is no such replica", param="dp_rank")
+    lora = state.config.lora
+    max_running = state.manager.info.max_running_requests
+    slots = lora.max_loras_per_batch if lora.enabled else None
+    loads = [replica_load(stats, max_running, slots, sections) for stats in replicas]
+    if format == "prometheus":
+        return PlainTextResponse(loads_prometheus(loads), media_type=CONTENT_TYPE_LATEST)
+    return JSONResponse(loads_json(loads, __version__))
 
 
 @router.get("/flush_cache", operation_id="flush_cache_get")
