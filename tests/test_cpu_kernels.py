@@ -624,6 +624,48 @@ def test_fused_silu_mul_matches_the_torch_ops(rows, isa, dtype):
         assert ulps(out, reference) <= ROUNDINGS[dtype]
 
 
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("isa", FUSED_ISAS)
+@pytest.mark.parametrize(
+    ("rows", "features", "stacked"),
+    [(1, 70, False), (6, 64, False), (9, 70, True), (13, 37, True), (300, 67, True)],
+)
+def test_fused_lora_add_is_the_torch_ops(rows, features, stacked, isa, dtype):
+    """lora_add (the fused decode layers' LoRA) against LoraSite.add's torch ops: one
+    adapter, or a stack whose rows use either adapter or the base model (left untouched),
+    a module with no B (untouched), widths and inputs off the vector width (the tails),
+    rows in blocks of 4 and a remainder, several threads. fp32 within the sums' order; bf16
+    within a rounding or two (x @ A.T rounded to bf16 as torch's product is, each output
+    rounded once: bit for bit where torch's bf16 product sums as the kernel does)."""
+    from radixserve.lora.adapter import SiteWeights
+    from radixserve.lora.state import site_fields
+
+    gen = torch.Generator().manual_seed(rows)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    x, a = rand(rows, features), rand(13, features)
+    bs = (rand(5, 21), None, rand(8, 33))  # modules of 21, 19 (untrained) and 33 columns
+    owners = torch.tensor([0, 0, 1, 1, 1] + [0, 0, 0] + [1] * 5) if stacked else None
+    weights = SiteWeights(a, ((0, 5), (5, 5), (5, 13)), bs, owners)
+    row_owner = torch.randint(-1, 2, (rows,), generator=gen) if stacked else None
+    out = rand(rows, 21 + 19 + 33)
+    expected = out.clone()
+    xa = F.linear(x, a)
+    if stacked:
+        xa = xa * (row_owner[:, None] == owners[None, :]).to(dtype)
+    expected[:, :21].addmm_(xa[:, :5], bs[0])
+    expected[:, 40:].addmm_(xa[:, 5:], bs[2])
+    fields = torch.tensor(site_fields(weights))
+    fused_ops(None, isa).lora_add_(x, fields, [out[:, :21], out[:, 21:40], out[:, 40:]], row_owner)
+    assert torch.equal(out[:, 21:40], expected[:, 21:40])
+    if stacked:
+        assert torch.equal(out[row_owner < 0], expected[row_owner < 0])
+        assert (row_owner >= 0).any()
+    if dtype == torch.float32:
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-4)
+    else:
+        assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=0.25)
+
+
 @pytest.mark.parametrize("isa", FUSED_ISAS)
 def test_fused_silu_is_torchs_on_every_kind_of_fp32(isa):
     """Every binade of fp32 (a stride through all bit patterns, both signs), infinities

@@ -49,12 +49,12 @@ CUT_FIELDS = 7  # decode_layers.cpp's Cut
 ROWS_KIND, ONE_ROW_KIND, ACT_ROWS_KIND = -1, -2, -3
 MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 # the most rows of a step with LoRA adapters the driver takes: fused_ops.cpp's lora_add
-# works row by row, where torch's products (the Python layers) reuse each matrix across
-# rows. Measured, one request's extend step under a rank-16 adapter on every projection
-# (SmolLM2, Intel Xeon with AMX, 2 threads), driver / Python layers: bf16 0.40 at 16 rows,
-# 0.70 at 128, 0.85 at 256, 1.09 at 512; fp32 0.61 at 16, 0.80 at 64, 1.03 at 128, 1.11
-# at 512
-LORA_MAX_ROWS = {torch.bfloat16: 256, torch.float32: 128}
+# runs on the vector units (4 rows at a time), where torch's products in the Python layers
+# reach AMX / oneDNN for large steps. Measured, one request's extend step under a rank-16
+# adapter on every projection (SmolLM2, Intel Xeon with AMX, 2 threads), ms driver / Python
+# layers: bf16 16.4 / 34.0 at 16 rows, 48.6 / 62.2 at 128, 83.6 / 91.8 at 256, 163 / 145 at
+# 512; fp32 23.0 / 32.1 at 16, 101 / 101 at 128, 166 / 170 at 256, 344 / 341 at 512
+LORA_MAX_ROWS = {torch.bfloat16: 256, torch.float32: 256}
 
 
 class DecodeLayers:
