@@ -982,6 +982,18 @@ def test_v1_loads_reports_each_replica_as_sglang_does(url):
     after = requests.get(url + "/v1/loads", timeout=30).json()["loads"][0]
     assert after["num_running_reqs"] == 0 and after["num_used_tokens"] == 0, after
     assert after["gen_throughput"] > 0  # tokens came out within the last seconds
+    deadline = time.monotonic() + 15  # /metrics: the state published every ~0.7 s
+    while True:
+        metrics = requests.get(url + "/metrics", timeout=30).text
+        rates = [
+            float(x.split()[-1])
+            for x in metrics.splitlines()
+            if x.startswith("radixserve_gen_throughput ")
+        ]
+        if (rates and rates[0] > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert rates and rates[0] > 0, rates
     for query, param in (
         ("dp_rank=7", "dp_rank"),
         ("include=core,gpu", "include"),

@@ -71,7 +71,7 @@ class RecentRate:
         while len(readings) > 2 and now - readings[1][0] >= RATE_WINDOW_S:
             readings.popleft()  # the oldest kept is the last at or past the window's start
         start, first = readings[0]
-        return (count - first) / (now - start) if now > start else 0.0
+        return max(count - first, 0) / (now - start) if now > start else 0.0
 
 
 class Scheduler:

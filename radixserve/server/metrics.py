@@ -60,6 +60,11 @@ class Metrics:
             "Requests waiting for their grammar to compile.",
             registry=r,
         )
+        self.gen_throughput = Gauge(
+            "radixserve_gen_throughput",
+            "Output tokens a second over the last ~10 s (summed over the replicas).",
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "radixserve_kv_usage", "Share of the KV pool in use (0..1).", registry=r
         )
@@ -78,6 +83,7 @@ class Metrics:
         self.running.set(sum(s.num_running for s in states))
         self.waiting.set(sum(s.num_waiting for s in states))
         self.grammar_queue.set(sum(s.num_grammar_queue for s in states))
+        self.gen_throughput.set(sum(s.gen_throughput for s in states))
         total = sum(s.kv_total for s in states)
         used = sum(s.kv_total - s.kv_free for s in states)
         self.kv_usage.set(used / total if total else 0.0)
