@@ -394,6 +394,11 @@ class EmbeddingConfig:
 
 # the projections a LoRA adapter may train (radixserve/lora/adapter.py SITES)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# SGLang's names of the fused projections, as --lora-target-modules takes them
+LORA_MODULE_GROUPS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 @dataclass(frozen=True)
@@ -426,7 +431,8 @@ class LoraConfig:
     lora_target_modules: tuple[str, ...] = _opt(
         (),
         "The modules adapters may train (q_proj k_proj v_proj o_proj gate_proj up_proj "
-        "down_proj, or all); an adapter that trains another is refused. Default: any of them.",
+        "down_proj, SGLang's qkv_proj and gate_up_proj, or all); an adapter that trains "
+        "another is refused. Default: any of them.",
         nargs="+",
     )
 
@@ -434,11 +440,12 @@ class LoraConfig:
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
         targets = tuple(self.lora_target_modules)
         object.__setattr__(self, "lora_target_modules", targets)
-        unknown = sorted(set(targets) - {*LORA_MODULES, "all"})
+        unknown = sorted(set(targets) - {*LORA_MODULES, *LORA_MODULE_GROUPS, "all"})
         if unknown:
             raise ValueError(
                 f"--lora-target-modules: {', '.join(unknown)} is not one of "
-                f"{', '.join(LORA_MODULES)} or all"
+                f"{', '.join((*LORA_MODULES, *LORA_MODULE_GROUPS))} or all (adapters of "
+                "embed_tokens or lm_head are not served)"
             )
         if self.max_loras_per_batch < 1:
             raise ValueError(
@@ -464,7 +471,9 @@ class LoraConfig:
     def modules(self) -> frozenset[str]:
         """The modules adapters may train."""
         targets = self.lora_target_modules
-        return frozenset(LORA_MODULES if not targets or "all" in targets else targets)
+        if not targets or "all" in targets:
+            return frozenset(LORA_MODULES)
+        return frozenset(m for t in targets for m in LORA_MODULE_GROUPS.get(t, (t,)))
 
     @property
     def adapters(self) -> list[tuple[str, str]]:

@@ -539,8 +539,9 @@ def test_registry_names():
 
 def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
     """--max-loras-per-batch 1: requests under two adapters and the base model, sent
-    together, each step uses one adapter at most (the base model's rows beside it), and each
-    output is still PEFT's. --max-lora-rank and --lora-target-modules refuse, with the
+    together, each step uses one adapter at most (the base model's rows beside it), requests
+    of the adapter in use wait behind one that found no slot, and each output is still
+    PEFT's. --max-lora-rank and --lora-target-modules refuse, with the
     reason, an adapter past them (here at the start: --lora-paths)."""
     case, _, _ = llama
     paths = [f"{name}={path}" for name, path in case.adapters.items()]
@@ -548,17 +549,25 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
         str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_loras_per_batch=1
     ) as engine:
         steps: list[set[int]] = []
+        first_batch: list[int] = []
         forward = engine.runner.forward
 
         def spy(batch):
+            if not steps:
+                first_batch.extend(batch.lora_ids or ())
             steps.append(set(batch.lora_ids or ()) - {0})
             return forward(batch)
 
         engine.runner.forward = spy
-        names = ["a", "b", None, "b", "a"]
-        outs = engine.generate([PROMPTS[0]] * len(names), GREEDY, lora_path=names)
-        assert [o["output_ids"] for o in outs] == [case.greedy(PROMPTS[0], n) for n in names]
+        names = ["a", "b", "a", None]
+        prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # (no prefix held back)
+        outs = engine.generate(prompts, GREEDY, lora_path=names)
+        expected = [case.greedy(p, n) for p, n in zip(prompts, names, strict=True)]
+        assert [o["output_ids"] for o in outs] == expected
         assert all(len(used) <= 1 for used in steps) and {1, 2} <= set().union(*steps)
+        # the second "a" waits behind "b" (which found no slot), the base model's does not:
+        # a steady stream of "a" would otherwise keep "b" waiting for good
+        assert first_batch == [1, 0], first_batch
         engine.check_kv_accounting()
 
     with pytest.raises(LoraError, match="rank 8 is above --max-lora-rank 4"):
@@ -578,7 +587,7 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
         dtype=FP32,
         lora_paths=[paths[1]],
         max_lora_rank=4,
-        lora_target_modules=narrow,
+        lora_target_modules=["qkv_proj", "down_proj"],  # SGLang's name of q, k and v
     ) as engine:
         out = engine.generate(PROMPTS[1], GREEDY, lora_path="b")
         assert out["output_ids"] == case.greedy(PROMPTS[1], "b")
@@ -590,6 +599,7 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
         ({"max_loras_per_batch": 0}, "--max-loras-per-batch must be at least 1"),
         ({"max_lora_rank": 0}, "--max-lora-rank must be at least 1"),
         ({"lora_target_modules": ["q_proj", "lm_head"]}, "lm_head is not one of q_proj"),
+        ({"lora_target_modules": ["embed_tokens"]}, "embed_tokens or lm_head are not served"),
     ],
 )
 def test_lora_flags_are_checked(flags, message):

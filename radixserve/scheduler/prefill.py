@@ -87,6 +87,7 @@ class PrefillAdder:
     # (--max-loras-per-batch; None: no limit)
     adapters: set[int] = field(default_factory=set)
     max_adapters: int | None = None
+    adapters_closed: bool = False  # a request found no adapter slot: no other adapter's joins
 
     @classmethod
     def for_step(
@@ -183,13 +184,18 @@ class PrefillAdder:
             self.adapters.add(req.lora_id)
 
     def _adapter_fits(self, req: Req) -> bool:
-        """Its adapter is one the batch uses already, or there is room for one more."""
-        return (
-            not req.lora_id
-            or self.max_adapters is None
-            or req.lora_id in self.adapters
-            or len(self.adapters) < self.max_adapters
-        )
+        """Its adapter is one the batch uses already, or there is room for one more. Once a
+        request found no room, requests of the adapters in use wait too (the base model's
+        still go): else a steady stream of theirs would keep those adapters running and
+        that request waiting for good."""
+        if not req.lora_id or self.max_adapters is None:
+            return True
+        if self.adapters_closed:
+            return False
+        if req.lora_id in self.adapters or len(self.adapters) < self.max_adapters:
+            return True
+        self.adapters_closed = True
+        return False
 
     def _take(self, req: Req) -> list[int]:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which

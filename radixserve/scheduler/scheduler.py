@@ -268,7 +268,8 @@ class Scheduler:
         queued = self.waiting + self.grammars.compiling
         stats.num_waiting_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in queued)
         stats.num_retracted_waiting = sum(bool(r.output_ids) for r in self.waiting)
-        stats.lora_adapters_running = len({r.lora_id for r in self.running if r.lora_id})
+        running = self.running + ([self.chunked] if self.chunked is not None else [])
+        stats.lora_adapters_running = len({r.lora_id for r in running if r.lora_id})
         stats.gen_throughput = self.gen_rate.update(stats.generated_tokens)
         stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
         stats.grammar = self.grammars.stats.as_dict()

@@ -25,6 +25,7 @@ from typing import Any
 from radixserve.server.errors import bad_request
 
 SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # the format SGLang's answer has
 # a replica counts as fully used at this share of its KV tokens (SGLang's utilization)
 FULL_TOKEN_USAGE = 0.9
 # (field, Prometheus help) of a load's figures, in the order reported
@@ -83,7 +84,7 @@ def replica_load(
     if stats["swa_total"]:  # hybrid window memory: the fuller of the two pools
         usage = max(usage, 1 - stats["swa_free"] / stats["swa_total"])
     running = stats["num_running"]
-    waiting = stats["num_waiting"] + stats["num_grammar_queue"]
+    waiting = stats["num_waiting"] + stats["num_grammar_queue"] + stats["num_held_for_update"]
     prompt = stats["prompt_tokens"]
     load: dict[str, Any] = {
         "dp_rank": stats["dp_rank"],

@@ -30,7 +30,13 @@ from radixserve.server.checks import (
 )
 from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
-from radixserve.server.loads import loads_json, loads_prometheus, parse_include, replica_load
+from radixserve.server.loads import (
+    PROMETHEUS_TEXT,
+    loads_json,
+    loads_prometheus,
+    parse_include,
+    replica_load,
+)
 from radixserve.server.reasoning import think_first
 from radixserve.server.state import State
 from radixserve.server.streaming import sse, until_disconnect
@@ -212,7 +218,7 @@ async def get_loads(
     slots = lora.max_loras_per_batch if lora.enabled else None
     loads = [replica_load(stats, max_running, slots, sections) for stats in replicas]
     if format == "prometheus":
-        return PlainTextResponse(loads_prometheus(loads), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(loads_prometheus(loads), media_type=PROMETHEUS_TEXT)
     return JSONResponse(loads_json(loads, __version__))
 
 
