@@ -81,10 +81,10 @@ class Adapters:
             del self.loading[uid]
             try:
                 adapter = future.result()
+                self.runner.add_lora(uid, adapter)  # (to the device: memory may run out)
             except Exception as e:
                 replies.append(self._failed(msg, e))
                 continue
-            self.runner.add_lora(uid, adapter)
             replies.append(
                 ControlReply(msg.call_id, lora=LoraUpdate(True, f"loaded {adapter.name}"))
             )
