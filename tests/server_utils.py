@@ -139,3 +139,16 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
         if alive(p):
             p.kill()
     assert not left, f"processes still alive {timeout:.0f}s after the server ended: {left}"
+
+
+def positive_metric(url: str, name: str, seconds: float = 15.0) -> tuple[float | None, str]:
+    """(the first sample of /metrics line `name ...` once it is above 0, or the last seen;
+    the text): /metrics follows the state the scheduler publishes every ~0.7 s."""
+    deadline = time.monotonic() + seconds
+    while True:
+        text = requests.get(url + "/metrics", timeout=30).text
+        samples = [float(x.split()[-1]) for x in text.splitlines() if x.startswith(name)]
+        value = samples[0] if samples else None
+        if (value is not None and value > 0) or time.monotonic() > deadline:
+            return value, text
+        time.sleep(0.2)

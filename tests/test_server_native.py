@@ -19,7 +19,7 @@ import requests
 
 from radixserve.hardware import KernelPlan, cpu_info
 from tests.conftest import FP32
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, positive_metric
 
 TIMEOUT = 120  # seconds for any one HTTP call
 CONTEXT_LEN = 8192  # SmolLM2's context (the KV pool of 20000 tokens is larger)
@@ -982,18 +982,8 @@ def test_v1_loads_reports_each_replica_as_sglang_does(url):
     after = requests.get(url + "/v1/loads", timeout=30).json()["loads"][0]
     assert after["num_running_reqs"] == 0 and after["num_used_tokens"] == 0, after
     assert after["gen_throughput"] > 0  # tokens came out within the last seconds
-    deadline = time.monotonic() + 15  # /metrics: the state published every ~0.7 s
-    while True:
-        metrics = requests.get(url + "/metrics", timeout=30).text
-        rates = [
-            float(x.split()[-1])
-            for x in metrics.splitlines()
-            if x.startswith("radixserve_gen_throughput ")
-        ]
-        if (rates and rates[0] > 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert rates and rates[0] > 0, rates
+    rate, _ = positive_metric(url, "radixserve_gen_throughput ")
+    assert rate is not None and rate > 0, rate
     for query, param in (
         ("dp_rank=7", "dp_rank"),
         ("include=core,gpu", "include"),

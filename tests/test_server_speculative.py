@@ -6,13 +6,12 @@ not. (Output fidelity itself is pinned by tests/test_speculative.py.)"""
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
 import requests
 
-from tests.server_utils import tiny_model_server
+from tests.server_utils import positive_metric, tiny_model_server
 
 PROMPT = [7, 8] * 10  # the tiny model repeats itself after it
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
@@ -58,19 +57,8 @@ def test_meta_info_server_info_and_metrics_report_speculation(server):
     assert state["avg_spec_accept_length"] > 1
     assert sum(state["spec_accepted_by_position"]) == state["spec_accepted_tokens"] > 0
 
-    # /metrics follows the state the scheduler publishes (within ~0.7 s of its last step)
-    deadline = time.monotonic() + 15
-    while True:
-        metrics = requests.get(server.url + "/metrics", timeout=30).text
-        accepted = [
-            float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith("radixserve_spec_accepted_tokens_total")
-        ]
-        if (accepted and accepted[0] > 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert accepted and accepted[0] > 0
+    accepted, metrics = positive_metric(server.url, "radixserve_spec_accepted_tokens_total")
+    assert accepted is not None and accepted > 0
     assert 'radixserve_spec_accepted_tokens_by_position_total{position="1"}' in metrics
 
 
