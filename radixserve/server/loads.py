@@ -75,11 +75,17 @@ def parse_include(include: str | None) -> set[str]:
     return set(SECTIONS) if "all" in names else names
 
 
+def kv_in_use(stats: dict[str, Any]) -> int:
+    """KV tokens requests hold or the tree protects for them (the cache's evictable K/V
+    are not in use): what /get_load and /v1/loads count."""
+    return stats["kv_tree_protected"] + stats["kv_held_by_requests"]
+
+
 def replica_load(
     stats: dict[str, Any], max_running: int, lora_slots: int | None, include: set[str]
 ) -> dict[str, Any]:
     """One replica's load from its published state (`SchedulerStats.as_dict`)."""
-    used = stats["kv_tree_protected"] + stats["kv_held_by_requests"]
+    used = kv_in_use(stats)
     usage = used / stats["kv_total"] if stats["kv_total"] else 0.0
     if stats["swa_total"]:  # hybrid window memory: the fuller of the two pools
         usage = max(usage, 1 - stats["swa_free"] / stats["swa_total"])

@@ -32,6 +32,7 @@ from radixserve.server.embeddings import EncodeRequest, encode_reqs
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 from radixserve.server.loads import (
     PROMETHEUS_TEXT,
+    kv_in_use,
     loads_json,
     loads_prometheus,
     parse_include,
@@ -188,7 +189,7 @@ async def get_load(state: State) -> list[dict[str, int]]:
     loads = []
     for stats in await state.manager.control("get_state"):  # one per replica
         waiting = stats["num_waiting"] + stats["num_grammar_queue"]
-        in_use = stats["kv_tree_protected"] + stats["kv_held_by_requests"]
+        in_use = kv_in_use(stats)
         loads.append(
             {
                 "dp_rank": stats["dp_rank"],
