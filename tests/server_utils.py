@@ -109,9 +109,15 @@ def state(server: ServerProcess) -> dict:
     return r.json()["internal_states"][0]
 
 
-def assert_kv_clean(server: ServerProcess) -> None:
-    """Idle: no request holds KV, free + cached == total, and a flush frees everything."""
-    s = state(server)
+def assert_kv_clean(server: ServerProcess, settle: float = 10.0) -> None:
+    """Idle: no request holds KV, free + cached == total, and a flush frees everything. A
+    request just cancelled or disconnected is aborted asynchronously: its abort is given
+    `settle` seconds to reach the scheduler."""
+    deadline = time.monotonic() + settle
+    while (s := state(server))["num_running"] or s["num_waiting"]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert s["num_running"] == 0 and s["num_waiting"] == 0, s
     assert s["kv_held_by_requests"] == 0, s
     assert s["kv_free"] + s["kv_tree_evictable"] + s["kv_tree_protected"] == s["kv_total"], s

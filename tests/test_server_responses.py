@@ -1,9 +1,10 @@
 """The Responses API end to end on SmolLM2, with the official `openai` client: a response is
 the chat completion of the same conversation (greedy, token for token); a stream builds the
 same output with events in the order the client's stream helper checks; stored responses
-chain (previous_response_id), list their input items, run in the background, cancel and
-delete; function calls go round trip; structured output parses; bad requests are 400s that
-name the Responses field; and no KV is left held."""
+chain (previous_response_id), list their input items, run in the background (streamed too,
+their events read again from any point), cancel and delete; function calls go round trip;
+structured output parses; bad requests are 400s that name the Responses field; and no KV is
+left held."""
 
 from __future__ import annotations
 
@@ -293,6 +294,83 @@ def test_background_responses_poll_cancel_and_delete(client, server):
     assert_kv_clean(server)
 
 
+def test_a_streamed_background_response_is_read_again_from_any_point(client, server):
+    ask = {"input": "Name three colors.", **GREEDY}
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(background=True, stream=True, **ask))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[0].response.background is True
+    last = events[-1]
+    assert last.type == "response.completed" or last.type == "response.incomplete"
+    assert last.response.output_text == whole.output_text  # greedy: the same answer
+    response_id = events[0].response.id
+    assert client.responses.retrieve(response_id).output_text == whole.output_text
+
+    def dumped(stream) -> list[dict]:
+        return [e.model_dump() for e in stream]
+
+    everything = dumped(events)
+    assert dumped(client.responses.retrieve(response_id, stream=True)) == everything
+    for after in (0, 5, len(events) - 2, len(events) - 1):
+        again = client.responses.retrieve(response_id, stream=True, starting_after=after)
+        assert dumped(again) == everything[after + 1 :]
+    # the client's stream helper builds the response from the events read again
+    with client.responses.stream(response_id=response_id) as stream:
+        assert stream.get_final_response().output_text == whole.output_text
+    # only a streamed background response keeps its events; a sequence number must be one
+    for asked, query, param in (
+        (whole.id, "stream=true", "stream"),
+        (response_id, f"stream=true&starting_after={len(events)}", "starting_after"),
+        (response_id, "stream=true&starting_after=-2", "starting_after"),
+    ):
+        r = requests.get(f"{server.url}/v1/responses/{asked}?{query}", timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_streamed_background_response_outlives_its_reader(client, server):
+    """The client that made it goes away mid-stream; the response goes on, and a new reader
+    takes up the stream where the first left off."""
+    stream = client.responses.create(
+        model="m",
+        input="Count to a hundred.",
+        max_output_tokens=48,
+        background=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = [e for _, e in zip(range(5), stream)]
+    stream.close()  # the connection drops
+    response_id = first[0].response.id
+    rest = list(
+        client.responses.retrieve(
+            response_id, stream=True, starting_after=first[-1].sequence_number
+        )
+    )
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete"  # its 48 tokens, not a cancel
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = client.responses.retrieve(response_id)
+    assert final.status == "incomplete" and final.usage.output_tokens == 48
+    assert text == final.output_text
+    # cancelled while a reader follows it: the reader's stream ends, the response says why
+    slow = client.responses.create(
+        model="m",
+        input="Count to a thousand.",
+        max_output_tokens=1500,
+        background=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = [e for _, e in zip(range(4), slow)]
+    assert client.responses.cancel(seen[0].response.id).status == "cancelled"
+    after = list(slow)
+    assert all(e.type != "response.completed" for e in after)
+    assert_kv_clean(server)
+
+
 def test_store_false_keeps_nothing(client):
     r = client.responses.create(input="Hi", store=False, **GREEDY)
     assert r.store is False
@@ -361,7 +439,6 @@ def test_truncation_auto_drops_the_oldest_turns(client):
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"background": True, "store": False}, "store"),
-        ({"background": True, "stream": True}, "stream"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"include": ["file_search.everything"]}, "include.0"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),

@@ -28,7 +28,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -168,11 +168,6 @@ class ResponsesRequest(StrictBody):
         """What one field's type cannot say."""
         if self.background and not self.stores:
             raise bad_request("background responses must be stored: leave store true", "store")
-        if self.background and self.streams:
-            raise bad_request(
-                "a background response cannot be streamed here: poll GET /v1/responses/{id}",
-                "stream",
-            )
         if self.input == "" or self.input == []:
             raise bad_request("input is empty", "input")
         metadata = self.metadata or {}
@@ -853,12 +848,56 @@ def finished(
 
 
 # -- stored responses -----------------------------------------------------------------------
+class EventLog:
+    """A streamed background response's events as they were sent (server-sent event frames;
+    frame i is the event of sequence number i), kept with the response so that a client can
+    read them again from any point (GET /v1/responses/{id}?stream=true&starting_after=N):
+    while it runs, following the new ones as they come, and after it has ended."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.bytes = 0
+        self.ended = False
+        self._grown = asyncio.Event()  # set (and replaced) when a frame comes or it ends
+
+    def append(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self.bytes += len(frame)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """The frames from sequence number `start` on, until the response has ended."""
+        at = start
+        while True:
+            grown = self._grown  # taken before reading: a frame added meanwhile has set it
+            while at < len(self.frames):
+                yield self.frames[at]
+                at += 1
+            if self.ended:
+                return
+            await grown.wait()
+
+
 @dataclass
 class Stored:
     response: dict[str, Any]  # as last reported (a background one changes as it runs)
     inputs: list[dict[str, Any]]  # its own input items (the turns before it: `previous`)
     previous: str | None
     task: asyncio.Task | None = None  # a background response's, while it runs
+    events: EventLog | None = None  # a streamed background response's events
+
+    def size(self) -> int:
+        """Its bytes as JSON, and its events'."""
+        events = self.events.bytes if self.events is not None else 0
+        return len(json.dumps([self.inputs, self.response])) + events
 
 
 class ResponseStore:
@@ -883,7 +922,7 @@ class ResponseStore:
         response_id = stored.response["id"]
         self.entries[response_id] = stored
         self.entries.move_to_end(response_id)
-        self.sizes[response_id] = len(json.dumps([stored.inputs, stored.response]))
+        self.sizes[response_id] = stored.size()
         total = self.bytes
         for oldest in list(self.entries)[:-1]:  # the newest stays, whatever its size
             if len(self.entries) <= self.capacity and total <= self.max_bytes:

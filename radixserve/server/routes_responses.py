@@ -1,7 +1,9 @@
-"""OpenAI's Responses API: POST /v1/responses (whole, streamed, or in the background), and
-the stored responses' routes: GET /v1/responses/{id}, its /input_items, POST .../cancel and
-DELETE. A request becomes a chat request (`responses_api`) and runs as one; its output is
-built into items by one `OutputBuilder`, whether streamed or not."""
+"""OpenAI's Responses API: POST /v1/responses (whole, streamed, in the background, or both:
+a background response streamed, whose events are kept so that a client can read them again
+from any point), and the stored responses' routes: GET /v1/responses/{id} (its events again
+with ?stream=true&starting_after=N), its /input_items, POST .../cancel and DELETE. A request
+becomes a chat request (`responses_api`) and runs as one; its output is built into items by
+one `OutputBuilder`, whether streamed or not."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 from radixserve.server.responses_api import OutputBuilder, ResponsesRequest, ResponseStore, Stored
 from radixserve.server.routes_openai import chat_reasoning, token_bytes_of
 from radixserve.server.state import ServerState, State
-from radixserve.server.streaming import sse, until_disconnect
+from radixserve.server.streaming import event_frame, replay, sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
 
 logger = logging.getLogger(__name__)
@@ -96,12 +98,16 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         raise run.named(e) from None
     if body.background:
         run.stored.response = run.response | {"status": "queued"}
+        if body.streams:
+            run.stored.events = _queued_events(run.stored.response)
         store.put(run.stored)
         task = asyncio.ensure_future(_in_background(run, call))
         run.stored.task = task
         request.app.state.background.add(task)
         task.add_done_callback(request.app.state.background.discard)
         task.add_done_callback(lambda done: _background_done(run, call, store, done))
+        if run.stored.events is not None:  # the client reads what the task logs
+            return replay(run.stored.events.follow(0))
         return JSONResponse(run.stored.response)
     if body.streams:
         events = _events(run, call, store if body.stores else None)
@@ -223,10 +229,14 @@ def _cut_short(meta: dict[str, Any]) -> bool:
     return rapi.outcome(meta)[0] != "completed"
 
 
-async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIterator[dict]:
+async def _events(
+    run: _Run, call: Call, store: ResponseStore | None, created: int = 0
+) -> AsyncIterator[dict]:
     """The stream: response.created and .in_progress once the sequence has started, the
-    items' events as its text comes, then response.completed (or .incomplete, .failed)."""
-    numbers = itertools.count()
+    items' events as its text comes, then response.completed (or .incomplete, .failed).
+    `created`: the events already sent (a background response's: created and queued); then
+    its stream goes on from .in_progress, and fails in order if the engine refuses it."""
+    numbers = itertools.count(created)
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
         return {"type": kind, "sequence_number": next(numbers), **fields}
@@ -237,7 +247,9 @@ async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIt
         async for _, out in call.stream():
             if not opened:  # after the first output, so a refused call gets its status
                 opened = True
-                yield event("response.created", response=run.response)
+                if not created:
+                    yield event("response.created", response=run.response)
+                run.stored.response = run.response
                 yield event("response.in_progress", response=run.response)
             text, sent = out.result["text"][sent:], len(out.result["text"])
             meta = out.result["meta_info"]
@@ -249,12 +261,12 @@ async def _events(run: _Run, call: Call, store: ResponseStore | None) -> AsyncIt
             if out.finished:
                 run.stored.response = run.finish(out.result)
     except Exception as e:  # the engine's error, or a bug: the response fails, in order
-        if not opened and isinstance(e, APIError):
+        if not opened and not created and isinstance(e, APIError):
             raise run.named(e) from None
-        if not opened:
+        if not opened and not created:
             raise
         if isinstance(e, APIError):
-            message = e.message
+            message = run.named(e).message
         else:
             logger.exception("a streamed response failed")
             message = f"internal error: {e!r}"
@@ -280,10 +292,25 @@ _TERMINAL = {
 }
 
 
+def _queued_events(queued: dict[str, Any]) -> rapi.EventLog:
+    """A streamed background response's log, its first events in: created and queued."""
+    log = rapi.EventLog()
+    for number, kind in enumerate(("response.created", "response.queued")):
+        event = {"type": kind, "sequence_number": number, "response": queued}
+        log.append(event_frame(event, typed=True))
+    return log
+
+
 async def _in_background(run: _Run, call: Call) -> None:
     """A background response: in progress once it runs, then finished or failed, as GET
-    /v1/responses/{id} reports it (`_background_done` settles the rest)."""
+    /v1/responses/{id} reports it (`_background_done` settles the rest). A streamed one
+    logs its events as they come, whether or not a client reads them."""
     stored = run.stored
+    if stored.events is not None:
+        log = stored.events
+        async for event in _events(run, call, None, created=len(log.frames)):
+            log.append(event_frame(event, typed=True))
+        return
     stored.response = run.response | {"status": "in_progress"}
     try:
         (result,) = await call.results()
@@ -315,14 +342,35 @@ def _settle(run: _Run, store: ResponseStore, task: asyncio.Task) -> None:
             error = {"code": "server_error", "message": f"internal error: {task.exception()!r}"}
             stored.response = run.response | {"status": "failed", "error": error}
     store.refresh(stored)
+    if stored.events is not None:  # its readers stop (a cancelled one's with no last event)
+        stored.events.end()
 
 
 # -- stored responses -----------------------------------------------------------------------
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request, stream: bool = False) -> Response:
-    if stream:
-        raise bad_request("streaming a stored response is not supported here", "stream")
-    return JSONResponse(_store(request).get(response_id).response)
+async def get_response(
+    response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+) -> Response:
+    """A stored response as it stands; with `stream`, a streamed background response's
+    events (those after `starting_after`), following it until it ends."""
+    stored = _store(request).get(response_id)
+    if not stream:
+        return JSONResponse(stored.response)
+    log = stored.events
+    if log is None:
+        raise bad_request(
+            f"{response_id!r} was not created with background and stream true: only such a "
+            "response's events are kept to be streamed again (GET it without stream)",
+            "stream",
+        )
+    start = 0 if starting_after is None else starting_after + 1
+    if start < 0 or (log.ended and start > len(log.frames)):
+        raise bad_request(
+            f"starting_after must be a sequence number of {response_id!r}'s events, from 0 "
+            f"to {len(log.frames) - 1 if log.ended else 'its last'}",
+            "starting_after",
+        )
+    return replay(log.follow(start))
 
 
 @router.post("/v1/responses/{response_id}/cancel")

@@ -60,14 +60,14 @@ async def sse(
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield _event(first, typed)
+            yield event_frame(first, typed)
             async for chunk in chunks:
-                yield _event(chunk, typed)
+                yield event_frame(chunk, typed)
         except APIError as e:
-            yield _event(e.body())
+            yield event_frame(e.body())
         except Exception as e:  # a bug met by this stream: it ends with an error event
             logger.exception("a stream failed")
-            yield _event(APIError(500, f"internal error in the stream: {e!r}").body())
+            yield event_frame(APIError(500, f"internal error in the stream: {e!r}").body())
         finally:
             call.close()  # a disconnect cancels this generator: abort what still runs
         if not typed:
@@ -76,6 +76,13 @@ async def sse(
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _event(chunk: dict[str, Any], typed: bool = False) -> bytes:
+def replay(frames: AsyncIterator[bytes]) -> Response:
+    """Server-sent events already framed (a background response's, read again): a client
+    that goes away stops only its own reading."""
+    return StreamingResponse(frames, media_type="text/event-stream")
+
+
+def event_frame(chunk: dict[str, Any], typed: bool = False) -> bytes:
+    """One chunk as a server-sent event (`typed`: named by an `event:` line)."""
     data = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
     return f"event: {chunk['type']}\n".encode() + data if typed else data
