@@ -359,16 +359,19 @@ class Engine:
         input_ids: list[int] | None = None,
         unconditional: bool = False,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> dict[str, Any]:
         """Each continuation's token logprobs after the prefix (`prompt` or `input_ids`),
         token healing included, from one batch of prefill-only requests: the answer of
-        `POST /score_continuations` (see radixserve/scoring.py). A ValueError
-        (native.InvalidRequest, its `param` naming the field) for an invalid call."""
+        `POST /score_continuations` (see radixserve/scoring.py); `lora_path`: the name of
+        a loaded LoRA adapter to score with. A ValueError (native.InvalidRequest, its
+        `param` naming the field) for an invalid call."""
+        lora_id = self.loras.uid(lora_path)
         plan = plan_scoring(self.tokenizer, continuations, prompt, input_ids, unconditional)
         info = self.scheduler.info
         field = "input_ids" if input_ids is not None else "text"
         check_fits(plan, info.vocab_size, info.max_seq_len, field)
-        results = self._run_all(plan.requests(rid))
+        results = self._run_all(plan.requests(rid, lora_id))
         return plan.response(results, token_texts(self.tokenizer))
 
     def encode(

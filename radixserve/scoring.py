@@ -65,13 +65,19 @@ class ScoringPlan:
     def prompt_tokens(self) -> int:
         return len(self.prefix_ids)
 
-    def requests(self, rid: str | None = None) -> list[Req]:
+    def requests(self, rid: str | None = None, lora_id: int = 0) -> list[Req]:
         """One prefill-only request per span (`{rid}_{i}`), then with `unconditional` one
-        per span alone (`{rid}_u{i}`), in that order."""
+        per span alone (`{rid}_u{i}`), in that order; all run with the LoRA adapter of
+        uid `lora_id` (0: the base model)."""
         base = rid or uuid.uuid4().hex
-        reqs = [_prefill(span.ids, span.start, f"{base}_{i}") for i, span in enumerate(self.spans)]
+        reqs = [
+            _prefill(span.ids, span.start, f"{base}_{i}", lora_id)
+            for i, span in enumerate(self.spans)
+        ]
         if self.unconditional:
-            reqs += [_prefill(s.tokens, 0, f"{base}_u{i}") for i, s in enumerate(self.spans)]
+            reqs += [
+                _prefill(s.tokens, 0, f"{base}_u{i}", lora_id) for i, s in enumerate(self.spans)
+            ]
         return reqs
 
     def response(
@@ -200,9 +206,11 @@ def _healed_span(prefix: list[int], ids: list[int]) -> Span:
     return Span(ids, max(min(start, len(ids) - 1), 0))
 
 
-def _prefill(ids: list[int], start: int, rid: str) -> Req:
+def _prefill(ids: list[int], start: int, rid: str, lora_id: int) -> Req:
     """A prefill-only request with the input logprobs of `ids[start:]`."""
-    expanded = expand_request(_no_text, None, SCORE_PARAMS, ids, True, start, rid=rid)
+    expanded = expand_request(
+        _no_text, None, SCORE_PARAMS, ids, True, start, rid=rid, lora_ids=lora_id
+    )
     return expanded.reqs[0]
 
 

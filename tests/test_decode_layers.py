@@ -2,7 +2,8 @@
 calling the same kernels layer by layer: the same logits bit for bit for decode steps,
 prompts, and steps mixing one-token rows with new tokens after cached prefixes, under this
 CPU's kernel plan and under the AVX2-only CPUs' plan (one-row and few-row linear kernels,
-8-lane builds; it runs on any AVX2 CPU), in fp32 and bf16, with and without q/k/v biases;
+8-lane builds; it runs on any AVX2 CPU), in fp32 and bf16, with and without q/k/v biases
+and per-head q/k norms (Qwen3);
 the steps and models it leaves to Python; and greedy generation with its logprobs alike
 with the driver and without over prompts that share a cached prefix."""
 
@@ -41,9 +42,12 @@ AVX2_PLAN = KernelPlan(
 CASES = [
     ("llama", FP32, "auto"),
     ("qwen2", FP32, "auto"),  # q/k/v biases
+    ("qwen3", FP32, "auto"),  # per-head q/k norms
     ("llama", "bfloat16", "auto"),
+    ("qwen3", "bfloat16", "auto"),
     ("llama", FP32, "avx2"),
     ("qwen2", FP32, "avx2"),
+    ("qwen3", FP32, "avx2"),
 ]
 ROWS = (1, 3, 24, FEW_ROWS_MAX + 8)  # one row, a few, more than the few-rows kernel takes
 
@@ -156,12 +160,17 @@ def test_prompts_and_mixed_steps_are_the_python_layers_bit_for_bit(
     assert runner.allocator.num_free == runner.allocator.size
 
 
-LORA_CASES = [(FP32, "auto", 1e-4), ("bfloat16", "auto", 0.1), (FP32, "avx2", 1e-4)]
+LORA_CASES = [
+    ("llama", FP32, "auto", 1e-4),
+    ("llama", "bfloat16", "auto", 0.1),
+    ("llama", FP32, "avx2", 1e-4),
+    ("qwen3", FP32, "auto", 1e-4),  # q and k normed after the adapters' products
+]
 
 
-@pytest.mark.parametrize(("dtype", "plan", "tolerance"), LORA_CASES)
+@pytest.mark.parametrize(("arch", "dtype", "plan", "tolerance"), LORA_CASES)
 def test_steps_with_lora_adapters_are_the_python_layers(
-    tiny_model_dirs, tmp_path, dtype, plan, tolerance, monkeypatch
+    tiny_model_dirs, tmp_path, arch, dtype, plan, tolerance, monkeypatch
 ):
     """Decode steps whose rows use LoRA adapters (one adapter for every row; two of
     different shapes beside the base model's rows, their stack), and prompts' steps of up
@@ -172,7 +181,7 @@ def test_steps_with_lora_adapters_are_the_python_layers(
 
     from tests.test_lora import ADAPTERS, make_adapter
 
-    folder = tiny_model_dirs["llama"]
+    folder = tiny_model_dirs[arch]
     if plan == "avx2":
         monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: AVX2_PLAN))
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -222,11 +231,10 @@ def test_steps_with_lora_adapters_are_the_python_layers(
 
 
 def test_the_driver_leaves_other_steps_and_models_to_python(tiny_model_dirs):
-    for arch in ("qwen3", "gemma3"):  # q/k norms; another decoder
-        config = Config.from_flat(
-            model_path=str(tiny_model_dirs[arch]), max_total_tokens=1024, dtype=FP32
-        )
-        assert ModelRunner(config, progress=False).model.decode_layers is None
+    config = Config.from_flat(  # another decoder (sandwich norms, Gemma's norms, GELU)
+        model_path=str(tiny_model_dirs["gemma3"]), max_total_tokens=1024, dtype=FP32
+    )
+    assert ModelRunner(config, progress=False).model.decode_layers is None
     config = Config.from_flat(
         model_path=str(tiny_model_dirs["llama"]), max_total_tokens=4096, dtype=FP32
     )

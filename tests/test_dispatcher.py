@@ -62,16 +62,20 @@ def test_the_trie_holds_what_was_inserted_less_what_was_cut(ops, queries):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    steps=st.lists(st.tuples(st.booleans(), tokens, st.integers(1, 8)), max_size=25),
+    steps=st.lists(
+        st.tuples(st.booleans(), tokens, st.integers(1, 8), st.sampled_from([None, "a"])),
+        max_size=25,
+    ),
     queries=st.lists(tokens, min_size=1, max_size=5),
 )
 def test_the_mirror_of_a_radix_tree_is_exact(steps, queries):
-    """Replaying a real tree's CacheEvents gives the tree's own match lengths."""
+    """Replaying a real tree's CacheEvents gives the tree's own match lengths, in each of
+    its namespaces."""
     allocator = SlotAllocator(64)
     tree = RadixCache(allocator)
     tree.events = CacheEventLog()
-    mirror = TokenTrie()
-    for insert, seq, n in steps:
+    mirrors = {None: TokenTrie(), "a": TokenTrie()}
+    for insert, seq, n, key in steps:
         if insert:
             need = len(seq)
             if allocator.num_free < need:
@@ -79,17 +83,18 @@ def test_the_mirror_of_a_radix_tree_is_exact(steps, queries):
             if allocator.num_free < need:
                 continue
             slots = allocator.alloc(need)
-            result = tree.insert(seq, slots)
+            result = tree.insert(seq, slots, extra_key=key)
             allocator.free(slots[: result.prefix_len])  # the tree kept its own copies
         else:
             tree.evict(n)
         inserted, evicted = tree.events.take()
-        for s in inserted:
-            mirror.insert(s)
-        for path, keep in evicted:
-            mirror.truncate(path, keep)
+        for key, s in inserted:
+            mirrors[key].insert(s)
+        for key, path, keep in evicted:
+            mirrors[key].truncate(path, keep)
     for q in queries:
-        assert mirror.match(q) == tree.peek_prefix(q).length
+        for key, mirror in mirrors.items():
+            assert mirror.match(q) == tree.peek_prefix(q, key).length
 
 
 class Recorder:
@@ -114,7 +119,7 @@ PREFIX = list(range(100, 100 + 4 * MIN_HIT_TOKENS))
 
 def test_cache_aware_sends_a_prefix_where_it_is_cached():
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(1, [PREFIX + [1, 2]], [])
+    d.on_cache_events(1, [(0, PREFIX + [1, 2])], [])
     for i in range(3):
         d.send(request(f"r{i}", PREFIX + [i]))
         d.done(f"r{i}")
@@ -141,7 +146,7 @@ def test_a_miss_goes_where_there_is_room():
     """A new prefix goes to the replica holding fewer tokens (cached or in flight), even a
     little busier, so prefix groups split over the pools instead of crowding one."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [[7] * 200], [])
+    d.on_cache_events(0, [(0, [7] * 200)], [])
     d.send(request("a", [1] * 40))
     d.send(request("b", [2] * 40))  # replica 1 is busier now, yet holds 80 tokens to 200
     assert [len(r.sent) for r in recorders] == [0, 2]
@@ -163,7 +168,7 @@ def test_a_prefix_shared_by_prompts_in_flight_counts_once_toward_room():
     for g in (1, 2):
         d.send(request(f"g{g}", groups[g] + [0]))  # misses: the other replica has room
     assert len(recorders[one].sent) == BALANCE_ABS and len(recorders[1 - one].sent) == 2
-    d.on_cache_events(one, [groups[0] + [0]], [])  # cached now: still counted once
+    d.on_cache_events(one, [(0, groups[0] + [0])], [])  # cached now: still counted once
     d.send(request("g3", groups[3] + [0]))
     assert len(recorders[one].sent) == BALANCE_ABS + 1
 
@@ -180,7 +185,7 @@ def test_a_burst_on_one_replica_keeps_its_hits():
     """Replicas unbalanced by a burst shorter than what starves the idle one: hits stick
     (moving a prefix to a replica whose pool is full of others would evict one of them)."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [PREFIX], [])
+    d.on_cache_events(0, [(0, PREFIX)], [])
     burst = starved_after()
     assert burst > BALANCE_ABS + 1  # the replicas are unbalanced well before that
     for i in range(burst):
@@ -194,7 +199,7 @@ def test_load_wins_over_hits_when_a_replica_is_starved():
     (no death spiral on the replica that holds it first). The load dropping between the
     busy replica's batches (as its requests finish together) does not reset that."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [PREFIX], [])
+    d.on_cache_events(0, [(0, PREFIX)], [])
     busy = starved_after()
     for i in range(busy):  # the busy replica's batch finishes twice on the way
         d.send(request(f"r{i}", PREFIX + [i]))
@@ -211,9 +216,28 @@ def test_load_wins_over_hits_when_a_replica_is_starved():
 
 def test_an_eviction_report_ends_the_stickiness():
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(1, [PREFIX], [])
-    d.on_cache_events(1, [], [(PREFIX, 0)])
-    assert d.replicas[1].cached.match(PREFIX) == 0
+    d.on_cache_events(1, [(0, PREFIX)], [])
+    d.on_cache_events(1, [], [(0, PREFIX, 0)])
+    assert d.replicas[1].match(PREFIX, 0) == 0
+
+
+def test_a_prefix_is_a_hit_only_in_its_own_namespace():
+    """A prefix cached (or being computed) under one LoRA adapter is no hit for another
+    adapter's request nor the base model's; unloading the adapter drops its mirror."""
+    d, recorders = dispatcher("cache_aware")
+    d.on_cache_events(1, [(7, PREFIX)], [])
+    assert d.pick(PREFIX + [1], lora_id=7) == (1, len(PREFIX))
+    assert d.pick(PREFIX + [1], lora_id=0)[1] == 0
+    assert d.pick(PREFIX + [1], lora_id=8)[1] == 0
+    d.send(GenerateReq("a", PREFIX + [2], SamplingParams(), 0, lora_id=8))  # computing it
+    owner = 0 if recorders[0].sent else 1
+    assert d.pick(PREFIX + [3], lora_id=8) == (owner, len(PREFIX))
+    assert d.pick(PREFIX + [3], lora_id=0)[1] == 0
+    d.on_cache_events(1, [], [(7, PREFIX, 8)])  # evicted in its own namespace only
+    assert d.replicas[1].match(PREFIX, 7) == 8
+    d.send(ControlReq(1, "unload_lora_adapter", {"uid": 7}))
+    assert d.replicas[1].match(PREFIX, 7) == 0 and 7 not in d.replicas[1].cached
+    assert all(r.sent[-1].op == "unload_lora_adapter" for r in recorders)  # sent on to all
 
 
 def test_round_robin_and_shortest_queue():

@@ -154,6 +154,10 @@ def test_prompt_logprobs_close_to_peft(case):
         ours = torch.tensor([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
         ref = case.prompt_logprobs(prompt, adapter)
         assert torch.allclose(ours, ref, atol=2e-4), (adapter, (ours - ref).abs().max())
+        # the frontend's select scores under the adapter too
+        scored = engine.score_continuations(prompt[:-8], [prompt[-8:]], lora_path=adapter)
+        span = scored["continuations"][0]["logprobs"]
+        assert torch.allclose(torch.tensor(span), ref[-len(span) :], atol=2e-4), adapter
 
 
 def test_prefix_cache_is_per_adapter(case):

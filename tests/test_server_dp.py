@@ -1,8 +1,9 @@
 """Data parallelism end to end: `radixserve serve --dp-size 2` over the tiny model, two
 scheduler processes behind one server. Each group of prompts sharing a prefix goes to the
 replica that caches it (its later prompts hit), different groups spread over both replicas,
-greedy outputs match the one-replica server's, control requests reach every replica, and
-a replica that dies takes the server down with it."""
+greedy outputs match the one-replica server's, a prefix cached under a LoRA adapter is
+routed as that adapter's alone, control requests reach every replica, and a replica that
+dies takes the server down with it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import time
 import psutil
 import pytest
 import requests
+from transformers import AutoModelForCausalLM
 
 from tests.server_utils import ServerProcess, assert_all_gone
+from tests.test_lora import ADAPTERS, make_adapter
 
 TIMEOUT = 120
 SYSTEM = " ".join(f"rule {i}: be brief." for i in range(12))
@@ -22,15 +25,16 @@ SYSTEM = " ".join(f"rule {i}: be brief." for i in range(12))
 def dp_server(tiny_model_dirs, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     flags = ("--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "4000")
-    proc = ServerProcess(*flags, "--dp-size", "2", log=log)
+    proc = ServerProcess(*flags, "--dp-size", "2", "--enable-lora", log=log)
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
 
 
-def generate(server: ServerProcess, text: str) -> dict:
+def generate(server: ServerProcess, text: str, lora_path: str | None = None) -> dict:
     body = {"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    body["lora_path"] = lora_path
     r = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     return r.json()
@@ -67,6 +71,36 @@ def test_outputs_match_one_replica(dp_server, tiny_model_dirs, tmp_path):
             assert generate(dp_server, text)["text"] == generate(single, text)["text"]
     finally:
         single.stop()
+
+
+def test_an_adapters_prefixes_are_its_own(dp_server, tiny_model_dirs, tmp_path):
+    """The dispatcher mirrors each replica's tree per adapter: a prompt cached for the base
+    model is no hit for an adapter's request (a miss: it goes where there is room, the
+    other replica), and the adapter's next request on that prefix follows its own."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
+    folder = make_adapter(base, tmp_path / "adapter", seed=1, **ADAPTERS["a"])
+    body = {"lora_name": "a", "lora_path": str(folder)}
+    r = requests.post(dp_server.url + "/load_lora_adapter", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    requests.post(dp_server.url + "/flush_cache", timeout=TIMEOUT).raise_for_status()
+
+    def replica_of(text: str, lora_path: str | None) -> tuple[int, int]:
+        before = states(dp_server)
+        cached = generate(dp_server, text, lora_path)["meta_info"]["cached_tokens"]
+        after = states(dp_server)
+        grew = zip(after, before)
+        (rank,) = [i for i, (a, b) in enumerate(grew) if a["prompt_tokens"] != b["prompt_tokens"]]
+        return rank, cached
+
+    text = f"adapters. {SYSTEM} question"
+    first, _ = replica_of(text + " 0?", None)
+    second, cached = replica_of(text + " 1?", "a")
+    assert second != first and cached == 0
+    third, cached = replica_of(text + " 2?", "a")
+    assert third == second and cached > 40
+    requests.post(
+        dp_server.url + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=TIMEOUT
+    ).raise_for_status()
 
 
 def test_flush_reaches_every_replica(dp_server):

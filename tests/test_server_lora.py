@@ -101,6 +101,23 @@ def test_encode_runs_with_the_adapter(server):
     assert again["data"][0]["embedding"] == pytest.approx(adapted, abs=1e-5)
 
 
+def test_score_continuations_runs_with_the_adapter(server, case):
+    """Each continuation's logprobs are PEFT's under the adapter named, the base model's
+    without one; an adapter not loaded is a 400."""
+    text = PROMPT + " red, blue and"
+    body = {"text": PROMPT, "continuations": [" red, blue and", " green"]}
+    adapted = post(server, "/score_continuations", {**body, "lora_path": "a"}).json()
+    base = post(server, "/score_continuations", body).json()
+    first = adapted["continuations"][0]
+    span = len(first["logprobs"])
+    expected = case.prompt_logprobs(text, "a")[-span:].tolist()
+    assert first["logprobs"] == pytest.approx(expected, abs=2e-3)
+    assert base["continuations"][0]["token_ids"] == first["token_ids"]
+    assert base["continuations"][0]["logprobs"] != pytest.approx(expected, abs=2e-3)
+    error = error_of(post(server, "/score_continuations", {**body, "lora_path": "nope"}))
+    assert error["param"] == "lora_path" and error["code"] == "lora_not_found"
+
+
 def test_models_lists_the_adapters(server, client, case):
     ids = [m.id for m in client.models.list().data]
     assert ids[1:] == ["a"]

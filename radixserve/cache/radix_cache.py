@@ -60,13 +60,16 @@ class TreeNode:
 @dataclass
 class CacheEventLog:
     """What the tree inserted and evicted since the last `take`, for a data-parallel
-    dispatcher that mirrors the tree's token paths (`server/dispatcher.py`)."""
+    dispatcher that mirrors the tree's token paths (`server/dispatcher.py`), each under
+    the `extra_key` of its namespace."""
 
-    inserted: list[list[int]] = field(default_factory=list)  # sequences now cached
-    # (the path from the root to an evicted leaf's end, how many of its tokens stay cached)
-    evicted: list[tuple[list[int], int]] = field(default_factory=list)
+    inserted: list[tuple[Hashable, list[int]]] = field(default_factory=list)  # now cached
+    # (key, the path from the root to an evicted leaf's end, how many of its tokens stay)
+    evicted: list[tuple[Hashable, list[int], int]] = field(default_factory=list)
 
-    def take(self) -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+    def take(
+        self,
+    ) -> tuple[list[tuple[Hashable, list[int]]], list[tuple[Hashable, list[int], int]]]:
         out = (self.inserted, self.evicted)
         self.inserted, self.evicted = [], []
         return out
@@ -201,7 +204,7 @@ class RadixCache:
             node, pos = child, pos + n
         tree_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         if self.events is not None and prefix_len is not None:
-            self.events.inserted.append(list(tokens))
+            self.events.inserted.append((extra_key, list(tokens)))
         return InsertResult(pos if prefix_len is None else prefix_len, tree_slots, node)
 
     def _on_new_node(self, node: TreeNode) -> None:
@@ -246,13 +249,14 @@ class RadixCache:
 
     def _record_eviction(self, leaf: TreeNode) -> None:
         keys = []
-        node: TreeNode | None = leaf
-        while node is not None and node.parent is not None:
+        node = leaf
+        while node.parent is not None:
             keys.append(node.key)
             node = node.parent
         path = [t for key in reversed(keys) for t in key]
+        extra_key = next(k for k, root in self.roots.items() if root is node)
         assert self.events is not None
-        self.events.evicted.append((path, len(path) - len(leaf.key)))
+        self.events.evicted.append((extra_key, path, len(path) - len(leaf.key)))
 
     def evict_all(self) -> int:
         """Free every unlocked node (used by flush); locked paths stay."""

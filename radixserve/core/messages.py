@@ -167,5 +167,6 @@ class CacheEvents(Message):
     root to its end with how many of those tokens stay cached."""
 
     replica: int
-    inserted: list[list[int]]
-    evicted: list[tuple[list[int], int]]
+    # each under its namespace as requests name it: the uid of their LoRA adapter (0: none)
+    inserted: list[tuple[int, list[int]]]
+    evicted: list[tuple[int, list[int], int]]

@@ -64,12 +64,13 @@ void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int
 }
 
 // A layer's row (decode_layers.py LAYER_FIELDS): its norms' weights, its pool's K and V
-// tensors, then its six linear layers.
+// tensors, its per-head q and k norms' weights (Qwen3's; 0 where it has none), then its six
+// linear layers.
 struct Layer {
-    int64_t input_norm, post_norm, k_pool, v_pool;
+    int64_t input_norm, post_norm, k_pool, v_pool, q_norm, k_norm;
     Linear q, k, v, o, gate_up, down;
 };
-static_assert(sizeof(Layer) == 28 * sizeof(int64_t), "decode_layers.py LAYER_FIELDS");
+static_assert(sizeof(Layer) == 30 * sizeof(int64_t), "decode_layers.py LAYER_FIELDS");
 
 // The step's shapes and the kernels shared by every layer (decode_layers.py STEP_FIELDS).
 struct Step {
@@ -107,6 +108,13 @@ static_assert(sizeof(Cut) == 7 * sizeof(int64_t), "decode_layers.py CUT_FIELDS")
 
 char* at(void* base, int64_t elements, int64_t elem_size) {
     return (char*)base + elements * elem_size;
+}
+
+// Each of `rows` rows' heads of `x` (rows, heads * dim) normed in place by the per-head norm
+// of weights w, where the layer has one (as the Python attention norms q.view(-1, H, D)).
+void head_norm(const Step& s, int64_t w, void* x, int64_t rows, int64_t heads, float eps) {
+    if (w == 0 || rows * heads == 0) return;
+    ((RmsNorm)s.rms_norm)(x, (const void*)w, x, rows * heads, s.head_dim, eps, (int)s.threads);
 }
 
 // The step's adapters' products for one site of a layer added onto outs (up to 3 modules,
@@ -170,6 +178,8 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
         linear(l.k, h, k, m, kv_width, hidden, threads);
         linear(l.v, h, v, m, kv_width, hidden, threads);
         add_lora(s, lora, kQkv, row_owner, h, m, hidden, q, k, v, q_width, kv_width, kv_width);
+        head_norm(s, l.q_norm, q, narrow ? 0 : m, s.heads, eps);
+        head_norm(s, l.k_norm, k, m, s.kv_heads, eps);
         ((Rotary)s.rotary)(q, k, cos, sin, m, narrow ? 0 : s.heads, s.kv_heads, s.head_dim,
                            threads);
         const int64_t row_bytes = kv_width * es;
@@ -192,6 +202,7 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
                 memcpy(at(x, t * hidden, es), at(x, keep[t] * hidden, es), hidden * es);
             }
             linear(p->q, h, q, n, q_width, hidden, threads);
+            head_norm(s, p->q_norm, q, n, s.heads, eps);
             ((Rotary)s.rotary)(q, k, (const void*)cut->cos, (const void*)cut->sin, n, s.heads, 0,
                                s.head_dim, threads);
         }

@@ -40,7 +40,7 @@ from radixserve.model.layers import MLP_CHUNK_ROWS
 
 logger = logging.getLogger(__name__)
 
-LAYER_FIELDS = 28  # decode_layers.cpp's Layer: 4 pointers, then 6 linear layers of 4 fields
+LAYER_FIELDS = 30  # decode_layers.cpp's Layer: 6 pointers, then 6 linear layers of 4 fields
 STEP_FIELDS = 14  # decode_layers.cpp's Step
 SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
 CUT_FIELDS = 7  # decode_layers.cpp's Cut
@@ -58,9 +58,10 @@ LORA_MAX_ROWS = {torch.bfloat16: 256, torch.float32: 256}
 
 
 class DecodeLayers:
-    """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM) for
-    decode and small extend steps, through `library` (decode_layers.cpp) and the kernels the
-    model was given. `__call__` returns None for a step it does not take."""
+    """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM: its per-head q/k norms too) for decode and small extend steps, through
+    `library` (decode_layers.cpp) and the kernels the model was given. `__call__` returns
+    None for a step it does not take."""
 
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
         self._run = library.decode_layers
@@ -83,19 +84,28 @@ class DecodeLayers:
 
     @staticmethod
     def takes(model: torch.nn.Module, fused: FusedOps | None) -> bool:
-        """The model is one this driver runs: a Llama-family stack (no q/k norms), one rank,
-        SiLU MLPs, its element-wise ops fused (`fused`) for its dtype and widths."""
+        """The model is one this driver runs: a Llama-family stack (q/k norms, if any,
+        Llama's RMSNorm), one rank, SiLU MLPs, its element-wise ops fused (`fused`) for its
+        dtype and widths."""
+        from radixserve.model.layers import RMSNorm
         from radixserve.model.llama import LlamaForCausalLM
 
-        if fused is None or not isinstance(model, LlamaForCausalLM) or model.qk_norm is not None:
+        if fused is None or not isinstance(model, LlamaForCausalLM):
+            return False
+        if model.qk_norm not in (None, RMSNorm):
             return False
         if model.tp.size != 1 or not len(model.layers):
             return False
         dtype = model.embed_tokens.weight.dtype
         probe = torch.empty(1, model.config.hidden_size, dtype=dtype, device="meta")
         layer = model.layers[0]
+        norms_fused = model.qk_norm is None or all(
+            layer.self_attn.q_norm.fused is fused and layer.self_attn.k_norm.fused is fused
+            for layer in model.layers
+        )
         return (
             all(layer.mlp.act is F.silu and layer.mlp.fused is fused for layer in model.layers)
+            and norms_fused
             and fused.fits(probe)
             and fused.fits(probe.new_empty(1, 2 * layer.mlp.intermediate), widths=2)
             and fused.fits(probe.new_empty(1, layer.self_attn.head_dim), widths=2)
@@ -196,11 +206,14 @@ class DecodeLayers:
         probe = torch.empty(rows, self.hidden, dtype=self.dtype, device="meta")
         for index, layer in enumerate(self.model.layers):
             attention, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = attention.q_norm, attention.k_norm
             row = [
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
                 pool_k[index].data_ptr(),
                 pool_v[index].data_ptr(),
+                0 if q_norm is None else q_norm.weight.data_ptr(),
+                0 if k_norm is None else k_norm.weight.data_ptr(),
             ]
             for linear in (
                 attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future
 
 from radixserve.core.messages import ControlReply, ControlReq, LoraUpdate
@@ -53,6 +53,16 @@ class Adapters:
                 "the request's LoRA adapter was unloaded before the request was admitted"
             )
         req.extra_key = adapter.cache_key
+
+    def namespaces(self) -> dict[Hashable, list[int]]:
+        """The prefix cache's namespaces (`extra_key`s) as requests name them: the uids of
+        the loaded adapters under each (one per adapter, but the same weights loaded twice
+        share theirs), and None's, the base model's: 0."""
+        spaces: dict[Hashable, list[int]] = {None: [0]}
+        lora = self.runner.lora
+        for uid, adapter in lora.adapters.items() if lora is not None else ():
+            spaces.setdefault(adapter.cache_key, []).append(uid)
+        return spaces
 
     def load(self, msg: ControlReq) -> ControlReply | None:
         """Start reading the adapter on a thread (`finish_loads` answers), or answer now

@@ -150,9 +150,17 @@ class SchedulerLoop:
         self.transport.send_outputs(outputs)
 
     def publish_cache_events(self) -> None:
-        if self.cache_events:
-            inserted, evicted = self.cache_events.take()
-            self.transport.reply(CacheEvents(self.dp_rank, inserted, evicted))
+        """The tree's changes, each under the uids of the adapters whose namespace it is in
+        (those of an adapter since unloaded are dropped: the dispatcher has dropped its
+        mirror of them)."""
+        if not self.cache_events:
+            return
+        inserted, evicted = self.cache_events.take()
+        uids = self.scheduler.adapters.namespaces()
+        added = [(uid, tokens) for key, tokens in inserted for uid in uids.get(key, ())]
+        cut = [(uid, path, keep) for key, path, keep in evicted for uid in uids.get(key, ())]
+        if added or cut:
+            self.transport.reply(CacheEvents(self.dp_rank, added, cut))
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):

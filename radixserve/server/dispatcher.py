@@ -7,7 +7,10 @@ scheduler replicas, by `--load-balance-method`:
   exact, not a guess: every replica reports each sequence its radix tree inserts and each
   leaf it evicts (`CacheEvents`), and the dispatcher mirrors each tree's token paths in a
   `TokenTrie` (a prompt dispatched but not yet cached counts too, from the requests in
-  flight). It is balanced against load: when the busiest replica has more than
+  flight). Each namespace of the trees is mirrored apart, as requests name it (the uid of
+  their LoRA adapter; 0: the base model): a prefix cached under one adapter is no hit for
+  another's request nor the base model's, and an unloaded adapter's mirror is dropped. It
+  is balanced against load: when the busiest replica has more than
   `BALANCE_ABS` requests beyond the idlest and `BALANCE_REL` times as many, and a replica
   has been starved (its share of recent dispatches, decayed by `SHARE_DECAY` a dispatch,
   fell under `STARVED_SHARE` of its fair share), the least loaded starved one gets the
@@ -152,13 +155,19 @@ class TokenTrie:
 class InFlight:
     prompt: list[int]
     new_tokens: int  # what it adds to its replica: its prompt past the longest prefix held
+    lora_id: int = 0  # its namespace
 
 
 @dataclass
 class Replica:
     sender: Sends
-    cached: TokenTrie = field(default_factory=TokenTrie)
+    cached: dict[int, TokenTrie] = field(default_factory=dict)  # by namespace (a lora uid)
     in_flight: dict[str, InFlight] = field(default_factory=dict)  # by rid
+
+    def match(self, ids: Sequence[int], lora_id: int) -> int:
+        """The longest prefix of `ids` its tree holds in namespace `lora_id`."""
+        trie = self.cached.get(lora_id)
+        return trie.match(ids) if trie is not None else 0
 
     @property
     def load(self) -> int:
@@ -170,18 +179,20 @@ class Replica:
         several prompts in flight share counts once (each counts what it added when it was
         dispatched), and none once the tree holds it, so a replica running many requests of
         one group is not taken for one that holds many groups."""
-        return self.cached.tokens + sum(
-            min(r.new_tokens, len(r.prompt) - self.cached.match(r.prompt))
+        return sum(trie.tokens for trie in self.cached.values()) + sum(
+            min(r.new_tokens, len(r.prompt) - self.match(r.prompt, r.lora_id))
             for r in self.in_flight.values()
         )
 
-    def hit(self, ids: Sequence[int]) -> int:
-        """The longest prefix of `ids` this replica holds or is computing."""
-        best = self.cached.match(ids)
+    def hit(self, ids: Sequence[int], lora_id: int = 0) -> int:
+        """The longest prefix of `ids` this replica holds or is computing, in namespace
+        `lora_id`."""
+        best = self.match(ids, lora_id)
         for other in self.in_flight.values():
             if best == len(ids):
                 break
-            best = max(best, _common(other.prompt, ids))
+            if other.lora_id == lora_id:
+                best = max(best, _common(other.prompt, ids))
         return best
 
 
@@ -204,10 +215,11 @@ class Dispatcher:
 
     def send(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):
-            index, held = self.pick(msg.input_ids)
+            index, held = self.pick(msg.input_ids, msg.lora_id)
             replica = self.replicas[index]
             self.owner[msg.rid] = index
-            replica.in_flight[msg.rid] = InFlight(msg.input_ids, len(msg.input_ids) - held)
+            new = len(msg.input_ids) - held
+            replica.in_flight[msg.rid] = InFlight(msg.input_ids, new, msg.lora_id)
             self.sent[index] += 1
             self.recent = [(1 - SHARE_DECAY) * r for r in self.recent]
             self.recent[index] += SHARE_DECAY
@@ -216,6 +228,8 @@ class Dispatcher:
             self.replicas[self.owner[msg.rid]].sender.send(msg)
         elif isinstance(msg, AbortReq | ControlReq):
             for replica in self.replicas:
+                if isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
+                    replica.cached.pop(msg.args["uid"], None)  # no request names it again
                 replica.sender.send(msg)
         else:
             raise TypeError(f"cannot dispatch a {type(msg).__name__}")
@@ -226,24 +240,35 @@ class Dispatcher:
         if index is not None:
             self.replicas[index].in_flight.pop(rid, None)
 
-    def on_cache_events(self, replica: int, inserted: list[list[int]], evicted: list) -> None:
+    def on_cache_events(
+        self,
+        replica: int,
+        inserted: Sequence[tuple[int, list[int]]],
+        evicted: Sequence[tuple[int, list[int], int]],
+    ) -> None:
+        """A replica's tree changes (`CacheEvents`), each under its namespace."""
         cached = self.replicas[replica].cached
-        for tokens in inserted:
-            cached.insert(tokens)
-        for tokens, keep in evicted:
-            cached.truncate(tokens, keep)
+        for lora_id, tokens in inserted:
+            trie = cached.get(lora_id)
+            if trie is None:
+                trie = cached[lora_id] = TokenTrie()
+            trie.insert(tokens)
+        for lora_id, tokens, keep in evicted:
+            trie = cached.get(lora_id)
+            if trie is not None:
+                trie.truncate(tokens, keep)
 
     # -- the policies -----------------------------------------------------------------------
-    def pick(self, ids: Sequence[int]) -> tuple[int, int]:
-        """The replica for a prompt, and how long a prefix of it that replica holds (known
-        to cache_aware only: 0 otherwise)."""
+    def pick(self, ids: Sequence[int], lora_id: int = 0) -> tuple[int, int]:
+        """The replica for a prompt (of namespace `lora_id`), and how long a prefix of it
+        that replica holds (known to cache_aware only: 0 otherwise)."""
         if self.size == 1:
             return 0, 0
         if self.method == "round_robin":
             return next(self._turn) % self.size, 0
         if self.method == "shortest_queue":
             return self._least_loaded(range(self.size)), 0
-        hits = [r.hit(ids) for r in self.replicas]
+        hits = [r.hit(ids, lora_id) for r in self.replicas]
         best = max(hits)
         starved = [i for i, share in enumerate(self.recent) if share < STARVED_SHARE / self.size]
         if starved and self._unbalanced():

@@ -116,6 +116,7 @@ class ScoreContinuationsRequest(StrictBody):
     continuations: list[str]
     unconditional: bool = False  # also score each continuation's span on its own
     rid: str | None = None
+    lora_path: str | None = None  # a loaded LoRA adapter's name (None: the base model)
 
 
 class AbortRequest(StrictBody):
@@ -516,6 +517,7 @@ async def score_continuations(
     state.manager.check_available()
     prompt_field = "input_ids" if body.input_ids is not None else "text"
     try:
+        lora_id = state.loras.uid(body.lora_path)
         plan = await off_the_loop_if_large(
             request,
             lambda: plan_scoring(
@@ -527,7 +529,7 @@ async def score_continuations(
             ),
         )
         check_fits(plan, state.model.vocab_size, state.model.max_seq_len, prompt_field)
-        reqs = plan.requests(body.rid)
+        reqs = plan.requests(body.rid, lora_id)
     except ContextTooLong as e:
         param = native_fields(prompt_field).name(e.param)
         raise bad_request(str(e), param, code="context_length_exceeded") from None

@@ -1,0 +1,119 @@
+"""What the one-call decoder layers (decode_layers.cpp) save a model's decode steps, in one
+run on one ModelRunner: decode steps of B running requests (`--context-len` cached tokens
+each) timed with the driver and with the Python layers (the driver turned off for those
+steps alone, as a model it did not take ran before), alternating step by step; prints the
+median step time of each and their ratio per batch size. Both ways compute the same
+logits bit for bit (tests/test_decode_layers.py), so only the time differs.
+
+Any model folder the runner loads (default: SmolLM2). A Qwen3-shaped model with random
+weights (the driver now takes per-head q/k norms) is made by `--random-qwen3 DIR`:
+Qwen3-0.6B's layer shapes (28 layers, hidden 1024, 16 heads of 128, 8 KV heads,
+intermediate 3072) over the tests' 512-token vocabulary.
+
+    .venv/bin/python benchmarks/decode_driver_ab.py --random-qwen3 /tmp/qwen3 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.config import Config
+from radixserve.core.req import Req
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.hardware import cpu_info
+from radixserve.model.runner import ModelRunner
+from radixserve.scheduler.batch_builder import BatchBuilder
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_tokenizer"
+
+
+def random_qwen3(folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if (folder / "config.json").exists():
+        return folder
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    for file in TOKENIZER.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def step_times(
+    runner: ModelRunner, batch: int, context: int, steps: int
+) -> tuple[list[float], list[float]]:
+    """(driver, Python layers) seconds of `steps` decode steps each, alternating."""
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    reqs = [
+        Req(f"r{i}", torch.randint(3, vocab, (context,), generator=gen).tolist(), params)
+        for i in range(batch)
+    ]
+    model, driver = runner.model, runner.model.decode_layers
+    timed: tuple[list[float], list[float]] = ([], [])
+    try:
+        runner.forward(builder.extend(reqs, [r.input_ids for r in reqs]))
+        for step in range(2 * steps + 4):  # the first two of each way warm up
+            for req in reqs:
+                req.output_ids.append(5)
+            decode = builder.decode(reqs)
+            way = step % 2
+            model.decode_layers = driver if way == 0 else None
+            start = time.perf_counter()
+            runner.forward(decode)
+            if step >= 4:
+                timed[way].append(time.perf_counter() - start)
+    finally:
+        model.decode_layers = driver
+        for req in reqs:
+            builder.release(req)
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--random-qwen3", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    path = args.model_path
+    if args.random_qwen3 is not None:
+        path = str(random_qwen3(args.random_qwen3))
+    config = Config.from_flat(model_path=path, dtype=args.dtype, max_total_tokens=32768)
+    runner = ModelRunner(config, progress=False)
+    if runner.model.decode_layers is None:
+        raise SystemExit("the driver does not take this model (or this CPU's plan)")
+    print(f"cpu: {cpu_info().summary()}  threads: {torch.get_num_threads()}")
+    print(f"model: {runner.model_folder}  dtype: {args.dtype}  context: {args.context_len}")
+    print(f"{'running':>8} {'driver ms':>10} {'python ms':>10} {'python/driver':>14}")
+    for batch in args.batch_sizes:
+        driver, python = step_times(runner, batch, args.context_len, args.steps)
+        d, p = 1e3 * statistics.median(driver), 1e3 * statistics.median(python)
+        print(f"{batch:>8} {d:>10.2f} {p:>10.2f} {p / d:>13.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
