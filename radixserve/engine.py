@@ -43,6 +43,7 @@ from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.reasoning import give_think_blocks
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
+from radixserve.lora import registry as lora_registry
 from radixserve.lora.registry import LoraRegistry
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.native import expand_embedding, expand_request, given_rids, named_by
@@ -456,11 +457,22 @@ class Engine:
         """Load the LoRA adapter in PEFT folder `lora_path` as `lora_name` (SGLang's
         Engine call; needs enable_lora=True or lora_paths). Returns `{"success",
         "error_message", "loaded_adapters"}`; a folder that cannot be served on this model
-        fails with the reason."""
+        fails with the reason, and so does one not read in `registry.LOAD_TIMEOUT_S`
+        seconds (the load is undone: a read that hangs holds no slot)."""
         with self._lora_lock:  # one load or unload at a time: names stay consistent
             ref = self.loras.new_ref(lora_name, lora_path)
             args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
-            update = self._control("load_lora_adapter", args)
+            if self._error is not None:
+                raise EngineDeadError(str(self._error))
+            load = self._transport.control("load_lora_adapter", args)
+            try:
+                update = load.result(timeout=lora_registry.LOAD_TIMEOUT_S)
+            except TimeoutError:  # undone, read or not (a read still going is abandoned)
+                self._control("unload_lora_adapter", {"uid": ref.uid})
+                load.result()
+                seconds = lora_registry.LOAD_TIMEOUT_S
+                message = f"the adapter's folder was not read in {seconds:g} s: load undone"
+                update = LoraUpdate(False, message)
             if update.success:
                 self.loras.add(ref)
             return self._lora_answer(update)

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from radixserve.config import LoraConfig
 from radixserve.native import InvalidRequest
 
+# how long the edge waits for an adapter's folder to be read (a load waits for no request);
+# past it the load is undone: the scheduler abandons a read still going (a hung file system)
+LOAD_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True)
 class LoraRef:

@@ -112,13 +112,23 @@ class Adapters:
             message = f"loading the adapter failed: {type(error).__name__}: {error}"
         return ControlReply(msg.call_id, lora=LoraUpdate(False, message))
 
-    def unload(self, msg: ControlReq) -> None:
-        """Unload once no live request uses the adapter (`settle` answers)."""
-        self.unloading.setdefault(msg.args["uid"], []).append(msg)
+    def unload(self, msg: ControlReq) -> ControlReply | None:
+        """Unload once no live request uses the adapter (`settle` answers). An adapter
+        still being read (the edge undoing a load it stopped waiting for: a read that hangs
+        on its file system) is abandoned: its slot is free at once, its load is answered
+        now as failed (returned), and what the read brings, if it ever ends, is dropped."""
+        uid = msg.args["uid"]
+        self.unloading.setdefault(uid, []).append(msg)
+        abandoned = self.loading.pop(uid, None)
+        if abandoned is None:
+            return None
+        logger.warning("LoRA adapter %s: its load was undone before it was read", uid)
+        message = "the load was undone before the adapter's folder was read (it took too long)"
+        return ControlReply(abandoned[0].call_id, lora=LoraUpdate(False, message))
 
     def settle(self, live: Iterable[Req]) -> list[ControlReply]:
         """Unload the adapters no live request uses any more; their ops' answers."""
-        used = {req.lora_id for req in live} | set(self.loading)  # (undoing a load: once read)
+        used = {req.lora_id for req in live}
         replies = []
         for uid in [u for u in self.unloading if u not in used]:
             self.runner.unload_lora(uid)

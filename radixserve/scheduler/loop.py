@@ -179,7 +179,10 @@ class SchedulerLoop:
         elif isinstance(msg, ControlReq) and msg.op == "update_weights":
             self.wait_to_update(msg)
         elif isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
-            self.scheduler.adapters.unload(msg)  # answered once no live request uses it
+            # answered once no live request uses it; a load it undoes, now
+            abandoned = self.scheduler.adapters.unload(msg)
+            if abandoned is not None:
+                self.transport.reply(abandoned)
         elif isinstance(msg, ControlReq) and msg.op == "load_lora_adapter":
             refused = self.scheduler.adapters.load(msg)  # answered once read, or now
             if refused is not None:

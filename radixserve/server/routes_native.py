@@ -18,6 +18,7 @@ from pydantic import ConfigDict, WithJsonSchema
 from radixserve import __version__
 from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.lora import registry as lora_registry
 from radixserve.lora.registry import LoraRegistry
 from radixserve.native import expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
@@ -46,7 +47,6 @@ from radixserve.server.tokenizer_manager import Call
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # a weight update waits for the running requests to end: as long as they may take
 UPDATE_WEIGHTS_TIMEOUT_S = 3600.0
-LORA_LOAD_TIMEOUT_S = 120.0  # reading an adapter's folder (it waits for no request)
 
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 
@@ -309,7 +309,9 @@ async def load_lora_adapter(body: LoadLoraRequest, state: State) -> JSONResponse
     try:
         args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
         try:
-            replies = await state.manager.control("load_lora_adapter", LORA_LOAD_TIMEOUT_S, args)
+            replies = await state.manager.control(
+                "load_lora_adapter", lora_registry.LOAD_TIMEOUT_S, args
+            )
         except APIError:  # no answer in time: the load may still end, unnamed; undo it
             state.manager.send_control("unload_lora_adapter", {"uid": ref.uid})
             raise
