@@ -493,3 +493,36 @@ def test_stored_bytes_are_bounded_but_a_running_response_stays():
     store.put(_stored("c", None, "z" * 600))
     assert list(store.entries)[-1] == "c" and "b" not in store.entries
     assert store.bytes <= 2500
+
+
+def test_item_references_are_the_stored_items_until_their_response_goes():
+    store = rapi.ResponseStore(capacity=2)
+    store.put(_stored("a", None, "A"))
+    question = store.get("a").inputs[0]["id"]
+    given = [
+        {"type": "item_reference", "id": question},
+        {"type": "item_reference", "id": "out-a"},
+        {"role": "user", "content": "and?"},
+    ]
+    resolved = store.resolve(given)
+    assert [m["content"] for m in rapi.chat_messages(rapi.input_items(resolved))] == [
+        "question a",
+        "A",
+        "and?",
+    ]
+    resolved[1]["content"][0]["text"] = "changed"  # a copy: the stored item stays
+    assert store.get("a").response["output"][0]["content"][0]["text"] == "A"
+    assert store.resolve("text") == "text" and store.resolve(given[2:]) == given[2:]
+    for bad, status, param in (
+        ({"type": "item_reference", "id": "nope"}, 404, "input[0].id"),
+        ({"type": "item_reference"}, 400, "input[0].id"),
+    ):
+        with pytest.raises(APIError) as e:
+            store.resolve([bad])
+        assert (e.value.status, e.value.param) == (status, param)
+    store.put(_stored("b", None, "B"))
+    store.put(_stored("c", None, "C"))  # a goes, and its items with it
+    with pytest.raises(APIError):
+        store.resolve(given[1:2])
+    store.delete("c")
+    assert "out-c" not in store.holders and "out-b" in store.holders

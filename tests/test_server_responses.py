@@ -371,6 +371,22 @@ def test_a_streamed_background_response_outlives_its_reader(client, server):
     assert_kv_clean(server)
 
 
+def test_item_references_stand_for_stored_items(client):
+    """An input may name items of stored responses (their inputs or outputs) instead of
+    sending them again: the conversation is the same as continuing the response."""
+    first = client.responses.create(input="Name a color.", **GREEDY)
+    (question,) = client.responses.input_items.list(first.id).data
+    follow_up = {"role": "user", "content": "Name another one."}
+    chained = client.responses.create(input=[follow_up], previous_response_id=first.id, **GREEDY)
+    references = [{"type": "item_reference", "id": i} for i in (question.id, first.output[0].id)]
+    referenced = client.responses.create(input=[*references, follow_up], **GREEDY)
+    assert referenced.output_text == chained.output_text
+    assert referenced.usage.input_tokens == chained.usage.input_tokens
+    listed = client.responses.input_items.list(referenced.id, order="asc").data
+    assert [i.id for i in listed[:2]] == [question.id, first.output[0].id]
+    assert listed[1].type == "message" and listed[1].role == "assistant"
+
+
 def test_store_false_keeps_nothing(client):
     r = client.responses.create(input="Hi", store=False, **GREEDY)
     assert r.store is False
@@ -413,7 +429,7 @@ def test_truncation_auto_drops_the_oldest_turns(client):
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0]",
         ),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id"),  # none such
         ({"input": ""}, "input"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER | {"parameters": {"type": "string"}}]}, "tools[0].parameters"),

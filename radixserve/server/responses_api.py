@@ -900,6 +900,17 @@ class Stored:
         return len(json.dumps([self.inputs, self.response])) + events
 
 
+def _is_reference(raw: Any) -> bool:
+    return isinstance(raw, dict) and raw.get("type") == "item_reference"
+
+
+def _held_items(stored: Stored | None) -> list[dict[str, Any]]:
+    """A stored response's own items, input then output (none for None)."""
+    if stored is None:
+        return []
+    return stored.inputs + stored.response["output"]
+
+
 class ResponseStore:
     """Stored responses in memory, the least recently used dropped past `capacity` or past
     `max_bytes` of their JSON, but never one still running in the background nor the
@@ -911,6 +922,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self.sizes: dict[str, int] = {}
+        # an item's id → the stored response that holds it (its input or output; the latest
+        # where several do), for `item_reference` inputs
+        self.holders: dict[str, str] = {}
 
     @property
     def bytes(self) -> int:
@@ -923,13 +937,15 @@ class ResponseStore:
         self.entries[response_id] = stored
         self.entries.move_to_end(response_id)
         self.sizes[response_id] = stored.size()
+        for item in _held_items(stored):
+            self.holders[item["id"]] = response_id
         total = self.bytes
         for oldest in list(self.entries)[:-1]:  # the newest stays, whatever its size
             if len(self.entries) <= self.capacity and total <= self.max_bytes:
                 break
             if self.entries[oldest].task is None:  # not running in the background
                 total -= self.sizes.pop(oldest)
-                del self.entries[oldest]
+                self._forget(self.entries.pop(oldest))
 
     def refresh(self, stored: Stored) -> None:
         """Measure a response again once it has changed (a background one has finished),
@@ -952,6 +968,43 @@ class ResponseStore:
             stored.task.cancel()
         del self.entries[response_id]
         del self.sizes[response_id]
+        self._forget(stored)
+
+    def _forget(self, stored: Stored) -> None:
+        """Drop a response's items from the index (those it is the holder of)."""
+        response_id = stored.response["id"]
+        for item in _held_items(stored):
+            if self.holders.get(item["id"]) == response_id:
+                del self.holders[item["id"]]
+
+    def resolve(self, given: str | list[Any]) -> str | list[Any]:
+        """The input with each `item_reference` replaced by the stored item it names (a
+        copy: an input or output item of any stored response, as OpenAI's resolve them);
+        a 404 names the reference whose item is not stored."""
+        if isinstance(given, str) or not any(_is_reference(raw) for raw in given):
+            return given
+        resolved = []
+        for i, raw in enumerate(given):
+            if not _is_reference(raw):
+                resolved.append(raw)
+                continue
+            item_id = raw.get("id")
+            if not isinstance(item_id, str):
+                raise bad_request(
+                    f"input[{i}].id: an item_reference needs the id of an item",
+                    f"input[{i}].id",
+                )
+            holder = self.entries.get(self.holders.get(item_id, ""))
+            item = next((x for x in _held_items(holder) if x["id"] == item_id), None)
+            if item is None:
+                raise APIError(
+                    404,
+                    f"Item with id {item_id!r} not found (input[{i}]).",
+                    param=f"input[{i}].id",
+                    code="not_found",
+                )
+            resolved.append(copy.deepcopy(item))
+        return resolved
 
     def context(self, response_id: str) -> list[dict[str, Any]]:
         """The items a response continuing `response_id` starts from: every earlier turn's

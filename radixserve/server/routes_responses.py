@@ -86,6 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
             "background",
         )
     earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+    body.input = store.resolve(body.input)
     run = await off_the_loop_if_large(request, lambda: _prepare(body, earlier, state))
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
