@@ -540,6 +540,13 @@ class ServerConfig:
     max_queued_requests: int = _opt(
         2048, "Most requests waiting for admission; past it new requests get 503 at once."
     )
+    enable_return_hidden_states: bool = _opt(
+        False,
+        "Let /generate requests ask for return_hidden_states (SGLang's flag): the final-norm "
+        "hidden state of every position they run, in meta_info.hidden_states. Off, such a "
+        "request is a 400 (a long prompt's states are large: prompt tokens x hidden size "
+        "floats).",
+    )
     responses_store_size: int = _opt(
         4096,
         "Responses of /v1/responses kept in memory (store true, the default) for GET, "

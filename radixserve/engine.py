@@ -285,10 +285,13 @@ class Engine:
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         require_reasoning: bool = False,
         lora_path: str | list[str | None] | None = None,
+        return_hidden_states: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Native-API generation: one prompt gives a dict, a list gives a list (n > 1 gives
         n results per prompt); `stream=True` gives an iterator of cumulative results.
-        `lora_path`: the name of a loaded LoRA adapter to run with, or one per prompt."""
+        `lora_path`: the name of a loaded LoRA adapter to run with, or one per prompt.
+        `return_hidden_states` (an Engine made with enable_return_hidden_states=True): the
+        final-norm hidden states in meta_info, as /generate's."""
         reqs, states, single = self._make_requests(
             prompt,
             sampling_params,
@@ -303,6 +306,7 @@ class Engine:
             token_ids_logprob,
             require_reasoning,
             lora_path,
+            return_hidden_states,
         )
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
@@ -550,6 +554,7 @@ class Engine:
         token_ids_logprob=None,
         require_reasoning=False,
         lora_path=None,
+        return_hidden_states=False,
     ) -> tuple[list[Req], list[RequestState], bool]:
         """Validated requests (one per prompt and per `n`), their result states, and whether
         the caller gets a single result rather than a list."""
@@ -565,7 +570,12 @@ class Engine:
             priority,
             token_ids_logprob=token_ids_logprob,
             lora_ids=self.loras.uids(lora_path),
+            return_hidden_states=return_hidden_states,
         )
+        if return_hidden_states and not self.config.server.enable_return_hidden_states:
+            raise ValueError(
+                "return_hidden_states needs an Engine made with enable_return_hidden_states=True"
+            )
         if stream and len(expanded.reqs) != 1:
             raise ValueError("stream=True takes a single prompt with n=1")
         if require_reasoning:  # a constraint after the reasoning (server/reasoning.py)

@@ -49,13 +49,15 @@ def expand_request(
     embed: EmbedParams | None = None,
     token_ids_logprob: list[int] | list[list[int]] | None = None,
     lora_ids: int | Sequence[int] = 0,
+    return_hidden_states: bool = False,
 ) -> Expanded:
     """Validated requests; a ValueError names what is wrong with the call. With
     `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
     prompt is tokenized. With `embed`, embedding requests (see `expand_embedding`).
     `token_ids_logprob`: tokens whose logprobs to report at every position (with
     return_logprob), one list for all prompts or one per prompt. `lora_ids`: the uid of the
-    LoRA adapter to run with (0: none), one for all prompts or one per prompt."""
+    LoRA adapter to run with (0: none), one for all prompts or one per prompt.
+    `return_hidden_states`: each request reports its final-norm hidden states."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
     field = "text" if prompt is not None else "input_ids"
@@ -96,6 +98,7 @@ def expand_request(
                     token_ids_logprob=token_ids,
                     embed=embed,
                     lora_id=lora_id,
+                    return_hidden_states=return_hidden_states,
                 )
             )
     _check_unique([req.rid for req in reqs])

@@ -106,6 +106,7 @@ class RequestState:
             spec=last.spec,
             cached_tiers=last.cached_tiers,
             embedding=last.embedding,
+            hidden_states=last.hidden_states,
         )
 
     def _add_logprobs(self, delta: StrOut) -> None:
@@ -204,6 +205,7 @@ class ResultAccumulator:
         self.token_ids_logprobs: list[list[LogprobTriple]] = []
         self.input_token_ids_logprobs: list[list[LogprobTriple]] = []
         self.embedding: list[float] | None = None  # an embedding request's, at the end
+        self.hidden_states: list[list[float]] | None = None  # return_hidden_states, at the end
 
     def add(self, delta: StrOut, e2e_latency: float | None = None) -> ResultUpdate:
         """Apply one delta; `e2e_latency` goes into the final result's meta_info."""
@@ -219,6 +221,8 @@ class ResultAccumulator:
             self.input_token_ids_logprobs = delta.input_token_ids_logprobs or []
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.hidden_states is not None:
+            self.hidden_states = delta.hidden_states
         return ResultUpdate(
             delta,
             e2e_latency,
@@ -253,6 +257,9 @@ class ResultAccumulator:
             if self.token_ids_logprob:  # SGLang's names
                 meta["input_token_ids_logprobs"] = list(self.input_token_ids_logprobs)
                 meta["output_token_ids_logprobs"] = self.token_ids_logprobs[: update.num_logprobs]
+        if self.hidden_states is not None:  # SGLang's shape: the prompt's rows, then one a step
+            prompt = out.prompt_tokens
+            meta["hidden_states"] = [self.hidden_states[:prompt], *self.hidden_states[prompt:]]
         if self.embedding is not None:  # an embedding request: /encode's shape
             return {"embedding": self.embedding, "meta_info": meta}
         text = "".join(self.pieces[: update.num_pieces])

@@ -7,11 +7,13 @@ dies takes the server down with it."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import psutil
 import pytest
 import requests
+import torch
 from transformers import AutoModelForCausalLM
 
 from tests.server_utils import ServerProcess, assert_all_gone
@@ -25,7 +27,8 @@ SYSTEM = " ".join(f"rule {i}: be brief." for i in range(12))
 def dp_server(tiny_model_dirs, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     flags = ("--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "4000")
-    proc = ServerProcess(*flags, "--dp-size", "2", "--enable-lora", log=log)
+    more = ("--enable-lora", "--enable-return-hidden-states")
+    proc = ServerProcess(*flags, "--dp-size", "2", *more, log=log)
     try:
         yield proc.wait_ready()
     finally:
@@ -101,6 +104,37 @@ def test_an_adapters_prefixes_are_its_own(dp_server, tiny_model_dirs, tmp_path):
     requests.post(
         dp_server.url + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=TIMEOUT
     ).raise_for_status()
+
+
+def test_hidden_states_come_through_the_processes(dp_server, tiny_model_dirs):
+    """return_hidden_states over HTTP (the scheduler, detokenizer and main processes), whole
+    and streamed: transformers' final-norm hidden states of the prompt and the outputs."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"]).eval()
+    body = {
+        "text": "hidden states, please",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "return_hidden_states": True,
+    }
+    r = requests.post(dp_server.url + "/generate", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    prompt, *steps = out["meta_info"]["hidden_states"]
+    assert len(prompt) == out["meta_info"]["prompt_tokens"] and len(steps) == 4
+    tokens = requests.post(dp_server.url + "/tokenize", json={"prompt": body["text"]}, timeout=30)
+    ids = tokens.json()["tokens"] + out["output_ids"][:-1]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(torch.tensor(prompt + steps), expected, atol=1e-4)
+    with requests.post(
+        dp_server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=TIMEOUT
+    ) as streamed:
+        chunks = [
+            json.loads(line[6:])
+            for line in streamed.iter_lines(decode_unicode=True)
+            if line.startswith("data: {")
+        ]
+    assert all("hidden_states" not in c["meta_info"] for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["hidden_states"] == out["meta_info"]["hidden_states"]
 
 
 def test_flush_reaches_every_replica(dp_server):

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 import torch
 
-# Which of a request's new tokens give their final-norm hidden state instead of logits (an
-# embedding request: no logits at all): none (a chunk of a last-pooled prompt that is not its
-# last), its last token, or all of them (mean pooling).
+# Which of a request's new tokens give their final-norm hidden state (an embedding request's
+# instead of logits): none (a chunk of a last-pooled prompt that is not its last), its last
+# token, or all of them (mean pooling; a request with return_hidden_states).
 HiddenRows = Literal["none", "last", "all"]
 
 
@@ -34,7 +34,8 @@ class ForwardBatch:
     prefix_lens: list[int]  # (B,) tokens already in the KV pool before this step
     extend_lens: list[int]  # (B,) new tokens of each request in this step
     logits_indices: torch.Tensor  # (L,) int64, flat positions whose logits are returned
-    # (E,) int64, flat positions whose final-norm hidden states are returned (embeddings)
+    # (E,) int64, flat positions whose final-norm hidden states are returned (embeddings,
+    # return_hidden_states)
     hidden_indices: torch.Tensor | None = None
     # copies into the KV pool still in flight (the hierarchical cache's load back, on
     # CUDA): objects with `wait_layer(layer)`, waited on before each layer reads the pool

@@ -41,6 +41,7 @@ class GenerateReq(Message):
     embed: EmbedParams | None = None  # an embedding request (core/embedding.py)
     think: ThinkBlock | None = None  # reasoning before the constrained text (core/req.py)
     lora_id: int = 0  # the uid of its LoRA adapter (0: the base model)
+    return_hidden_states: bool = False
 
     @classmethod
     def from_req(
@@ -61,6 +62,7 @@ class GenerateReq(Message):
             req.embed,
             req.think,
             req.lora_id,
+            req.return_hidden_states,
         )
 
     def to_req(self) -> Req:
@@ -77,6 +79,7 @@ class GenerateReq(Message):
             embed=self.embed,
             think=self.think,
             lora_id=self.lora_id,
+            return_hidden_states=self.return_hidden_states,
         )
 
 

@@ -66,6 +66,9 @@ class ReqOutput(msgspec.Struct):
     spec: SpecCounts | None = None  # with speculative decoding on: the request's counts so far
     cached_tiers: CachedTiers | None = None  # with the hierarchical cache on
     embedding: list[float] | None = None  # an embedding request's vector, on its last output
+    # with return_hidden_states, on its last output: the hidden state of every position run
+    # (the prompt's, then each output token's but the last, which never ran)
+    hidden_states: list[list[float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,6 +138,7 @@ class StrOut(msgspec.Struct, tag=True, array_like=True):
     spec: SpecCounts | None = None
     cached_tiers: CachedTiers | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its last one
+    hidden_states: list[list[float]] | None = None  # as ReqOutput's, on the last one
 
     @property
     def finished(self) -> bool:

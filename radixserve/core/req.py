@@ -28,6 +28,8 @@ class Req:
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None  # these tokens' logprobs at every position
+    # report the final-norm hidden state of every position run (SGLang's return_hidden_states)
+    return_hidden_states: bool = False
     output_ids: list[int] = field(default_factory=list)
     grammar: Any = None  # a constrained.GrammarMatcher when the output follows a grammar
     think: ThinkBlock | None = None  # reasoning first, then the constraint (require_reasoning)
@@ -58,6 +60,9 @@ class Req:
     input_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's vector, once finished
+    # with return_hidden_states: (positions run so far, hidden) fp32, row p the hidden state
+    # at position p (rows past the KV it keeps, a rejected draft's, are replaced later)
+    hidden: Any = None
     created: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -124,8 +129,11 @@ class Req:
     def max_cacheable_prefix(self) -> int:
         """Prompt tokens that may come from the cache: input logprobs need the logits of the
         positions from logprob_start_len - 1 on, so those must be computed; mean pooling
-        needs every prompt position's hidden state, which the cache does not keep."""
-        if self.embed is not None and self.embed.needs_every_position:
+        and return_hidden_states need every prompt position's hidden state, which the cache
+        does not keep."""
+        if (self.embed is not None and self.embed.needs_every_position) or (
+            self.return_hidden_states
+        ):
             return 0
         if self.wants_input_logprobs:
             return max(self.logprob_start_len - 1, 0)

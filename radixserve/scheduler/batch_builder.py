@@ -41,8 +41,8 @@ class BatchBuilder:
         """Append `new_tokens[i]` after the `kv_len` cached tokens of `reqs[i]`.
 
         Logits are returned for the last new token of each request, or for every new token
-        of the requests flagged in `all_logits`; a request with `hidden_rows[i]` set gets no
-        logits but the hidden states of those rows (see HiddenRows).
+        of the requests flagged in `all_logits`; the hidden states of the rows `hidden_rows[i]`
+        says (see HiddenRows) besides; an embedding request gets no logits.
         """
         lens = [len(t) for t in new_tokens]
         slots = self._alloc(sum(lens))
@@ -56,6 +56,8 @@ class BatchBuilder:
             hidden = hidden_rows[i] if hidden_rows is not None else None
             if hidden is not None:
                 hidden_at.extend({"none": [], "last": rows[-1:], "all": rows}[hidden])
+            if req.embed is not None:
+                pass  # an embedding request's rows give hidden states alone
             elif all_logits is not None and all_logits[i]:
                 logits_at.extend(rows)
             else:

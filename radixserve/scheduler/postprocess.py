@@ -201,4 +201,28 @@ def make_output(
         spec=spec,
         cached_tiers=CachedTiers(*req.cached_lower) if req.cached_lower else None,
         embedding=req.embedding,
+        hidden_states=hidden_states(req) if req.finished else None,
     )
+
+
+def record_hidden(req: Req, start: int, rows: torch.Tensor) -> None:
+    """A step's hidden-state rows of `req`, of positions start, start + 1, ...: they replace
+    whatever rows it had from `start` on (a rejected draft's, or those a retracted request
+    runs again)."""
+    have = req.hidden
+    if have is None or start == 0:
+        req.hidden = rows.clone()
+        return
+    assert start <= len(have), "a hidden-state row was skipped"
+    req.hidden = torch.cat([have[:start], rows])
+
+
+def hidden_states(req: Req) -> list[list[float]] | None:
+    """The hidden states a finished request reports: one row per position that ran with
+    its final token (every prompt position, then each output token but the last)."""
+    if not req.return_hidden_states or req.hidden is None:
+        return None
+    ran = len(req.input_ids) + max(len(req.output_ids) - 1, 0)
+    rows = req.hidden[:ran].tolist()
+    req.hidden = None
+    return rows

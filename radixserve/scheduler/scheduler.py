@@ -35,6 +35,7 @@ import torch
 
 from radixserve.config import Config, HiCacheConfig, SchedulerConfig, SpeculativeConfig
 from radixserve.constrained.grammars import Grammars
+from radixserve.core.batch import HiddenRows
 from radixserve.core.output import FinishReason, ReqOutput, SchedulerStats
 from radixserve.core.req import Req
 from radixserve.model.loader import ModelLoadError
@@ -44,7 +45,13 @@ from radixserve.scheduler.adapters import Adapters
 from radixserve.scheduler.kv_manager import KVManager, build_tiers
 from radixserve.scheduler.logprobs import record_input_logprobs, wants_prompt_logits
 from radixserve.scheduler.policy import order_waiting
-from radixserve.scheduler.postprocess import OutputProcessor, Update, fail_request, make_output
+from radixserve.scheduler.postprocess import (
+    OutputProcessor,
+    Update,
+    fail_request,
+    make_output,
+    record_hidden,
+)
 from radixserve.scheduler.prefill import Admission, OutputReserve, PrefillAdder
 from radixserve.scheduler.speculative import Speculator
 from radixserve.scheduler.stop import StopChecker
@@ -336,8 +343,8 @@ class Scheduler:
             self.stats.mixed_steps += 1
             self.stats.decode_steps += 1
         want_all = [wants_prompt_logits(r) for r in reqs]
-        hidden = [embedding.hidden_rows(r, ends_prompt=r is not self.chunked) for r in reqs]
-        starts = [r.kv_len for r in reqs]
+        hidden = [_hidden_rows(r, ends_prompt=r is not self.chunked) for r in reqs + decoding]
+        starts = [r.kv_len for r in reqs + decoding]
         to_sample = [r for r in reqs if r is not self.chunked and r.params.max_new_tokens > 0]
         masks = self.grammars.start_masks(decoding + to_sample)  # computed during the forward
         any_hidden = any(h is not None for h in hidden)
@@ -345,12 +352,12 @@ class Scheduler:
             reqs + decoding,
             extends + [r.all_ids[r.kv_len :] for r in decoding],
             want_all + [False] * len(decoding),
-            hidden + [None] * len(decoding) if any_hidden else None,
+            hidden if any_hidden else None,
         )
         out = self.runner.forward(batch)
         logits = out.logits
         if any_hidden:
-            self._pool(reqs, hidden, starts, out.hidden)
+            self._take_hidden(reqs + decoding, hidden, starts, out.hidden)
         last_rows, num_rows = self._after_prefill(reqs, extends, want_all, starts, logits)
         done = [r for r in reqs if r is not self.chunked]
         outputs = [self._finish(r) for r in done if r.finished]
@@ -397,14 +404,17 @@ class Scheduler:
                 req.finish_reason = FinishReason.of_length(0)
         return last_rows, row
 
-    def _pool(self, reqs: list[Req], hidden: list, starts: list[int], rows) -> None:
-        """Fold each embedding request's hidden-state rows (in the batch's order) into its
-        pooling (scheduler/embedding.py)."""
+    def _take_hidden(self, reqs: list[Req], hidden: list, starts: list[int], rows) -> None:
+        """Each request's hidden-state rows (in the batch's order): an embedding request's
+        fold into its pooling (scheduler/embedding.py), a generation request's are recorded
+        by position (return_hidden_states)."""
         offset = 0
         for req, wanted, start in zip(reqs, hidden, starts):
             n = {None: 0, "none": 0, "last": 1, "all": req.kv_len - start}[wanted]
-            if n:
+            if n and req.embed is not None:
                 embedding.accumulate(req, rows[offset : offset + n], start, req.kv_len)
+            elif n:
+                record_hidden(req, start, rows[offset : offset + n])
             offset += n
 
     def _run_decode(self) -> list[ReqOutput]:
@@ -420,15 +430,23 @@ class Scheduler:
         drafts = self._drafts(reqs, pending)
         masks = self.grammars.start_masks(reqs)  # computed while the forward runs
         first_rows = None
+        starts = [r.kv_len for r in reqs]
         if any(drafts):
             batch, first_rows = self.kv.verify_batch(reqs, drafts)
         elif all(n == 1 for n in pending):
             batch = self.kv.decode_batch(reqs)
         else:
             batch = self.kv.extend_batch(reqs, [r.all_ids[r.kv_len :] for r in reqs])
+        counts = [n + len(d) for n, d in zip(pending, drafts, strict=True)]  # rows of each
+        hidden = [_hidden_rows(r, ends_prompt=False) for r in reqs]
+        if any(h is not None for h in hidden):
+            batch.hidden_indices = _all_rows_of(hidden, counts, batch.input_ids.device)
         start = time.perf_counter()
-        logits = self.runner.forward(batch).logits
+        out = self.runner.forward(batch)
+        logits = out.logits
         seconds = time.perf_counter() - start
+        if batch.hidden_indices is not None:
+            self._take_hidden(reqs, hidden, starts, out.hidden)
         self.stats.decode_forward_seconds += seconds
         if self.spec is not None:
             self.spec.observe_forward(batch.input_ids.numel(), seconds)
@@ -523,6 +541,28 @@ class Scheduler:
         running, being chunked."""
         live = self.grammars.compiling + self.waiting + self.running
         return live + [self.chunked] if self.chunked is not None else live
+
+
+def _hidden_rows(req: Req, ends_prompt: bool) -> HiddenRows | None:
+    """The rows of a step's tokens whose hidden states `req` wants: an embedding request's
+    (scheduler/embedding.py), all of a request's with return_hidden_states, else none."""
+    if req.embed is not None:
+        return embedding.hidden_rows(req, ends_prompt)
+    return "all" if req.return_hidden_states else None
+
+
+def _all_rows_of(
+    hidden: list[HiddenRows | None], counts: list[int], device: torch.device
+) -> torch.Tensor:
+    """The flat rows of the requests wanting all theirs (`hidden`), each taking `counts[i]`
+    rows of the batch in order."""
+    rows: list[int] = []
+    offset = 0
+    for wanted, n in zip(hidden, counts, strict=True):
+        if wanted == "all":
+            rows.extend(range(offset, offset + n))
+        offset += n
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def _pending(req: Req) -> int:

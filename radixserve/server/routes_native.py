@@ -80,20 +80,24 @@ class GenerateRequest(StrictBody):
     require_reasoning: bool = False
     # a loaded LoRA adapter's name to run with, or one per prompt (None: the base model)
     lora_path: str | list[str | None] | None = None
+    # meta_info.hidden_states: every position's final-norm hidden state (needs the flag
+    # --enable-return-hidden-states, as SGLang's)
+    return_hidden_states: bool = False
     # SGLang's fields for what this server does not do: accepted at their defaults (clients
     # and routers send them so), a 400 naming them otherwise (see UNSUPPORTED)
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    return_hidden_states: Any = False
 
 
 UNSUPPORTED = {
     "image_data": "image_data: this server runs text-only models",
     "video_data": "video_data: this server runs text-only models",
     "audio_data": "audio_data: this server runs text-only models",
-    "return_hidden_states": "return_hidden_states is not supported",
 }
+HIDDEN_STATES_OFF = (
+    "return_hidden_states needs the server started with --enable-return-hidden-states"
+)
 
 
 class TokenizeRequest(StrictBody):
@@ -464,6 +468,8 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     for name, message in UNSUPPORTED.items():
         if getattr(body, name) not in (None, False, [], ""):
             raise bad_request(message, name)
+    if body.return_hidden_states and not state.config.server.enable_return_hidden_states:
+        raise bad_request(HIDDEN_STATES_OFF, "return_hidden_states")
     fields = native_fields("input_ids" if body.input_ids is not None else "text")
     try:
         lora_ids = state.loras.uids(body.lora_path)
@@ -482,6 +488,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
                 max_sequences=MAX_SEQUENCES_PER_REQUEST,
                 token_ids_logprob=body.token_ids_logprob,
                 lora_ids=lora_ids,
+                return_hidden_states=body.return_hidden_states,
             ),
         )
     except ValueError as e:
