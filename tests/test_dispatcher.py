@@ -237,6 +237,9 @@ def test_a_prefix_is_a_hit_only_in_its_own_namespace():
     assert d.replicas[1].match(PREFIX, 7) == 8
     d.send(ControlReq(1, "unload_lora_adapter", {"uid": 7}))
     assert d.replicas[1].match(PREFIX, 7) == 0 and 7 not in d.replicas[1].cached
+    footprint = d.replicas[1].footprint
+    d.on_cache_events(1, [(7, PREFIX + [5])], [])  # its last request's, after the unload
+    assert 7 not in d.replicas[1].cached and d.replicas[1].footprint == footprint
     assert all(r.sent[-1].op == "unload_lora_adapter" for r in recorders)  # sent on to all
 
 

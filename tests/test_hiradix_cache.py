@@ -18,6 +18,8 @@ from radixserve.cache import KVPool, SlotAllocator
 from radixserve.cache.hiradix_cache import WRITE_POLICIES, HiRadixCache
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_block import KVBlock
+from radixserve.cache.radix_cache import CacheEventLog
+from radixserve.server.dispatcher import TokenTrie
 
 POOL = 48
 BASES = [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (0, 1, 2, 3, 9, 9, 9), (0, 1, 8), (5, 5, 5, 5, 5, 5)]
@@ -110,6 +112,17 @@ def device_len(tree: HiRadixCache, seq, key) -> int:
     return length
 
 
+def tiers_len(tree: HiRadixCache, seq, key) -> int:
+    """Cached tokens of seq in any tier (read-only walk)."""
+    node, length = tree.roots.get(key), 0
+    if node is None:
+        return 0
+    aligned = tuple(seq[: len(seq) - len(seq) % tree.page_size])
+    for _, n in tree._edges(node, aligned):
+        length += n
+    return length
+
+
 def lost_tokens(tree: HiRadixCache) -> int:
     return tree.tier_stats.dropped_tokens + tree.tier_stats.host_evicted_tokens
 
@@ -123,6 +136,8 @@ def lost_tokens(tree: HiRadixCache) -> int:
 )
 def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
     tree, alloc, device, host = make_tree(policy, page, host_size)
+    tree.events = CacheEventLog()  # as a data-parallel replica's: mirrored by the dispatcher
+    mirrors = {None: TokenTrie(), "salt": TokenTrie()}
     locks = []  # (node, key, device prefix) locked by "requests"
     for op, arg, key in ops:
         before, lost_before = contents(tree), lost_tokens(tree)
@@ -196,6 +211,15 @@ def test_tiered_tree_matches_reference_model(ops, page, policy, host_size):
         check_kv_where_slots_say(tree, device, host)
         for _, k, prefix in locks:  # locked paths stay on the device
             assert device_len(tree, prefix, k) == len(prefix)
+        inserted, evicted = tree.events.take()
+        for k, tokens in inserted:
+            mirrors[k].insert(tokens)
+        for k, path, keep in evicted:
+            mirrors[k].truncate(path, keep)
+        for k, mirror in mirrors.items():  # no prefix the tree no longer holds is a hit
+            for seq in [*BASES, arg if isinstance(arg, list) else []]:
+                held = mirror.match(seq) // page * page  # (the tree matches whole pages)
+                assert held <= tiers_len(tree, seq, k), (k, seq)
         after = contents(tree)
         gone = before - after
         assert len(gone) * page <= lost_tokens(tree) - lost_before, "a prefix vanished silently"

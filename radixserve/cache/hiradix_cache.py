@@ -305,6 +305,8 @@ class HiRadixCache(RadixCache):
     def _drop(self, node: TreeNode) -> int:
         """Remove an unlocked node and its (host-only) subtree from the tree, freeing the
         slots of every tier it holds; returns the tokens removed."""
+        if self.events is not None:  # a data-parallel dispatcher's mirror forgets it too
+            self._record_eviction(node)
         stack, removed = [node], 0
         while stack:
             n = stack.pop()

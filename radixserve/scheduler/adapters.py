@@ -61,7 +61,8 @@ class Adapters:
         spaces: dict[Hashable, list[int]] = {None: [0]}
         lora = self.runner.lora
         for uid, adapter in lora.adapters.items() if lora is not None else ():
-            spaces.setdefault(adapter.cache_key, []).append(uid)
+            if uid not in self.unloading:  # (the dispatcher has dropped its mirror)
+                spaces.setdefault(adapter.cache_key, []).append(uid)
         return spaces
 
     def load(self, msg: ControlReq) -> ControlReply | None:

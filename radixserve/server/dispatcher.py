@@ -208,6 +208,9 @@ class Dispatcher:
         self._turn = itertools.count()
         self.recent = [1 / self.size] * self.size  # each one's share of recent dispatches
         self.sent = [0] * len(self.replicas)  # requests sent to each, cumulative
+        # the uids of unloaded adapters: their namespaces are mirrored no more (events still
+        # on their way, or of their last requests, are dropped; uids are never reused)
+        self.unloaded: set[int] = set()
 
     @property
     def size(self) -> int:
@@ -227,9 +230,11 @@ class Dispatcher:
         elif isinstance(msg, AbortReq) and msg.rid in self.owner:
             self.replicas[self.owner[msg.rid]].sender.send(msg)
         elif isinstance(msg, AbortReq | ControlReq):
+            if isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
+                self.unloaded.add(msg.args["uid"])  # no request names it again
             for replica in self.replicas:
                 if isinstance(msg, ControlReq) and msg.op == "unload_lora_adapter":
-                    replica.cached.pop(msg.args["uid"], None)  # no request names it again
+                    replica.cached.pop(msg.args["uid"], None)
                 replica.sender.send(msg)
         else:
             raise TypeError(f"cannot dispatch a {type(msg).__name__}")
@@ -249,6 +254,8 @@ class Dispatcher:
         """A replica's tree changes (`CacheEvents`), each under its namespace."""
         cached = self.replicas[replica].cached
         for lora_id, tokens in inserted:
+            if lora_id in self.unloaded:
+                continue
             trie = cached.get(lora_id)
             if trie is None:
                 trie = cached[lora_id] = TokenTrie()

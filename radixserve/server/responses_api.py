@@ -858,6 +858,7 @@ class EventLog:
         self.frames: list[bytes] = []
         self.bytes = 0
         self.ended = False
+        self.closed = False  # its last event (completed, incomplete, failed) is in
         self._grown = asyncio.Event()  # set (and replaced) when a frame comes or it ends
 
     def append(self, frame: bytes) -> None:

@@ -311,6 +311,7 @@ async def _in_background(run: _Run, call: Call) -> None:
         log = stored.events
         async for event in _events(run, call, None, created=len(log.frames)):
             log.append(event_frame(event, typed=True))
+            log.closed = event["type"] in _TERMINAL.values()
         return
     stored.response = run.response | {"status": "in_progress"}
     try:
@@ -335,16 +336,23 @@ def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.
 
 def _settle(run: _Run, store: ResponseStore, task: asyncio.Task) -> None:
     stored = run.stored
-    if stored.response["status"] in ("queued", "in_progress"):
-        if task.cancelled():
-            stored.response = run.response | {"status": "cancelled"}
-        else:
-            logger.error("a background response failed", exc_info=task.exception())
-            error = {"code": "server_error", "message": f"internal error: {task.exception()!r}"}
-            stored.response = run.response | {"status": "failed", "error": error}
-    store.refresh(stored)
-    if stored.events is not None:  # its readers stop (a cancelled one's with no last event)
-        stored.events.end()
+    try:
+        if stored.response["status"] in ("queued", "in_progress"):
+            if task.cancelled():
+                stored.response = run.response | {"status": "cancelled"}
+            else:
+                logger.error("a background response failed", exc_info=task.exception())
+                message = f"internal error: {task.exception()!r}"
+                error = {"code": "server_error", "message": message}
+                stored.response = run.response | {"status": "failed", "error": error}
+        store.refresh(stored)
+    finally:
+        log = stored.events
+        if log is not None:  # its readers stop (a cancelled one's with no last event)
+            if not log.closed and stored.response["status"] == "failed":  # a bug's end
+                event = {"type": "response.failed", "sequence_number": len(log.frames)}
+                log.append(event_frame(event | {"response": stored.response}, typed=True))
+            log.end()
 
 
 # -- stored responses -----------------------------------------------------------------------
