@@ -285,7 +285,7 @@ class Engine:
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         require_reasoning: bool = False,
         lora_path: str | list[str | None] | None = None,
-        return_hidden_states: bool = False,
+        return_hidden_states: bool | list[bool] = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Native-API generation: one prompt gives a dict, a list gives a list (n > 1 gives
         n results per prompt); `stream=True` gives an iterator of cumulative results.
@@ -330,6 +330,8 @@ class Engine:
         priority: int | None = None,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
         require_reasoning: bool = False,
+        lora_path: str | list[str | None] | None = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio: awaitable result, or an async iterator when streaming."""
         reqs, states, single = self._make_requests(
@@ -345,6 +347,8 @@ class Engine:
             stream,
             token_ids_logprob,
             require_reasoning,
+            lora_path,
+            return_hidden_states,
         )
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
@@ -572,7 +576,8 @@ class Engine:
             lora_ids=self.loras.uids(lora_path),
             return_hidden_states=return_hidden_states,
         )
-        if return_hidden_states and not self.config.server.enable_return_hidden_states:
+        wants_hidden = any(r.return_hidden_states for r in expanded.reqs)
+        if wants_hidden and not self.config.server.enable_return_hidden_states:
             raise ValueError(
                 "return_hidden_states needs an Engine made with enable_return_hidden_states=True"
             )

@@ -49,7 +49,7 @@ def expand_request(
     embed: EmbedParams | None = None,
     token_ids_logprob: list[int] | list[list[int]] | None = None,
     lora_ids: int | Sequence[int] = 0,
-    return_hidden_states: bool = False,
+    return_hidden_states: bool | Sequence[bool] = False,
 ) -> Expanded:
     """Validated requests; a ValueError names what is wrong with the call. With
     `max_sequences`, a call of more sequences (prompts × n) than that is refused before any
@@ -57,7 +57,8 @@ def expand_request(
     `token_ids_logprob`: tokens whose logprobs to report at every position (with
     return_logprob), one list for all prompts or one per prompt. `lora_ids`: the uid of the
     LoRA adapter to run with (0: none), one for all prompts or one per prompt.
-    `return_hidden_states`: each request reports its final-norm hidden states."""
+    `return_hidden_states`: the requests report their final-norm hidden states (one flag for
+    all prompts, or one per prompt)."""
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of text (prompt) and input_ids", "text")
     field = "text" if prompt is not None else "input_ids"
@@ -73,13 +74,23 @@ def expand_request(
     adapters = [lora_ids] * count if isinstance(lora_ids, int) else list(lora_ids)
     if len(adapters) != count:
         raise InvalidRequest(f"lora_path: a list needs one entry per prompt ({count})", "lora_path")
+    hidden = (
+        [return_hidden_states] * count
+        if isinstance(return_hidden_states, bool)
+        else list(return_hidden_states)
+    )
+    if len(hidden) != count:
+        raise InvalidRequest(
+            f"return_hidden_states: a list needs one entry per prompt ({count})",
+            "return_hidden_states",
+        )
     if prompt is not None:
         id_lists = [tokenize(p) for p in ([prompt] if single else prompt)]
     else:
         id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
     reqs = []
-    for ids, params, base, token_ids, lora_id in zip(
-        id_lists, params_list, rids, named, adapters, strict=True
+    for ids, params, base, token_ids, lora_id, wants_hidden in zip(
+        id_lists, params_list, rids, named, adapters, hidden, strict=True
     ):
         if not ids:
             raise InvalidRequest("a prompt of the batch is empty", field)
@@ -98,7 +109,7 @@ def expand_request(
                     token_ids_logprob=token_ids,
                     embed=embed,
                     lora_id=lora_id,
-                    return_hidden_states=return_hidden_states,
+                    return_hidden_states=wants_hidden,
                 )
             )
     _check_unique([req.rid for req in reqs])

@@ -6,6 +6,8 @@ whatever the batch, a cached prefix, prefill chunks, or speculative decoding's v
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -71,7 +73,21 @@ def test_hidden_states_are_transformers_whatever_the_steps(tiny):
         assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()
     assert again["meta_info"]["cached_tokens"] == 0  # every position is run again
     assert rows_of(again).equal(rows_of(outs[2]))
+    awaited = asyncio.run(engine.async_generate(PROMPTS[2], GREEDY, return_hidden_states=True))
+    assert rows_of(awaited).equal(rows_of(outs[2]))
     engine.check_kv_accounting()
+
+
+def test_forced_tokens_run_before_the_request_ends(tiny):
+    """Jump-forward is off for such requests: a constrained output whose end is forced
+    still runs every position but its last token (and the flag may be one per prompt)."""
+    engine, reference = tiny
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": "[ab] the end of the story"}
+    outs = engine.generate(PROMPTS[:2], params, return_hidden_states=[True, False])
+    rows = rows_of(outs[0])
+    ids = engine.tokenizer.encode(PROMPTS[0]) + outs[0]["output_ids"][:-1]
+    assert torch.allclose(rows, reference_hidden(reference, ids), atol=1e-4)
+    assert "hidden_states" not in outs[1]["meta_info"]
 
 
 def test_a_prefill_only_request_reports_its_prompt(tiny):

@@ -188,12 +188,15 @@ class Grammars:
     # -- after sampling -----------------------------------------------------------------------
     def accept(self, req: Req, token: int, room: int) -> list[int] | None:
         """Consume `token` (None if the grammar refuses it); with jump-forward, the returned
-        tokens also carry up to `room` - 1 forced ones."""
+        tokens also carry up to `room` - 1 forced ones (not for a request that reports each
+        token's logprobs or each position's hidden state: forced tokens that end it would
+        never run)."""
         matcher = req.grammar
         assert matcher is not None
         if not matcher.accept([token]):
             return None
-        if not self.jump_forward or req.return_logprob or room <= 1 or matcher.is_finished:
+        reports = req.return_logprob or req.return_hidden_states
+        if not self.jump_forward or reports or room <= 1 or matcher.is_finished:
             return [token]
         tokens = jump_forward(matcher, self.backend, token, room)
         if len(tokens) > 1 or tokens != [token]:

@@ -60,8 +60,8 @@ class Req:
     input_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's vector, once finished
-    # with return_hidden_states: (positions run so far, hidden) fp32, row p the hidden state
-    # at position p (rows past the KV it keeps, a rejected draft's, are replaced later)
+    # with return_hidden_states: its rows so far (postprocess.HiddenChunks; rows past the KV
+    # it keeps, a rejected draft's, are replaced later)
     hidden: Any = None
     created: float = field(default_factory=time.perf_counter)
 

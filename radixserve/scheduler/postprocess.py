@@ -205,16 +205,39 @@ def make_output(
     )
 
 
+@dataclass
+class HiddenChunks:
+    """A request's hidden-state rows (return_hidden_states): each step's chunk, on the CPU,
+    joined once at the end; row p of them all is position p's."""
+
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+    def cut(self, end: int) -> None:
+        """Keep the rows of positions before `end`."""
+        if end >= self.rows:
+            return
+        kept, held = [], 0
+        for chunk in self.chunks:
+            take = min(len(chunk), end - held)
+            if take <= 0:
+                break
+            kept.append(chunk if take == len(chunk) else chunk[:take])
+            held += take
+        self.chunks, self.rows = kept, held
+
+
 def record_hidden(req: Req, start: int, rows: torch.Tensor) -> None:
     """A step's hidden-state rows of `req`, of positions start, start + 1, ...: they replace
     whatever rows it had from `start` on (a rejected draft's, or those a retracted request
     runs again)."""
-    have = req.hidden
-    if have is None or start == 0:
-        req.hidden = rows.clone()
-        return
-    assert start <= len(have), "a hidden-state row was skipped"
-    req.hidden = torch.cat([have[:start], rows])
+    if req.hidden is None:
+        req.hidden = HiddenChunks()
+    held: HiddenChunks = req.hidden
+    held.cut(start)
+    assert held.rows == start, "a hidden-state row was skipped"
+    held.chunks.append(rows.to("cpu", copy=True))
+    held.rows += len(rows)
 
 
 def hidden_states(req: Req) -> list[list[float]] | None:
@@ -223,6 +246,8 @@ def hidden_states(req: Req) -> list[list[float]] | None:
     if not req.return_hidden_states or req.hidden is None:
         return None
     ran = len(req.input_ids) + max(len(req.output_ids) - 1, 0)
-    rows = req.hidden[:ran].tolist()
+    held: HiddenChunks = req.hidden
+    held.cut(ran)
+    rows = torch.cat(held.chunks).tolist() if held.chunks else []
     req.hidden = None
     return rows

@@ -81,8 +81,8 @@ class GenerateRequest(StrictBody):
     # a loaded LoRA adapter's name to run with, or one per prompt (None: the base model)
     lora_path: str | list[str | None] | None = None
     # meta_info.hidden_states: every position's final-norm hidden state (needs the flag
-    # --enable-return-hidden-states, as SGLang's)
-    return_hidden_states: bool = False
+    # --enable-return-hidden-states, as SGLang's), for every prompt or one flag per prompt
+    return_hidden_states: bool | list[bool] = False
     # SGLang's fields for what this server does not do: accepted at their defaults (clients
     # and routers send them so), a 400 naming them otherwise (see UNSUPPORTED)
     image_data: Any = None
@@ -468,7 +468,10 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     for name, message in UNSUPPORTED.items():
         if getattr(body, name) not in (None, False, [], ""):
             raise bad_request(message, name)
-    if body.return_hidden_states and not state.config.server.enable_return_hidden_states:
+    wants_hidden = body.return_hidden_states
+    if isinstance(wants_hidden, list):
+        wants_hidden = any(wants_hidden)
+    if wants_hidden and not state.config.server.enable_return_hidden_states:
         raise bad_request(HIDDEN_STATES_OFF, "return_hidden_states")
     fields = native_fields("input_ids" if body.input_ids is not None else "text")
     try:
