@@ -43,6 +43,7 @@ from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.reasoning import give_think_blocks
 from radixserve.core.req import Req
 from radixserve.hardware import place_process
+from radixserve.label_scores import plan_label_scoring
 from radixserve.lora import registry as lora_registry
 from radixserve.lora.registry import LoraRegistry
 from radixserve.model.runner import ModelRunner, run_follower
@@ -383,6 +384,27 @@ class Engine:
         results = self._run_all(plan.requests(rid, lora_id))
         return plan.response(results, token_texts(self.tokenizer))
 
+    def score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        lora_path: str | None = None,
+    ) -> list[list[float]]:
+        """SGLang's `Engine.score`: for each item, the probability of each label token being
+        the next after query + item (item + query with `item_first`), over the vocabulary
+        or, with `apply_softmax`, over the labels (see radixserve/label_scores.py); the
+        answer of `POST /v1/score`. A ValueError (native.InvalidRequest) names the field."""
+        lora_id = self.loras.uid(lora_path)
+        info = self.scheduler.info
+        plan = plan_label_scoring(
+            self.tokenizer.encode, query, items, label_token_ids, apply_softmax, item_first,
+            info.vocab_size, info.max_seq_len,
+        )  # fmt: skip
+        return plan.scores(self._run_all(plan.requests(lora_id=lora_id)))
+
     def encode(
         self,
         prompt: str | list[str] | None = None,
@@ -607,7 +629,16 @@ class Engine:
 
     def _run_all(self, reqs: list[Req]) -> list[dict]:
         """Submit every request at once (so they batch), then their native results."""
-        states = [RequestState(r.rid, r.params, self.tokenizer, r.return_logprob) for r in reqs]
+        states = [
+            RequestState(
+                r.rid,
+                r.params,
+                self.tokenizer,
+                r.return_logprob,
+                token_ids_logprob=bool(r.token_ids_logprob),
+            )  # fmt: skip
+            for r in reqs
+        ]
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
         for req, q in zip(reqs, queues):
             self._submit(req, q.put)

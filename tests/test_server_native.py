@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 import time
 import uuid
@@ -539,6 +540,45 @@ def test_score_continuations_picks_paris_and_heals(url):
     prefix, ids = tokenize(url, "x = ("), tokenize(url, "x = ((1)")
     assert entry["healed_tokens"] == 1, entry
     assert entry["token_ids"] == ids[len(prefix) - 1 :], (entry, ids)
+
+
+def test_v1_score_gives_label_probabilities(url):
+    """SGLang's /v1/score: a yes/no classifier made of SmolLM2. Each item's scores are its
+    label tokens' next-token probabilities (as /generate's token_ids_logprob gives them),
+    softmaxed over the labels on request; a bad field is a 400 naming it."""
+    yes, no = tokenize(url, " Yes")[0], tokenize(url, " No")[0]
+    query = "Question: is the following a fruit? Answer Yes or No.\nItem:"
+    items = [" apple\nAnswer:", " hammer\nAnswer:"]
+    body = {"query": query, "items": items, "label_token_ids": [yes, no]}
+    r = post(url, "/v1/score", body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "scoring" and len(answer["scores"]) == 2
+    assert answer["usage"]["prompt_tokens"] == sum(len(tokenize(url, query + i)) for i in items)
+    params = {"max_new_tokens": 1, "temperature": 0}
+    for item, scores in zip(items, answer["scores"], strict=True):
+        out = generate(
+            url,
+            {"text": query + item, "sampling_params": params, "return_logprob": True}
+            | {"token_ids_logprob": [yes, no]},
+        )
+        expected = {
+            t: math.exp(lp) for lp, t, _ in out["meta_info"]["output_token_ids_logprobs"][0]
+        }
+        assert scores == pytest.approx([expected[yes], expected[no]], rel=1e-4)
+    softmaxed = post(url, "/v1/score", {**body, "apply_softmax": True}).json()["scores"]
+    assert all(sum(s) == pytest.approx(1.0) for s in softmaxed)
+    assert softmaxed[0][0] / softmaxed[0][1] == pytest.approx(
+        answer["scores"][0][0] / answer["scores"][0][1], rel=1e-3
+    )
+    for bad, param in (
+        ({**body, "label_token_ids": []}, "label_token_ids"),
+        ({**body, "items": [[1, 2]]}, "items.0"),
+        ({**body, "query": ""}, "query"),
+        ({**body, "label_token_ids": [10**7]}, "label_token_ids"),
+    ):
+        error = assert_error(post(url, "/v1/score", bad), 400)
+        assert error["param"] == param, error
 
 
 # -- 4. fork and run_batch: the shared prefix comes from the radix cache ----------------------

@@ -1,7 +1,7 @@
 """The SGLang-native routes: health, model and server information, cache and abort control,
 metrics, the tokenizer (lm-eval's discovery), /generate (see the wire contract, §1), /encode
-(embeddings) and /score_continuations (the frontend's select: several continuations of one
-prefix)."""
+(embeddings), /score_continuations (the frontend's select: several continuations of one
+prefix) and /v1/score (SGLang's label-token scoring)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from pydantic import ConfigDict, WithJsonSchema
 from radixserve import __version__
 from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.label_scores import plan_label_scoring
 from radixserve.lora import registry as lora_registry
 from radixserve.lora.registry import LoraRegistry
-from radixserve.native import expand_request
+from radixserve.native import InvalidRequest, expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
 from radixserve.server.body import JSONBodyRoute, StrictBody, off_the_loop_if_large
 from radixserve.server.checks import (
@@ -121,6 +122,18 @@ class ScoreContinuationsRequest(StrictBody):
     unconditional: bool = False  # also score each continuation's span on its own
     rid: str | None = None
     lora_path: str | None = None  # a loaded LoRA adapter's name (None: the base model)
+
+
+class LabelScoreRequest(StrictBody):
+    """SGLang's /v1/score body: label tokens' probabilities after query + each item."""
+
+    model_config = ConfigDict(extra="forbid")
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: str | None = None  # the served model, or a loaded LoRA adapter's name
 
 
 class AbortRequest(StrictBody):
@@ -551,6 +564,41 @@ async def score_continuations(
     results = await until_disconnect(request, call, call.results())
     token_text = token_texts(state.manager.tokenizer)
     return await off_the_loop_if_large(request, lambda: plan.response(results, token_text))
+
+
+@router.post("/v1/score")
+async def score_labels(body: LabelScoreRequest, request: Request, state: State) -> dict[str, Any]:
+    """SGLang's decoder-only scoring: for each item, the probability of each label token
+    being the next after query + item (radixserve/label_scores.py), from one batch of
+    requests that share the query through the radix cache."""
+    state.manager.check_available()
+    lora_id = state.adapter_of(body.model)
+    model = state.model
+    try:
+        plan = await off_the_loop_if_large(
+            request,
+            lambda: plan_label_scoring(
+                state.manager.encode,
+                body.query,
+                body.items,
+                body.label_token_ids,
+                body.apply_softmax,
+                body.item_first,
+                model.vocab_size,
+                model.max_seq_len,
+            ),  # fmt: skip
+        )
+    except InvalidRequest as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
+    call = state.manager.submit(plan.requests(lora_id=lora_id))
+    results = await until_disconnect(request, call, call.results())
+    tokens = plan.prompt_tokens
+    return {
+        "scores": plan.scores(results),
+        "model": body.model or state.model_name,
+        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+        "object": "scoring",
+    }
 
 
 async def _native_chunks(call: Call, batch: bool) -> AsyncIterator[dict[str, Any]]:
