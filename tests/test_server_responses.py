@@ -329,17 +329,22 @@ def test_a_streamed_background_response_is_read_again_from_any_point(client, ser
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_a_streamed_background_response_outlives_its_reader(client, server):
-    """The client that made it goes away mid-stream; the response goes on, and a new reader
-    takes up the stream where the first left off."""
-    stream = client.responses.create(
+def counting(client: openai.OpenAI, up_to: int, tokens: int):
+    """A streamed background response that runs its `tokens` whatever it says."""
+    return client.responses.create(
         model="m",
-        input="Count to a hundred.",
-        max_output_tokens=48,
+        input=f"Count to {up_to}.",
+        max_output_tokens=tokens,
         background=True,
         stream=True,
         extra_body={"ignore_eos": True},
     )
+
+
+def test_a_streamed_background_response_outlives_its_reader(client, server):
+    """The client that made it goes away mid-stream; the response goes on, and a new reader
+    takes up the stream where the first left off."""
+    stream = counting(client, 100, 48)
     first = [e for _, e in zip(range(5), stream)]
     stream.close()  # the connection drops
     response_id = first[0].response.id
@@ -356,14 +361,7 @@ def test_a_streamed_background_response_outlives_its_reader(client, server):
     assert final.status == "incomplete" and final.usage.output_tokens == 48
     assert text == final.output_text
     # cancelled while a reader follows it: the reader's stream ends, the response says why
-    slow = client.responses.create(
-        model="m",
-        input="Count to a thousand.",
-        max_output_tokens=1500,
-        background=True,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    slow = counting(client, 1000, 1500)
     seen = [e for _, e in zip(range(4), slow)]
     assert client.responses.cancel(seen[0].response.id).status == "cancelled"
     after = list(slow)
