@@ -30,6 +30,10 @@ MAX_ITEMS = 256  # one call's items (checks.MAX_SEQUENCES_PER_REQUEST's size)
 SCORE_PARAMS = {"max_new_tokens": 1, "temperature": 0}  # the prefill's next token
 
 
+class ScoringAborted(RuntimeError):
+    """A request of the call ended before its prompt ran (aborted): no scores."""
+
+
 @dataclass(frozen=True)
 class LabelScoring:
     """One call's prompts (token ids) and how their results read."""
@@ -61,12 +65,19 @@ class LabelScoring:
         return [self._scores(result["meta_info"]) for result in results]
 
     def _scores(self, meta: dict[str, Any]) -> list[float]:
-        (first,) = meta["output_token_ids_logprobs"][:1]
-        logprobs = {token: logprob for logprob, token, *_ in first}
+        given = meta.get("output_token_ids_logprobs") or []
+        if not given:  # it ended before its prompt ran: aborted (a pause, a weight update)
+            reason = meta.get("finish_reason") or {}
+            raise ScoringAborted(
+                f"a scoring request was aborted before it ran: {reason.get('message')}"
+            )
+        logprobs = {token: logprob for logprob, token, *_ in given[0]}
         ordered = [logprobs[token] for token in self.label_token_ids]
         if not self.apply_softmax:
             return [math.exp(x) for x in ordered]
         top = max(ordered)
+        if top == -math.inf:  # no label can follow (a broken model's -inf everywhere)
+            return [0.0] * len(ordered)
         weights = [math.exp(x - top) for x in ordered]
         total = sum(weights)
         return [w / total for w in weights]
@@ -94,33 +105,32 @@ def plan_label_scoring(
         raise InvalidRequest("items must be a text, or a non-empty list of them", "items")
     if len(items) > MAX_ITEMS:
         raise InvalidRequest(f"items holds at most {MAX_ITEMS}, got {len(items)}", "items")
-    if isinstance(query, str):
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                raise InvalidRequest(
-                    f"items.{i}: a text query takes text items (token-id items need a "
-                    "token-id query)",
-                    f"items.{i}",
-                )
-        texts = [item + query if item_first else query + item for item in items]
-        prompts = [encode(text) for text in texts]
-    elif isinstance(query, list) and all(_is_id(t) for t in query):
-        prompts = []
-        for i, item in enumerate(items):
-            if not isinstance(item, list) or not item or not all(_is_id(t) for t in item):
-                raise InvalidRequest(
-                    f"items.{i}: a token-id query takes items of token ids (non-empty lists)",
-                    f"items.{i}",
-                )
-            prompts.append(item + query if item_first else query + item)
-    else:
+    text = isinstance(query, str)
+    if not text and not (isinstance(query, list) and all(_is_id(t) for t in query)):
         raise InvalidRequest("query must be a text or a list of token ids", "query")
-    for i, prompt in enumerate(prompts):
+    if not text and vocab_size is not None and any(t >= vocab_size for t in query):
+        message = f"query has token ids outside the vocabulary [0, {vocab_size})"
+        raise InvalidRequest(message, "query")
+    prompts = []
+    for i, item in enumerate(items):  # each checked as it comes: a refusal costs little
         field = f"items.{i}"
-        if vocab_size is not None and any(t >= vocab_size for t in prompt):
+        if text and not isinstance(item, str):
             raise InvalidRequest(
-                f"{field}: query + item has token ids outside the vocabulary [0, {vocab_size})",
+                f"{field}: a text query takes text items (token-id items need a token-id query)",
                 field,
+            )
+        if not text and (not isinstance(item, list) or not item or not all(map(_is_id, item))):
+            raise InvalidRequest(
+                f"{field}: a token-id query takes items of token ids (non-empty lists)", field
+            )
+        joined = item + query if item_first else query + item
+        try:
+            prompt = encode(joined) if text else joined
+        except InvalidRequest as e:  # (the tokenizer's own bound on a text's length)
+            raise InvalidRequest(f"{field}: query + item: {e}", field, e.code) from None
+        if not text and vocab_size is not None and any(t >= vocab_size for t in item):
+            raise InvalidRequest(
+                f"{field} has token ids outside the vocabulary [0, {vocab_size})", field
             )
         if max_seq_len is not None and len(prompt) + 1 > max_seq_len:
             raise InvalidRequest(
@@ -129,7 +139,17 @@ def plan_label_scoring(
                 field,
                 code="context_length_exceeded",
             )
+        prompts.append(prompt)
     return LabelScoring(prompts, labels, apply_softmax)
+
+
+def text_bytes(query: Any, items: Any) -> int:
+    """About how much text a call tokenizes (its query once per item): what decides
+    whether its plan is made off the event loop."""
+    if not isinstance(query, str):
+        return 0
+    count = len(items) if isinstance(items, list) else 1
+    return len(query) * count + sum(len(i) for i in (items or []) if isinstance(i, str))
 
 
 def _checked_labels(labels: Sequence[int] | None, vocab_size: int | None) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve import Engine
-from radixserve.label_scores import plan_label_scoring
+from radixserve.label_scores import ScoringAborted, plan_label_scoring
 from radixserve.native import InvalidRequest
 from tests.conftest import FP32
 
@@ -73,9 +73,21 @@ def test_token_id_prompts_are_joined_as_lists(tiny):
         ([1, 2], [" a"], LABELS, "items.0"),
         ([1, 2], [[]], LABELS, "items.0"),
         ({"x": 1}, ITEMS, LABELS, "query"),
+        ([1, 600], [[1]], LABELS, "query"),  # outside the vocabulary
+        ([1, 2], [[1], [600]], LABELS, "items.1"),
+        ("x" * 600, [" a"], LABELS, "items.0"),  # past the context (2 ids a character here)
     ],
 )
 def test_bad_calls_name_their_field(query, items, labels, param):
     with pytest.raises(InvalidRequest) as e:
-        plan_label_scoring(lambda text: [1, 2], query, items, labels, vocab_size=512)
+        plan_label_scoring(
+            lambda text: [1, 2] * len(text), query, items, labels, vocab_size=512, max_seq_len=1024
+        )
     assert e.value.param == param, e.value
+
+
+def test_a_request_aborted_before_it_ran_has_no_scores():
+    plan = plan_label_scoring(lambda text: [1, 2], "q", ["a"], LABELS)
+    aborted = {"finish_reason": {"type": "abort", "message": "paused"}}
+    with pytest.raises(ScoringAborted, match="paused"):
+        plan.scores([{"meta_info": aborted | {"output_token_ids_logprobs": []}}])

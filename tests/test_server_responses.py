@@ -385,6 +385,62 @@ def test_item_references_stand_for_stored_items(client):
     assert listed[1].type == "message" and listed[1].role == "assistant"
 
 
+def test_a_conversation_holds_the_responses_made_in_it(client, server):
+    """OpenAI's Conversations API: a response in a conversation reads its items and adds its
+    own once it ends (whole or streamed); the items list, read and delete as OpenAI's."""
+    intro = {"type": "message", "role": "user", "content": "My name is Ada."}
+    conversation = client.conversations.create(items=[intro], metadata={"topic": "names"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "names"}
+    first = client.responses.create(
+        input="What is my name?", conversation=conversation.id, **GREEDY
+    )
+    assert first.conversation.id == conversation.id
+    history = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert first.output_text == chat_text(client, history)
+    items = list(client.conversations.items.list(conversation.id, order="asc"))
+    assert [i.type for i in items] == ["message"] * 3 and items[2].id == first.output[0].id
+    history.append({"role": "assistant", "content": first.output_text})
+    streamed = list(
+        client.responses.create(
+            input="Say it again.",
+            conversation={"id": conversation.id},
+            stream=True,
+            **GREEDY,
+        )
+    )
+    history.append({"role": "user", "content": "Say it again."})
+    assert streamed[-1].response.output_text == chat_text(client, history)
+    page = client.conversations.items.list(conversation.id, limit=2)  # newest first
+    assert [i.id for i in page.data] == [streamed[-1].response.output[0].id, page.data[1].id]
+    assert len(list(client.conversations.items.list(conversation.id, limit=2))) == 5
+    added = client.conversations.items.create(
+        conversation.id, items=[{"role": "user", "content": "Thanks."}]
+    )
+    assert len(added.data) == 1
+    item = client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    assert item.content[0].text == "Thanks."
+    client.conversations.items.delete(item.id, conversation_id=conversation.id)
+    assert len(list(client.conversations.items.list(conversation.id))) == 5
+    updated = client.conversations.update(conversation.id, metadata={"topic": "done"})
+    assert client.conversations.retrieve(conversation.id).metadata == updated.metadata
+    with pytest.raises(openai.BadRequestError) as e:  # one or the other
+        client.responses.create(
+            input="Hi", conversation=conversation.id, previous_response_id=first.id, **GREEDY
+        )
+    assert e.value.body["param"] == "conversation"
+    client.conversations.delete(conversation.id)
+    for gone in (
+        lambda: client.conversations.retrieve(conversation.id),
+        lambda: client.responses.create(input="Hi", conversation=conversation.id, **GREEDY),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    assert_kv_clean(server)
+
+
 def test_store_false_keeps_nothing(client):
     r = client.responses.create(input="Hi", store=False, **GREEDY)
     assert r.store is False

@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixserve import __version__
 from radixserve.config import Config
 from radixserve.lora.registry import LoraRegistry
+from radixserve.server import conversations, routes_native, routes_openai, routes_responses
 from radixserve.server import openai_api as oai
-from radixserve.server import routes_native, routes_openai, routes_responses
 from radixserve.server.body import validation_error
 from radixserve.server.errors import APIError, EngineUnavailable
 from radixserve.server.responses_api import ResponseStore
@@ -39,6 +39,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     loras = LoraRegistry(config.lora, reserved=(model_name,))
     app.state.server = ServerState(manager, config, model_name, STARTED, loras)
     app.state.responses = ResponseStore(config.server.responses_store_size)
+    app.state.conversations = conversations.ConversationStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -48,6 +49,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.include_router(routes_native.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
+    app.include_router(conversations.router)
     return app
 
 

@@ -97,6 +97,25 @@ class ReasoningConfig(StrictBody):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its old name
 
 
+class ConversationRef(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits on `metadata` (a response's, a conversation's)."""
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise bad_request(f"metadata has more than {MAX_METADATA_KEYS} keys", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise bad_request(
+                f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
+                f"most {MAX_METADATA_VALUE}",
+                "metadata",
+            )
+
+
 class StreamOptions(StrictBody):
     model_config = ConfigDict(extra="forbid")
     # OpenAI's random padding of deltas against side channels; a local server sends none
@@ -111,6 +130,8 @@ class ResponsesRequest(StrictBody):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
+    # a conversation (`/v1/conversations`) it starts from and adds its items to
+    conversation: str | ConversationRef | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
@@ -170,16 +191,18 @@ class ResponsesRequest(StrictBody):
             raise bad_request("background responses must be stored: leave store true", "store")
         if self.input == "" or self.input == []:
             raise bad_request("input is empty", "input")
-        metadata = self.metadata or {}
-        if len(metadata) > MAX_METADATA_KEYS:
-            raise bad_request(f"metadata has more than {MAX_METADATA_KEYS} keys", "metadata")
-        for key, value in metadata.items():
-            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-                raise bad_request(
-                    f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
-                    f"most {MAX_METADATA_VALUE}",
-                    "metadata",
-                )
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise bad_request(
+                "a response continues either a conversation or a previous response, not both",
+                "conversation",
+            )
+        check_metadata(self.metadata)
+
+    @property
+    def conversation_id(self) -> str | None:
+        if isinstance(self.conversation, ConversationRef):
+            return self.conversation.id
+        return self.conversation
 
     def chat_fields(self, tools: list[dict[str, Any]], choice: Any) -> dict[str, Any]:
         """The chat request's fields other than its messages."""
@@ -269,22 +292,24 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's input as items in one shape, each with an id (as /input_items lists
-    them): a string is one user message; a message's content becomes text parts. A 400
-    names the item (and part) that is not one this engine serves."""
+def input_items(given: str | list[dict[str, Any]], field: str = "input") -> list[dict[str, Any]]:
+    """The request's input (or a conversation's items: `field`) as items in one shape, each
+    with an id (as /input_items lists them): a string is one user message; a message's
+    content becomes text parts. A 400 names the item (and part) that is not one this
+    engine serves."""
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
-    return [_item(raw, f"input[{i}]") for i, raw in enumerate(given)]
+    return [_item(raw, f"{field}[{i}]") for i, raw in enumerate(given)]
 
 
-def check_unique_ids(items: list[dict[str, Any]]) -> None:
+def check_unique_ids(items: list[dict[str, Any]], field: str = "input") -> None:
     """Each item of a conversation once (as OpenAI's check): the earlier turns' items and the
-    new input together. A client that continues a stored response sends only what is new."""
+    new input (or items: `field`) together. A client that continues a stored response
+    sends only what is new."""
     seen: set[str] = set()
     for item in items:
         if item["id"] in seen:
-            raise bad_request(f"Duplicate item found with id {item['id']}", "input")
+            raise bad_request(f"Duplicate item found with id {item['id']}", field)
         seen.add(item["id"])
 
 
@@ -804,6 +829,7 @@ def response_object(
         "created_at": int(time.time()),
         "status": "in_progress",
         "background": bool(body.background),
+        "conversation": {"id": body.conversation_id} if body.conversation_id else None,
         "completed_at": None,
         "error": None,
         "incomplete_details": None,
@@ -899,6 +925,30 @@ class Stored:
         """Its bytes as JSON, and its events'."""
         events = self.events.bytes if self.events is not None else 0
         return len(json.dumps([self.inputs, self.response])) + events
+
+
+def page(
+    items: list[dict[str, Any]], after: str | None, limit: int, order: str, owner: str
+) -> dict[str, Any]:
+    """A list route's page of `items` (oldest first): `limit` of them (1 to 100) after the
+    item `after`, in `order` (asc, desc), as OpenAI's cursor pages."""
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be between 1 and 100", "limit")
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            raise bad_request(f"after names no item of {owner!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    chosen = items[:limit]
+    return {
+        "object": "list",
+        "data": chosen,
+        "first_id": chosen[0]["id"] if chosen else None,
+        "last_id": chosen[-1]["id"] if chosen else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def _is_reference(raw: Any) -> bool:

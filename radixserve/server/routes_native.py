@@ -18,12 +18,17 @@ from pydantic import ConfigDict, WithJsonSchema
 from radixserve import __version__
 from radixserve.core.messages import PauseMode
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.label_scores import plan_label_scoring
+from radixserve.label_scores import LabelScoring, ScoringAborted, plan_label_scoring, text_bytes
 from radixserve.lora import registry as lora_registry
 from radixserve.lora.registry import LoraRegistry
 from radixserve.native import InvalidRequest, expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
-from radixserve.server.body import JSONBodyRoute, StrictBody, off_the_loop_if_large
+from radixserve.server.body import (
+    THREAD_BODY_BYTES,
+    JSONBodyRoute,
+    StrictBody,
+    off_the_loop_if_large,
+)
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
     call_error,
@@ -134,6 +139,11 @@ class LabelScoreRequest(StrictBody):
     apply_softmax: bool = False
     item_first: bool = False
     model: str | None = None  # the served model, or a loaded LoRA adapter's name
+    # SGLang's fields for what this server does not do: accepted at their defaults
+    return_pooled_hidden_states: bool = False
+    embed_override_token_id: Any = None
+    query_embed_overrides: Any = None
+    item_embed_overrides: Any = None
 
 
 class AbortRequest(StrictBody):
@@ -572,29 +582,35 @@ async def score_labels(body: LabelScoreRequest, request: Request, state: State) 
     being the next after query + item (radixserve/label_scores.py), from one batch of
     requests that share the query through the radix cache."""
     state.manager.check_available()
+    for name in ("embed_override_token_id", "query_embed_overrides", "item_embed_overrides"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name}: embedding overrides are not supported here", name)
+    if body.return_pooled_hidden_states:
+        message = "return_pooled_hidden_states is not supported here"
+        raise bad_request(message, "return_pooled_hidden_states")
     lora_id = state.adapter_of(body.model)
     model = state.model
-    try:
-        plan = await off_the_loop_if_large(
-            request,
-            lambda: plan_label_scoring(
-                state.manager.encode,
-                body.query,
-                body.items,
-                body.label_token_ids,
-                body.apply_softmax,
-                body.item_first,
-                model.vocab_size,
-                model.max_seq_len,
-            ),  # fmt: skip
-        )
+
+    def plan() -> LabelScoring:
+        return plan_label_scoring(
+            state.manager.encode, body.query, body.items, body.label_token_ids,
+            body.apply_softmax, body.item_first, model.vocab_size, model.max_seq_len,
+        )  # fmt: skip
+
+    try:  # the query is tokenized once per item: the work decides, not the body's size
+        heavy = text_bytes(body.query, body.items) > THREAD_BODY_BYTES
+        scoring = await asyncio.to_thread(plan) if heavy else plan()
     except InvalidRequest as e:
         raise bad_request(str(e), e.param, code=e.code) from None
-    call = state.manager.submit(plan.requests(lora_id=lora_id))
+    call = state.manager.submit(scoring.requests(lora_id=lora_id))
     results = await until_disconnect(request, call, call.results())
-    tokens = plan.prompt_tokens
+    try:
+        scores = scoring.scores(results)
+    except ScoringAborted as e:
+        raise APIError(503, str(e)) from None
+    tokens = scoring.prompt_tokens
     return {
-        "scores": plan.scores(results),
+        "scores": scores,
         "model": body.model or state.model_name,
         "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
         "object": "scoring",

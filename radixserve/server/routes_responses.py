@@ -28,6 +28,7 @@ from radixserve.server.checks import (
     constraint_error,
     renamed,
 )
+from radixserve.server.conversations import Conversation, ConversationStore
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 from radixserve.server.responses_api import OutputBuilder, ResponsesRequest, ResponseStore, Stored
 from radixserve.server.routes_openai import chat_reasoning, token_bytes_of
@@ -49,6 +50,18 @@ class _Run:
     builder: OutputBuilder
     tokenizer: Any
     constraint_field: str | None  # where a grammar the engine may refuse came from
+    # the conversation it continues, and its store (its items are added there once it ends)
+    conversation: Conversation | None = None
+    conversations: ConversationStore | None = None
+
+    def record(self) -> None:
+        """A finished response's input and output items onto its conversation (not a
+        failed or cancelled one's)."""
+        status = self.stored.response["status"]
+        if self.conversation is not None and status in ("completed", "incomplete"):
+            assert self.conversations is not None
+            items = self.stored.inputs + self.stored.response["output"]
+            self.conversations.add(self.conversation, items)
 
     def named(self, e: APIError) -> APIError:
         """An error of the engine's about this request, in the Responses API's words."""
@@ -86,8 +99,14 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
             "background",
         )
     earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+    conversations: ConversationStore = request.app.state.conversations
+    conversation = None
+    if body.conversation_id is not None:
+        conversation = conversations.get(body.conversation_id, param="conversation")
+        earlier = list(conversation.items)
     body.input = store.resolve(body.input)
     run = await off_the_loop_if_large(request, lambda: _prepare(body, earlier, state))
+    run.conversation, run.conversations = conversation, conversations
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
         # the special tokens the detokenizer leaves out of the text
@@ -118,6 +137,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     except APIError as e:
         raise run.named(e) from None
     run.stored.response = run.complete(result)
+    run.record()
     if body.stores:
         store.put(run.stored)
     return JSONResponse(run.stored.response)
@@ -261,6 +281,7 @@ async def _events(
                 yield event(news_event.pop("type"), **news_event)
             if out.finished:
                 run.stored.response = run.finish(out.result)
+                run.record()
     except Exception as e:  # the engine's error, or a bug: the response fails, in order
         if not opened and not created and isinstance(e, APIError):
             raise run.named(e) from None
@@ -321,6 +342,7 @@ async def _in_background(run: _Run, call: Call) -> None:
         stored.response = run.response | {"status": "failed", "error": error}
         return
     stored.response = run.complete(result)
+    run.record()
 
 
 def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.Task) -> None:
@@ -409,8 +431,6 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
 ) -> Response:
     """The items the response was made from (earlier turns' too), a page at a time."""
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be between 1 and 100", "limit")
     store = _store(request)
     stored = store.get(response_id)
     try:
@@ -421,21 +441,4 @@ async def list_input_items(
             "stored: its input items are not all there"
         )
         raise APIError(404, message, param="response_id", code="not_found") from None
-    items = earlier + stored.inputs
-    if order == "desc":
-        items = items[::-1]
-    if after is not None:
-        ids = [i.get("id") for i in items]
-        if after not in ids:
-            raise bad_request(f"after names no input item of {response_id!r}", "after")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        }
-    )
+    return JSONResponse(rapi.page(earlier + stored.inputs, after, limit, order, response_id))

@@ -1,0 +1,216 @@
+"""OpenAI's Conversations API: a conversation is a list of items (messages, function calls
+and their outputs, reasoning) kept by the server, which a response continues
+(`/v1/responses` with `conversation`: its items are the context, and the response's input
+and output items are added to it once it ends), and which a client can read and edit:
+
+    POST   /v1/conversations                      {items?, metadata?} -> the conversation
+    GET    /v1/conversations/{id}                 the conversation (id, created_at, metadata)
+    POST   /v1/conversations/{id}                 {metadata} -> updated
+    DELETE /v1/conversations/{id}                 -> conversation.deleted
+    POST   /v1/conversations/{id}/items           {items} -> the items added, as a list
+    GET    /v1/conversations/{id}/items           a page of them (after, limit, order)
+    GET    /v1/conversations/{id}/items/{item}    one item
+    DELETE /v1/conversations/{id}/items/{item}    -> the conversation
+
+Conversations live in this server's memory (`ConversationStore`), the least recently used
+dropped past --responses-store-size of them or past 1 GiB of their items' JSON, as stored
+responses are."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ConfigDict
+
+from radixserve.server import responses_api as rapi
+from radixserve.server.body import JSONBodyRoute, StrictBody
+from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+
+router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
+MAX_ITEMS_AT_ONCE = 20  # OpenAI's bound on the items one call adds
+
+
+@dataclass
+class Conversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[dict[str, Any]] = field(default_factory=list)
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "conversation",
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+        }
+
+    def item(self, item_id: str) -> dict[str, Any]:
+        found = next((i for i in self.items if i["id"] == item_id), None)
+        if found is None:
+            raise APIError(
+                404,
+                f"Item with id {item_id!r} not found in conversation {self.id!r}.",
+                param="item_id",
+                code="not_found",
+            )
+        return found
+
+
+class ConversationStore:
+    """Conversations in memory, the least recently used dropped past `capacity` or past
+    `max_bytes` of their items' JSON (never the one just used)."""
+
+    def __init__(self, capacity: int, max_bytes: int = rapi.MAX_STORED_BYTES) -> None:
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, Conversation] = OrderedDict()
+        self.sizes: dict[str, int] = {}
+
+    def put(self, conversation: Conversation) -> None:
+        """Keep (or measure again) a conversation, the most recently used now."""
+        if self.capacity == 0:
+            return
+        self.entries[conversation.id] = conversation
+        self.entries.move_to_end(conversation.id)
+        self.sizes[conversation.id] = len(json.dumps(conversation.items))
+        total = sum(self.sizes.values())
+        for oldest in list(self.entries)[:-1]:
+            if len(self.entries) <= self.capacity and total <= self.max_bytes:
+                break
+            total -= self.sizes.pop(oldest)
+            del self.entries[oldest]
+
+    def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
+        conversation = self.entries.get(conversation_id)
+        if conversation is None:
+            raise APIError(
+                404,
+                f"Conversation with id {conversation_id!r} not found.",
+                param=param,
+                code="not_found",
+            )
+        self.entries.move_to_end(conversation_id)
+        return conversation
+
+    def add(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
+        """Items onto a conversation (a response's, once it has ended), unless it has been
+        deleted meanwhile."""
+        if self.entries.get(conversation.id) is conversation:
+            conversation.items += items
+            self.put(conversation)
+
+    def delete(self, conversation_id: str) -> None:
+        self.get(conversation_id)
+        del self.entries[conversation_id]
+        del self.sizes[conversation_id]
+
+
+def _store(request: Request) -> ConversationStore:
+    return request.app.state.conversations
+
+
+class CreateConversation(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    items: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class UpdateConversation(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    metadata: dict[str, str] | None
+
+
+class AddItems(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    items: list[dict[str, Any]]
+
+
+def _new_items(conversation: Conversation | None, given: list[dict[str, Any]]) -> list[dict]:
+    """Items as a conversation keeps them (`rapi.input_items`: ids given where missing);
+    a 400 names the one this engine cannot serve, or an id the conversation has already."""
+    if len(given) > MAX_ITEMS_AT_ONCE:
+        raise bad_request(
+            f"items: at most {MAX_ITEMS_AT_ONCE} items may be added at a time, got {len(given)}",
+            "items",
+        )
+    items = rapi.input_items(given, field="items") if given else []
+    rapi.check_unique_ids((conversation.items if conversation else []) + items, "items")
+    return items
+
+
+@router.post("/v1/conversations")
+async def create_conversation(body: CreateConversation, request: Request) -> JSONResponse:
+    store = _store(request)
+    if store.capacity == 0:
+        raise bad_request(
+            "conversations are stored, and this server stores none (--responses-store-size 0)"
+        )
+    rapi.check_metadata(body.metadata)
+    items = _new_items(None, body.items or [])
+    conversation = Conversation(rapi.new_id("conv"), int(time.time()), body.metadata or {}, items)
+    store.put(conversation)
+    return JSONResponse(conversation.public())
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_store(request).get(conversation_id).public())
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def update_conversation(
+    conversation_id: str, body: UpdateConversation, request: Request
+) -> JSONResponse:
+    conversation = _store(request).get(conversation_id)
+    rapi.check_metadata(body.metadata)
+    conversation.metadata = body.metadata or {}
+    return JSONResponse(conversation.public())
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    _store(request).delete(conversation_id)
+    body = {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+    return JSONResponse(body)
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def add_items(conversation_id: str, body: AddItems, request: Request) -> JSONResponse:
+    store = _store(request)
+    conversation = store.get(conversation_id)
+    items = _new_items(conversation, body.items)
+    store.add(conversation, items)
+    return JSONResponse(rapi.page(items, None, max(len(items), 1), "asc", conversation_id))
+
+
+@router.get("/v1/conversations/{conversation_id}/items")
+async def list_items(
+    conversation_id: str,
+    request: Request,
+    after: str | None = None,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> JSONResponse:
+    conversation = _store(request).get(conversation_id)
+    return JSONResponse(rapi.page(conversation.items, after, limit, order, conversation_id))
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+async def get_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_store(request).get(conversation_id).item(item_id))
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def delete_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    store = _store(request)
+    conversation = store.get(conversation_id)
+    conversation.items.remove(conversation.item(item_id))
+    store.put(conversation)
+    return JSONResponse(conversation.public())
