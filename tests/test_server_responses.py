@@ -424,6 +424,26 @@ def test_a_conversation_holds_the_responses_made_in_it(client, server):
     assert item.content[0].text == "Thanks."
     client.conversations.items.delete(item.id, conversation_id=conversation.id)
     assert len(list(client.conversations.items.list(conversation.id))) == 5
+    # one response at a time adds to a conversation: a second one meanwhile is refused
+    slow = client.responses.create(
+        model="m",
+        input="Count to a thousand.",
+        max_output_tokens=1500,
+        background=True,
+        conversation=conversation.id,
+        extra_body={"ignore_eos": True},
+    )
+    for blocked in (
+        lambda: client.responses.create(input="Hi", conversation=conversation.id, **GREEDY),
+        lambda: client.conversations.items.create(
+            conversation.id, items=[{"role": "user", "content": "Hi"}]
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            blocked()
+        assert e.value.body["code"] == "conversation_locked"
+    assert client.responses.cancel(slow.id).status == "cancelled"  # adds nothing, unlocks
+    assert len(list(client.conversations.items.list(conversation.id))) == 5
     updated = client.conversations.update(conversation.id, metadata={"topic": "done"})
     assert client.conversations.retrieve(conversation.id).metadata == updated.metadata
     with pytest.raises(openai.BadRequestError) as e:  # one or the other

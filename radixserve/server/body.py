@@ -219,10 +219,11 @@ async def read_bounded(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def off_the_loop_if_large(request: Request, work: Callable[[], T]) -> T:
-    """`work()` (a body's expansion into requests), on a worker thread when the body is
-    larger than THREAD_BODY_BYTES, so that other requests go on meanwhile."""
-    if len(await request.body()) > THREAD_BODY_BYTES:
+async def off_the_loop_if_large(request: Request, work: Callable[[], T], extra_bytes: int = 0) -> T:
+    """`work()` (a body's expansion into requests), on a worker thread when the body (and
+    `extra_bytes` of stored text it brings in: a conversation's earlier turns) is larger
+    than THREAD_BODY_BYTES, so that other requests go on meanwhile."""
+    if len(await request.body()) + extra_bytes > THREAD_BODY_BYTES:
         return await asyncio.to_thread(work)
     return work()
 

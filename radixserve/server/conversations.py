@@ -19,6 +19,7 @@ responses are."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, StrictBody
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 
+logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 MAX_ITEMS_AT_ONCE = 20  # OpenAI's bound on the items one call adds
 
@@ -42,6 +44,27 @@ class Conversation:
     created_at: int
     metadata: dict[str, str]
     items: list[dict[str, Any]] = field(default_factory=list)
+    running: str | None = None  # the lock of the response running in it, if one is
+
+    def lock(self, token: str) -> None:
+        """Hold it for one response (its items are added when it ends); a second one
+        meanwhile is refused, as OpenAI's conversations refuse it."""
+        self.check_free("conversation")
+        self.running = token
+
+    def unlock(self, token: str) -> None:
+        if self.running == token:
+            self.running = None
+
+    def check_free(self, param: str) -> None:
+        if self.running is not None:
+            raise APIError(
+                400,
+                f"Another response is in progress in conversation {self.id!r}: wait for it "
+                "to end before adding to the conversation.",
+                param=param,
+                code="conversation_locked",
+            )
 
     def public(self) -> dict[str, Any]:
         return {
@@ -73,13 +96,17 @@ class ConversationStore:
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.sizes: dict[str, int] = {}
 
-    def put(self, conversation: Conversation) -> None:
-        """Keep (or measure again) a conversation, the most recently used now."""
+    def put(self, conversation: Conversation, added: list[dict[str, Any]] | None = None) -> None:
+        """Keep a conversation, the most recently used now: measured whole, or (`added`:
+        the items just added to it) by what grew."""
         if self.capacity == 0:
             return
         self.entries[conversation.id] = conversation
         self.entries.move_to_end(conversation.id)
-        self.sizes[conversation.id] = len(json.dumps(conversation.items))
+        if added is not None and conversation.id in self.sizes:
+            self.sizes[conversation.id] += len(json.dumps(added))
+        else:
+            self.sizes[conversation.id] = len(json.dumps(conversation.items))
         total = sum(self.sizes.values())
         for oldest in list(self.entries)[:-1]:
             if len(self.entries) <= self.capacity and total <= self.max_bytes:
@@ -104,7 +131,9 @@ class ConversationStore:
         deleted meanwhile."""
         if self.entries.get(conversation.id) is conversation:
             conversation.items += items
-            self.put(conversation)
+            self.put(conversation, added=items)
+        else:
+            logger.info("conversation %s is gone: %d items not added", conversation.id, len(items))
 
     def delete(self, conversation_id: str) -> None:
         self.get(conversation_id)
@@ -185,6 +214,9 @@ async def delete_conversation(conversation_id: str, request: Request) -> JSONRes
 async def add_items(conversation_id: str, body: AddItems, request: Request) -> JSONResponse:
     store = _store(request)
     conversation = store.get(conversation_id)
+    conversation.check_free("conversation_id")
+    if not body.items:
+        raise bad_request("items: give at least one item to add", "items")
     items = _new_items(conversation, body.items)
     store.add(conversation, items)
     return JSONResponse(rapi.page(items, None, max(len(items), 1), "asc", conversation_id))

@@ -1057,6 +1057,15 @@ class ResponseStore:
             resolved.append(copy.deepcopy(item))
         return resolved
 
+    def chain_bytes(self, response_id: str | None) -> int:
+        """The stored bytes of a response and of those it continues (as far as they are
+        stored): about what continuing it renders and tokenizes again."""
+        total = 0
+        while response_id is not None and response_id in self.entries:
+            total += self.sizes[response_id]
+            response_id = self.entries[response_id].previous
+        return total
+
     def context(self, response_id: str) -> list[dict[str, Any]]:
         """The items a response continuing `response_id` starts from: every earlier turn's
         input and output, oldest first. A 404 when a link of the chain is gone."""

@@ -53,6 +53,12 @@ class _Run:
     # the conversation it continues, and its store (its items are added there once it ends)
     conversation: Conversation | None = None
     conversations: ConversationStore | None = None
+    lock: str | None = None  # its hold on the conversation while it runs
+
+    def release(self) -> None:
+        """Let the conversation take its next response (at once where it was not held)."""
+        if self.conversation is not None and self.lock is not None:
+            self.conversation.unlock(self.lock)
 
     def record(self) -> None:
         """A finished response's input and output items onto its conversation (not a
@@ -99,14 +105,30 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
             "background",
         )
     earlier = store.context(body.previous_response_id) if body.previous_response_id else []
+    earlier_bytes = store.chain_bytes(body.previous_response_id)
     conversations: ConversationStore = request.app.state.conversations
-    conversation = None
+    conversation, token = None, rapi.new_id("lock")
     if body.conversation_id is not None:
         conversation = conversations.get(body.conversation_id, param="conversation")
-        earlier = list(conversation.items)
-    body.input = store.resolve(body.input)
-    run = await off_the_loop_if_large(request, lambda: _prepare(body, earlier, state))
-    run.conversation, run.conversations = conversation, conversations
+        earlier, earlier_bytes = list(conversation.items), conversations.sizes[conversation.id]
+        conversation.lock(token)  # one response at a time adds to a conversation
+    try:
+        body.input = store.resolve(body.input)
+        run = await off_the_loop_if_large(
+            request, lambda: _prepare(body, earlier, state), extra_bytes=earlier_bytes
+        )
+        run.conversation, run.conversations, run.lock = conversation, conversations, token
+        return await _respond(body, run, request, state, store)
+    except BaseException:  # (a stream or a background task unlocks it once it ends)
+        if conversation is not None:
+            conversation.unlock(token)
+        raise
+
+
+async def _respond(
+    body: ResponsesRequest, run: _Run, request: Request, state: ServerState, store: ResponseStore
+) -> Response:
+    """Submit the prepared response and answer: whole, streamed or in the background."""
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
         # the special tokens the detokenizer leaves out of the text
@@ -136,6 +158,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         (result,) = await until_disconnect(request, call, call.results())
     except APIError as e:
         raise run.named(e) from None
+    finally:
+        run.release()
     run.stored.response = run.complete(result)
     run.record()
     if body.stores:
@@ -301,6 +325,8 @@ async def _events(
         error = {"code": "server_error", "message": message}
         run.stored.response = run.response | {"status": "failed", "error": error}
         run.stored.response["output"] = run.builder.items
+    finally:
+        run.release()  # a client gone mid-stream too: the call is aborted, its items kept out
     if store is not None:
         store.put(run.stored)
     final = run.stored.response
@@ -353,6 +379,7 @@ def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.
     try:
         call.close()
     finally:
+        run.release()
         _settle(run, store, task)
 
 
