@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from radixserve.server import responses_api as rapi
 from radixserve.server.checks import constraint_error
+from radixserve.server.conversations import Conversation, ConversationStore
 from radixserve.server.errors import APIError
 from radixserve.server.reasoning import reasoning_plan
 from radixserve.server.tool_calls import Tool, ToolPlan
@@ -526,3 +527,23 @@ def test_item_references_are_the_stored_items_until_their_response_goes():
         store.resolve(given[1:2])
     store.delete("c")
     assert "out-c" not in store.holders and "out-b" in store.holders
+
+
+def test_conversations_go_least_recently_used_first_but_not_while_a_response_runs():
+    store = ConversationStore(capacity=2)
+    first, second, third = (Conversation(f"c{i}", 0, {}) for i in range(3))
+    store.put(first)
+    first.lock("r1")  # a response runs in it
+    store.put(second)
+    store.put(third)  # past the bound: the oldest idle one goes
+    assert list(store.entries) == ["c0", "c2"]
+    store.add(first, rapi.input_items("hello"))
+    assert store.sizes["c0"] > 2 and len(first.items) == 1
+    with pytest.raises(APIError) as e:
+        first.lock("r2")
+    assert e.value.code == "conversation_locked"
+    first.unlock("r2")  # not its lock: still held
+    assert first.running == "r1"
+    first.unlock("r1")
+    store.add(second, rapi.input_items("lost"))  # gone: nothing is added
+    assert second.items == []

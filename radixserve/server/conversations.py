@@ -88,7 +88,8 @@ class Conversation:
 
 class ConversationStore:
     """Conversations in memory, the least recently used dropped past `capacity` or past
-    `max_bytes` of their items' JSON (never the one just used)."""
+    `max_bytes` of their items' JSON (never the one just used, nor one a response is
+    running in)."""
 
     def __init__(self, capacity: int, max_bytes: int = rapi.MAX_STORED_BYTES) -> None:
         self.capacity = capacity
@@ -111,8 +112,9 @@ class ConversationStore:
         for oldest in list(self.entries)[:-1]:
             if len(self.entries) <= self.capacity and total <= self.max_bytes:
                 break
-            total -= self.sizes.pop(oldest)
-            del self.entries[oldest]
+            if self.entries[oldest].running is None:  # not one a response is adding to
+                total -= self.sizes.pop(oldest)
+                del self.entries[oldest]
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
         conversation = self.entries.get(conversation_id)
