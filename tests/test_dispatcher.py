@@ -44,17 +44,26 @@ def test_common_prefix_length(a, b, shared):
     queries=st.lists(tokens, min_size=1, max_size=5),
 )
 def test_the_trie_holds_what_was_inserted_less_what_was_cut(ops, queries):
+    """A cut forgets the path's branch below `keep`, or below the deepest place past `keep`
+    where another held sequence leaves the path (the tree's pages branch where the trie's
+    tokens may not); a path not held whole is left alone."""
     trie, held = TokenTrie(), set()
     for insert, seq, keep in ops:
+        seq = tuple(seq)
         if insert:
             trie.insert(seq)
-            held.add(tuple(seq))
+            held.add(seq)
+        elif keep < len(seq) and any(s[: len(seq)] == seq for s in held):
+            trie.truncate(seq, keep)
+            leaves = [
+                j
+                for j in range(keep, len(seq))
+                if any(len(s) > j and s[:j] == seq[:j] and s[j] != seq[j] for s in held)
+            ]
+            cut = max(leaves, default=keep)
+            held = {s[:cut] if s[: cut + 1] == seq[: cut + 1] else s for s in held}
         else:
             trie.truncate(seq, keep)
-            held = {
-                s[:keep] if len(s) > keep and s[: keep + 1] == tuple(seq[: keep + 1]) else s
-                for s in held
-            }
     for q in queries:
         assert trie.match(q) == max((lcp(s, q) for s in held), default=0)
     assert trie.tokens == len({s[:k] for s in held for k in range(1, len(s) + 1)})
@@ -87,11 +96,11 @@ def test_the_mirror_of_a_radix_tree_is_exact(steps, queries):
             allocator.free(slots[: result.prefix_len])  # the tree kept its own copies
         else:
             tree.evict(n)
-        inserted, evicted = tree.events.take()
-        for key, s in inserted:
-            mirrors[key].insert(s)
-        for key, path, keep in evicted:
-            mirrors[key].truncate(path, keep)
+        for key, path, keep in tree.events.take():
+            if keep < 0:
+                mirrors[key].insert(path)
+            else:
+                mirrors[key].truncate(path, keep)
     for q in queries:
         for key, mirror in mirrors.items():
             assert mirror.match(q) == tree.peek_prefix(q, key).length
@@ -119,7 +128,7 @@ PREFIX = list(range(100, 100 + 4 * MIN_HIT_TOKENS))
 
 def test_cache_aware_sends_a_prefix_where_it_is_cached():
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(1, [(0, PREFIX + [1, 2])], [])
+    d.on_cache_events(1, [(0, PREFIX + [1, 2], -1)])
     for i in range(3):
         d.send(request(f"r{i}", PREFIX + [i]))
         d.done(f"r{i}")
@@ -146,7 +155,7 @@ def test_a_miss_goes_where_there_is_room():
     """A new prefix goes to the replica holding fewer tokens (cached or in flight), even a
     little busier, so prefix groups split over the pools instead of crowding one."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [(0, [7] * 200)], [])
+    d.on_cache_events(0, [(0, [7] * 200, -1)])
     d.send(request("a", [1] * 40))
     d.send(request("b", [2] * 40))  # replica 1 is busier now, yet holds 80 tokens to 200
     assert [len(r.sent) for r in recorders] == [0, 2]
@@ -168,7 +177,7 @@ def test_a_prefix_shared_by_prompts_in_flight_counts_once_toward_room():
     for g in (1, 2):
         d.send(request(f"g{g}", groups[g] + [0]))  # misses: the other replica has room
     assert len(recorders[one].sent) == BALANCE_ABS and len(recorders[1 - one].sent) == 2
-    d.on_cache_events(one, [(0, groups[0] + [0])], [])  # cached now: still counted once
+    d.on_cache_events(one, [(0, groups[0] + [0], -1)])  # cached now: still counted once
     d.send(request("g3", groups[3] + [0]))
     assert len(recorders[one].sent) == BALANCE_ABS + 1
 
@@ -185,7 +194,7 @@ def test_a_burst_on_one_replica_keeps_its_hits():
     """Replicas unbalanced by a burst shorter than what starves the idle one: hits stick
     (moving a prefix to a replica whose pool is full of others would evict one of them)."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [(0, PREFIX)], [])
+    d.on_cache_events(0, [(0, PREFIX, -1)])
     burst = starved_after()
     assert burst > BALANCE_ABS + 1  # the replicas are unbalanced well before that
     for i in range(burst):
@@ -199,7 +208,7 @@ def test_load_wins_over_hits_when_a_replica_is_starved():
     (no death spiral on the replica that holds it first). The load dropping between the
     busy replica's batches (as its requests finish together) does not reset that."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(0, [(0, PREFIX)], [])
+    d.on_cache_events(0, [(0, PREFIX, -1)])
     busy = starved_after()
     for i in range(busy):  # the busy replica's batch finishes twice on the way
         d.send(request(f"r{i}", PREFIX + [i]))
@@ -216,16 +225,19 @@ def test_load_wins_over_hits_when_a_replica_is_starved():
 
 def test_an_eviction_report_ends_the_stickiness():
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(1, [(0, PREFIX)], [])
-    d.on_cache_events(1, [], [(0, PREFIX, 0)])
+    d.on_cache_events(1, [(0, PREFIX, -1)])
+    d.on_cache_events(1, [(0, PREFIX, 0)])
     assert d.replicas[1].match(PREFIX, 0) == 0
+    # in order: a path evicted and cached again within one step is held
+    d.on_cache_events(1, [(0, PREFIX, -1), (0, PREFIX, 4), (0, PREFIX, -1)])
+    assert d.replicas[1].match(PREFIX, 0) == len(PREFIX)
 
 
 def test_a_prefix_is_a_hit_only_in_its_own_namespace():
     """A prefix cached (or being computed) under one LoRA adapter is no hit for another
     adapter's request nor the base model's; unloading the adapter drops its mirror."""
     d, recorders = dispatcher("cache_aware")
-    d.on_cache_events(1, [(7, PREFIX)], [])
+    d.on_cache_events(1, [(7, PREFIX, -1)])
     assert d.pick(PREFIX + [1], lora_id=7) == (1, len(PREFIX))
     assert d.pick(PREFIX + [1], lora_id=0)[1] == 0
     assert d.pick(PREFIX + [1], lora_id=8)[1] == 0
@@ -233,12 +245,12 @@ def test_a_prefix_is_a_hit_only_in_its_own_namespace():
     owner = 0 if recorders[0].sent else 1
     assert d.pick(PREFIX + [3], lora_id=8) == (owner, len(PREFIX))
     assert d.pick(PREFIX + [3], lora_id=0)[1] == 0
-    d.on_cache_events(1, [], [(7, PREFIX, 8)])  # evicted in its own namespace only
+    d.on_cache_events(1, [(7, PREFIX, 8)])  # evicted in its own namespace only
     assert d.replicas[1].match(PREFIX, 7) == 8
     d.send(ControlReq(1, "unload_lora_adapter", {"uid": 7}))
     assert d.replicas[1].match(PREFIX, 7) == 0 and 7 not in d.replicas[1].cached
     footprint = d.replicas[1].footprint
-    d.on_cache_events(1, [(7, PREFIX + [5])], [])  # its last request's, after the unload
+    d.on_cache_events(1, [(7, PREFIX + [5], -1)])  # its last request's, after the unload
     assert 7 not in d.replicas[1].cached and d.replicas[1].footprint == footprint
     assert all(r.sent[-1].op == "unload_lora_adapter" for r in recorders)  # sent on to all
 

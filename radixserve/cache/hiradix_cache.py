@@ -212,6 +212,8 @@ class HiRadixCache(RadixCache):
         )
         node.children[self._child_key(child.key)] = child
         self.host_size += count
+        if self.events is not None:  # a data-parallel dispatcher's mirror holds it too
+            self.events.inserted(extra_key, aligned)
         return count
 
     def evict(self, num_tokens: int) -> int:

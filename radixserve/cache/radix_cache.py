@@ -57,25 +57,31 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
+INSERTED = -1  # a CacheEventLog entry's `keep` for a sequence now cached
+
+
 @dataclass
 class CacheEventLog:
-    """What the tree inserted and evicted since the last `take`, for a data-parallel
-    dispatcher that mirrors the tree's token paths (`server/dispatcher.py`), each under
-    the `extra_key` of its namespace."""
+    """What the tree inserted and evicted since the last `take`, in order, for a
+    data-parallel dispatcher that mirrors the tree's token paths (`server/dispatcher.py`),
+    each under the `extra_key` of its namespace: (key, a sequence now cached, INSERTED), or
+    (key, the path from the root to an evicted node's end, how many of its tokens stay).
+    The order matters: a step may evict a path and cache it again."""
 
-    inserted: list[tuple[Hashable, list[int]]] = field(default_factory=list)  # now cached
-    # (key, the path from the root to an evicted leaf's end, how many of its tokens stay)
-    evicted: list[tuple[Hashable, list[int], int]] = field(default_factory=list)
+    entries: list[tuple[Hashable, list[int], int]] = field(default_factory=list)
 
-    def take(
-        self,
-    ) -> tuple[list[tuple[Hashable, list[int]]], list[tuple[Hashable, list[int], int]]]:
-        out = (self.inserted, self.evicted)
-        self.inserted, self.evicted = [], []
+    def inserted(self, extra_key: Hashable, tokens: Sequence[int]) -> None:
+        self.entries.append((extra_key, list(tokens), INSERTED))
+
+    def evicted(self, extra_key: Hashable, path: list[int], keep: int) -> None:
+        self.entries.append((extra_key, path, keep))
+
+    def take(self) -> list[tuple[Hashable, list[int], int]]:
+        out, self.entries = self.entries, []
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.inserted or self.evicted)
+        return bool(self.entries)
 
 
 @dataclass
@@ -204,7 +210,7 @@ class RadixCache:
             node, pos = child, pos + n
         tree_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         if self.events is not None and prefix_len is not None:
-            self.events.inserted.append((extra_key, list(tokens)))
+            self.events.inserted(extra_key, tokens)
         return InsertResult(pos if prefix_len is None else prefix_len, tree_slots, node)
 
     def _on_new_node(self, node: TreeNode) -> None:
@@ -256,7 +262,7 @@ class RadixCache:
         path = [t for key in reversed(keys) for t in key]
         extra_key = next(k for k, root in self.roots.items() if root is node)
         assert self.events is not None
-        self.events.evicted.append((extra_key, path, len(path) - len(leaf.key)))
+        self.events.evicted(extra_key, path, len(path) - len(leaf.key))
 
     def evict_all(self) -> int:
         """Free every unlocked node (used by flush); locked paths stay."""

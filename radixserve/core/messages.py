@@ -166,10 +166,10 @@ class SchedulerState(Message):
 
 class CacheEvents(Message):
     """A data-parallel replica's radix tree changes since its last CacheEvents (sent after
-    each step that changed it): sequences inserted, and per evicted leaf the path from the
-    root to its end with how many of those tokens stay cached."""
+    each step that changed it), in order: (namespace, a sequence inserted, -1), or
+    (namespace, the path from the root to an evicted node's end, how many of those tokens
+    stay cached). The namespace is as requests name it: the uid of their LoRA adapter (0:
+    none)."""
 
     replica: int
-    # each under its namespace as requests name it: the uid of their LoRA adapter (0: none)
-    inserted: list[tuple[int, list[int]]]
-    evicted: list[tuple[int, list[int], int]]
+    changes: list[tuple[int, list[int], int]]

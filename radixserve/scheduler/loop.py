@@ -155,12 +155,14 @@ class SchedulerLoop:
         mirror of them)."""
         if not self.cache_events:
             return
-        inserted, evicted = self.cache_events.take()
         uids = self.scheduler.adapters.namespaces()
-        added = [(uid, tokens) for key, tokens in inserted for uid in uids.get(key, ())]
-        cut = [(uid, path, keep) for key, path, keep in evicted for uid in uids.get(key, ())]
-        if added or cut:
-            self.transport.reply(CacheEvents(self.dp_rank, added, cut))
+        changes = [
+            (uid, tokens, keep)
+            for key, tokens, keep in self.cache_events.take()
+            for uid in uids.get(key, ())
+        ]
+        if changes:
+            self.transport.reply(CacheEvents(self.dp_rank, changes))
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, GenerateReq):

@@ -126,26 +126,39 @@ class TokenTrie:
         return i
 
     def truncate(self, tokens: Sequence[int], keep: int) -> None:
-        """Forget what lies below depth `keep` on the path of `tokens` (a replica evicted
-        the leaf that held tokens[keep:])."""
+        """Forget the branch of `tokens` below depth `keep` (a replica evicted the node that
+        held tokens[keep:] and whatever lay below it). The trie branches by token where the
+        tree branches by page, so another cached sequence may share the path's first tokens
+        past `keep`: the cut is then where that sequence leaves the path. A path the trie
+        does not hold whole is left alone (nothing known to cut)."""
         if keep >= len(tokens):
             return
+        path = []  # (node, depth where its edge starts, the edge, the child) down the path
         node, i = self.root, 0
-        while True:
+        while i < len(tokens):
             entry = node.children.get(tokens[i])
             if entry is None:
-                return  # not held: nothing to forget
+                return
             edge, child = entry
-            if _common(edge, tokens[i : keep + 1]) < min(len(edge), keep + 1 - i):
-                return  # the path leaves this edge before the cut: not held
-            if i + len(edge) > keep:
+            if _common(edge, tokens[i:]) < min(len(edge), len(tokens) - i):
+                return
+            path.append((node, i, edge, child))
+            node, i = child, i + len(edge)
+        for node, i, edge, child in reversed(path):  # the deepest branching past `keep`
+            if i < keep:
+                break
+            if len(node.children) > 1:
+                self.tokens -= len(edge) + _held(child)
+                del node.children[edge[0]]
+                return
+        for node, i, edge, child in path:  # else: at depth `keep`
+            if i <= keep < i + len(edge):
                 self.tokens -= len(edge) - (keep - i) + _held(child)
                 if keep == i:
-                    del node.children[tokens[i]]
+                    del node.children[edge[0]]
                 else:  # the cut falls inside the edge: keep its head, drop the rest
-                    node.children[tokens[i]] = (edge[: keep - i], _Node())
+                    node.children[edge[0]] = (edge[: keep - i], _Node())
                 return
-            node, i = child, i + len(edge)
 
     def __bool__(self) -> bool:
         return bool(self.root.children)
@@ -245,25 +258,21 @@ class Dispatcher:
         if index is not None:
             self.replicas[index].in_flight.pop(rid, None)
 
-    def on_cache_events(
-        self,
-        replica: int,
-        inserted: Sequence[tuple[int, list[int]]],
-        evicted: Sequence[tuple[int, list[int], int]],
-    ) -> None:
-        """A replica's tree changes (`CacheEvents`), each under its namespace."""
+    def on_cache_events(self, replica: int, changes: Sequence[tuple[int, list[int], int]]) -> None:
+        """A replica's tree changes (`CacheEvents`), in order, each under its namespace:
+        a sequence inserted (keep -1), or a path cut after `keep` tokens."""
         cached = self.replicas[replica].cached
-        for lora_id, tokens in inserted:
+        for lora_id, tokens, keep in changes:
             if lora_id in self.unloaded:
                 continue
             trie = cached.get(lora_id)
+            if keep >= 0:
+                if trie is not None:
+                    trie.truncate(tokens, keep)
+                continue
             if trie is None:
                 trie = cached[lora_id] = TokenTrie()
             trie.insert(tokens)
-        for lora_id, tokens, keep in evicted:
-            trie = cached.get(lora_id)
-            if trie is not None:
-                trie.truncate(tokens, keep)
 
     # -- the policies -----------------------------------------------------------------------
     def pick(self, ids: Sequence[int], lora_id: int = 0) -> tuple[int, int]:

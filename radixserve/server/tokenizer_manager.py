@@ -281,7 +281,7 @@ class TokenizerManager:
                 if not self.model_folder.done():  # every replica names the same folder
                     self.model_folder.set_result(Path(msg.folder))
             elif isinstance(msg, CacheEvents):
-                self.to_scheduler.on_cache_events(msg.replica, msg.inserted, msg.evicted)
+                self.to_scheduler.on_cache_events(msg.replica, msg.changes)
             elif isinstance(msg, Failed):
                 when = "failed" if msg.started else "failed to start"
                 self.fail_all(f"the {msg.role} {when}: {msg.message}")
