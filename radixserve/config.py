@@ -423,8 +423,8 @@ class LoraConfig:
         8,
         "Most distinct adapters the running requests use at once (a step reads each one's "
         "matrices): a request naming another waits until the requests of one of them have "
-        "ended, new requests of those adapters waiting behind it. Requests of the base "
-        "model take none.",
+        "ended, new requests of other adapters waiting behind it until it has one (whatever "
+        "the schedule policy puts first). Requests of the base model take none.",
     )
     max_lora_rank: int | None = _opt(
         None, "Refuse adapters with a module of a higher rank (default: up to 1024)."

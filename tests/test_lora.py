@@ -565,6 +565,36 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
         assert first_batch == [1, 0], first_batch
         engine.check_kv_accounting()
 
+    # lpm puts the requests sharing the running adapter's cached prefix first: the one that
+    # found no slot still goes next, not behind them
+    with Engine(
+        str(case.folder),
+        progress=False,
+        dtype=FP32,
+        lora_paths=paths,
+        max_loras_per_batch=1,
+        schedule_policy="lpm",
+    ) as engine:
+        prefills: list[set[int]] = []  # per step: the adapters of rows that prefill
+        forward = engine.runner.forward
+
+        def prefill_spy(batch):
+            owners = batch.lora_ids or [0] * len(batch.extend_lens)
+            prefills.append({u for u, n in zip(owners, batch.extend_lens) if n > 1 and u})
+            return forward(batch)
+
+        engine.runner.forward = prefill_spy
+        shared = PROMPTS[2] * 3
+        prompts = [shared + " one", PROMPTS[0], shared + " two", shared + " three"]
+        names = ["a", "b", "a", "a"]
+        outs = engine.generate(prompts, GREEDY, lora_path=names)
+        assert [o["output_ids"] for o in outs] == [
+            case.greedy(p, n) for p, n in zip(prompts, names, strict=True)
+        ]
+        b_first = next(i for i, used in enumerate(prefills) if 2 in used)
+        assert all(1 not in used for used in prefills[1:b_first]), prefills
+        engine.check_kv_accounting()
+
     with pytest.raises(LoraError, match="rank 8 is above --max-lora-rank 4"):
         Engine(str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_lora_rank=4)
     narrow = ["q_proj", "v_proj", "down_proj"]  # adapter b's modules, not a's

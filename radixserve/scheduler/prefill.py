@@ -87,7 +87,9 @@ class PrefillAdder:
     # (--max-loras-per-batch; None: no limit)
     adapters: set[int] = field(default_factory=set)
     max_adapters: int | None = None
-    adapters_closed: bool = False  # a request found no adapter slot: no other adapter's joins
+    # the adapter of a request that found no slot (this step, or an earlier one where it is
+    # still waiting): until it has one, no request of another adapter joins
+    waiting_adapter: int | None = None
 
     @classmethod
     def for_step(
@@ -100,6 +102,7 @@ class PrefillAdder:
         running: list[Req],
         decode_tokens: int = 0,
         max_adapters: int | None = None,
+        waiting_adapter: int | None = None,
     ) -> PrefillAdder:
         """The adder of one step, its budgets taken from the config, the limits resolved at
         load (`info`) and the KV state."""
@@ -123,6 +126,7 @@ class PrefillAdder:
             in_batch_sharing=not config.disable_in_batch_prefix_caching,
             adapters={r.lora_id for r in running if r.lora_id},
             max_adapters=max_adapters,
+            waiting_adapter=waiting_adapter,
         )
 
     @property
@@ -185,16 +189,17 @@ class PrefillAdder:
 
     def _adapter_fits(self, req: Req) -> bool:
         """Its adapter is one the batch uses already, or there is room for one more. Once a
-        request found no room, requests of the adapters in use wait too (the base model's
-        still go): else a steady stream of theirs would keep those adapters running and
-        that request waiting for good."""
+        request found no room, requests of other adapters wait (the base model's still go),
+        in this step and the next ones, until it has a slot: else a steady stream of the
+        adapters in use (which the lpm and priority orders put first) would keep it waiting
+        for good."""
         if not req.lora_id or self.max_adapters is None:
             return True
-        if self.adapters_closed:
+        if self.waiting_adapter is not None and req.lora_id != self.waiting_adapter:
             return False
         if req.lora_id in self.adapters or len(self.adapters) < self.max_adapters:
             return True
-        self.adapters_closed = True
+        self.waiting_adapter = req.lora_id
         return False
 
     def _take(self, req: Req) -> list[int]:

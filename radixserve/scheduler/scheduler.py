@@ -121,6 +121,8 @@ class Scheduler:
         self.post = OutputProcessor(self.grammars, stops, self.info, runner.device, self.stats)
         self.reserve = OutputReserve(config.init_new_token_ratio, config.min_new_token_ratio)
         self.adapters = Adapters(runner)  # LoRA: which adapters requests may name
+        # the adapter of a waiting request that found no slot (--max-loras-per-batch)
+        self.lora_waiting: int | None = None
         self.spec: Speculator | None = None
         if speculative is not None and speculative.enabled:
             self.spec = Speculator(speculative, self.stats, self.info.context_length)
@@ -313,7 +315,7 @@ class Scheduler:
             return None
         adder = PrefillAdder.for_step(
             self.config, self.info, self.kv, self.reserve, self.page_size, self.running,
-            decode_tokens, self.adapters.per_batch,
+            decode_tokens, self.adapters.per_batch, self._lora_waiting(),
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
@@ -324,6 +326,8 @@ class Scheduler:
             if result is Admission.ADDED:
                 self.waiting.remove(req)
         self.chunked = adder.chunked
+        waiter = adder.waiting_adapter  # still without a slot: the next steps keep it first
+        self.lora_waiting = None if waiter in adder.adapters else waiter
         if not adder.reqs:
             return None
         if not self.kv.ensure_free(adder.num_tokens):  # a continued chunk that cannot fit
@@ -331,6 +335,14 @@ class Scheduler:
                 self._requeue(req)
             return None
         return adder.reqs, adder.extends
+
+    def _lora_waiting(self) -> int | None:
+        """The adapter of a request that found no slot in an earlier step, while one of its
+        requests still waits."""
+        waiter = self.lora_waiting
+        if waiter is not None and not any(r.lora_id == waiter for r in self.waiting):
+            self.lora_waiting = waiter = None
+        return waiter
 
     # -- running batches ------------------------------------------------------------------
     def _run_prefill(
