@@ -186,6 +186,8 @@ class PrefillAdder:
         self.rows_left -= 1
         if req.lora_id:
             self.adapters.add(req.lora_id)
+            if req.lora_id == self.waiting_adapter:  # it has its slot: the others may join
+                self.waiting_adapter = None
 
     def _adapter_fits(self, req: Req) -> bool:
         """Its adapter is one the batch uses already, or there is room for one more. Once a

@@ -313,27 +313,34 @@ class Scheduler:
         """Requests to extend now and the tokens each extends by (see prefill.py)."""
         if not self.waiting and self.chunked is None:
             return None
+        held_for = self._lora_waiting()
         adder = PrefillAdder.for_step(
             self.config, self.info, self.kv, self.reserve, self.page_size, self.running,
-            decode_tokens, self.adapters.per_batch, self._lora_waiting(),
+            decode_tokens, self.adapters.per_batch, held_for,
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
-        for req in order_waiting(self.config.schedule_policy, self.waiting, self.kv.tree, self.rng):
+        order = order_waiting(self.config.schedule_policy, self.waiting, self.kv.tree, self.rng)
+        if held_for is not None:  # its oldest request first: no budget runs out before it
+            first = next(r for r in self.waiting if r.lora_id == held_for)
+            order.remove(first)
+            order.insert(0, first)
+        for req in order:
             result = adder.try_add(req)
             if result is Admission.STOP:
                 break
             if result is Admission.ADDED:
                 self.waiting.remove(req)
         self.chunked = adder.chunked
-        waiter = adder.waiting_adapter  # still without a slot: the next steps keep it first
-        self.lora_waiting = None if waiter in adder.adapters else waiter
         if not adder.reqs:
+            self.lora_waiting = adder.waiting_adapter
             return None
         if not self.kv.ensure_free(adder.num_tokens):  # a continued chunk that cannot fit
             for req in adder.reqs:
                 self._requeue(req)
-            return None
+            return None  # (the request that waits for a slot keeps its claim)
+        # one still without a slot keeps the next steps' other adapters waiting
+        self.lora_waiting = adder.waiting_adapter
         return adder.reqs, adder.extends
 
     def _lora_waiting(self) -> int | None:
