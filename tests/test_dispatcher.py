@@ -106,6 +106,23 @@ def test_the_mirror_of_a_radix_tree_is_exact(steps, queries):
             assert mirror.match(q) == tree.peek_prefix(q, key).length
 
 
+def test_a_chain_evicted_leaf_first_is_one_change():
+    """Each eviction of a node makes those of the nodes below it, just before, say nothing
+    more: a chain goes as one change, whatever its length."""
+    allocator = SlotAllocator(64)
+    tree = RadixCache(allocator)
+    tree.events = CacheEventLog()
+    for seq in (list(range(4)), list(range(8)), list(range(12)), list(range(16)), [0, 1, 9]):
+        slots = allocator.alloc(len(seq))
+        result = tree.insert(seq, slots)
+        allocator.free(slots[: result.prefix_len])
+    tree.events.take()
+    assert tree.evict(12) == 12  # the chain's three deepest nodes: [12..15], [8..11], [4..7]
+    assert tree.events.take() == [(None, list(range(8)), 4)]
+    tree.evict(64)  # [2, 3], the sibling [9], then [0, 1] above both
+    assert tree.events.take() == [(None, [0, 1], 0)]
+
+
 class Recorder:
     def __init__(self) -> None:
         self.sent: list = []

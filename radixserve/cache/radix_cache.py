@@ -74,6 +74,14 @@ class CacheEventLog:
         self.entries.append((extra_key, list(tokens), INSERTED))
 
     def evicted(self, extra_key: Hashable, path: list[int], keep: int) -> None:
+        """A node evicted (with whatever lay below it): the evictions just before it of
+        nodes below it say nothing more (a chain evicted leaf first goes as one entry)."""
+        while self.entries:
+            key, last, last_keep = self.entries[-1]
+            below = last_keep >= 0 and key == extra_key and len(last) > len(path)
+            if not below or last[: len(path)] != path:
+                break
+            self.entries.pop()
         self.entries.append((extra_key, path, keep))
 
     def take(self) -> list[tuple[Hashable, list[int], int]]:
