@@ -205,7 +205,6 @@ class ResultAccumulator:
         self.token_ids_logprobs: list[list[LogprobTriple]] = []
         self.input_token_ids_logprobs: list[list[LogprobTriple]] = []
         self.embedding: list[float] | None = None  # an embedding request's, at the end
-        self.hidden_states: list[list[float]] | None = None  # return_hidden_states, at the end
 
     def add(self, delta: StrOut, e2e_latency: float | None = None) -> ResultUpdate:
         """Apply one delta; `e2e_latency` goes into the final result's meta_info."""
@@ -221,8 +220,6 @@ class ResultAccumulator:
             self.input_token_ids_logprobs = delta.input_token_ids_logprobs or []
         if delta.embedding is not None:
             self.embedding = delta.embedding
-        if delta.hidden_states is not None:
-            self.hidden_states = delta.hidden_states
         return ResultUpdate(
             delta,
             e2e_latency,
@@ -257,9 +254,12 @@ class ResultAccumulator:
             if self.token_ids_logprob:  # SGLang's names
                 meta["input_token_ids_logprobs"] = list(self.input_token_ids_logprobs)
                 meta["output_token_ids_logprobs"] = self.token_ids_logprobs[: update.num_logprobs]
-        if self.hidden_states is not None:  # SGLang's shape: the prompt's rows, then one a step
-            prompt = out.prompt_tokens
-            meta["hidden_states"] = [self.hidden_states[:prompt], *self.hidden_states[prompt:]]
+        # return_hidden_states: on the last delta alone (a result built later, of an earlier
+        # delta of a stream, must not show them), SGLang's shape: the prompt's rows, then
+        # one row a step
+        if out.hidden_states is not None:
+            rows, prompt = out.hidden_states, out.prompt_tokens
+            meta["hidden_states"] = [rows[:prompt], *rows[prompt:]]
         if self.embedding is not None:  # an embedding request: /encode's shape
             return {"embedding": self.embedding, "meta_info": meta}
         text = "".join(self.pieces[: update.num_pieces])

@@ -245,6 +245,22 @@ def test_an_earlier_update_keeps_its_result():
     assert [u.text_delta for u in updates] == ["a", "b", "c"]
 
 
+def test_only_the_last_update_shows_the_hidden_states():
+    """A stream's results are built after later deltas were added: the hidden states, which
+    ride on the last delta, show in its result alone."""
+    state = RequestState("r", SamplingParams(), TOKENIZER)
+    results = ResultAccumulator("r", False, 0)
+    updates = []
+    for i, ids in enumerate(one_id_per_step("ab")):
+        last = i == 1
+        out = ReqOutput("r", ids, FinishReason.of_length(2) if last else None, 1, 0, i + 1)
+        out.hidden_states = [[0.5], [1.5]] if last else None  # a prompt row, a step's row
+        state.update(out)
+        updates.append(results.add(roundtrip(state.take_delta())))
+    assert "hidden_states" not in updates[0].result["meta_info"]
+    assert updates[1].result["meta_info"]["hidden_states"] == [[[0.5]], [1.5]]
+
+
 def test_a_steps_wire_size_does_not_grow_with_the_output():
     state = RequestState("r", SamplingParams(), TOKENIZER)
     sizes = []
