@@ -492,9 +492,7 @@ class Engine:
         with self._lora_lock:  # one load or unload at a time: names stay consistent
             ref = self.loras.new_ref(lora_name, lora_path)
             args = {"uid": ref.uid, "name": ref.name, "path": ref.path}
-            if self._error is not None:
-                raise EngineDeadError(str(self._error))
-            load = self._transport.control("load_lora_adapter", args)
+            load = self._control_future("load_lora_adapter", args)
             try:
                 update = load.result(timeout=lora_registry.LOAD_TIMEOUT_S)
             except TimeoutError:  # undone, read or not (a read still going is abandoned)
@@ -680,9 +678,13 @@ class Engine:
 
     def _control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Any:
         """Run a control op on the scheduler thread (the scheduler is not thread-safe)."""
+        return self._control_future(op, args).result()
+
+    def _control_future(self, op: ControlOp, args: dict[str, Any] | None = None) -> Future:
+        """A control op sent to the scheduler thread, its answer to come."""
         if self._error is not None:
             raise EngineDeadError(str(self._error))
-        return self._transport.control(op, args).result()
+        return self._transport.control(op, args)
 
     # -- the scheduler thread -------------------------------------------------------------
     def _run(self, progress: bool, built: Future[None]) -> None:

@@ -449,16 +449,18 @@ class Scheduler:
         drafts = self._drafts(reqs, pending)
         masks = self.grammars.start_masks(reqs)  # computed while the forward runs
         first_rows = None
-        starts = [r.kv_len for r in reqs]
+        wants_hidden = any(r.return_hidden_states for r in reqs)  # (rare: no step pays for it)
+        starts = [r.kv_len for r in reqs] if wants_hidden else []
         if any(drafts):
             batch, first_rows = self.kv.verify_batch(reqs, drafts)
         elif all(n == 1 for n in pending):
             batch = self.kv.decode_batch(reqs)
         else:
             batch = self.kv.extend_batch(reqs, [r.all_ids[r.kv_len :] for r in reqs])
-        counts = [n + len(d) for n, d in zip(pending, drafts, strict=True)]  # rows of each
-        hidden = [_hidden_rows(r, ends_prompt=False) for r in reqs]
-        if any(h is not None for h in hidden):
+        hidden: list[HiddenRows | None] = []
+        if wants_hidden:
+            hidden = [_hidden_rows(r, ends_prompt=False) for r in reqs]
+            counts = [n + len(d) for n, d in zip(pending, drafts, strict=True)]  # rows of each
             batch.hidden_indices = _all_rows_of(hidden, counts, batch.input_ids.device)
         start = time.perf_counter()
         out = self.runner.forward(batch)

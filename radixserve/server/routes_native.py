@@ -24,7 +24,6 @@ from radixserve.lora.registry import LoraRegistry
 from radixserve.native import InvalidRequest, expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
 from radixserve.server.body import (
-    THREAD_BODY_BYTES,
     JSONBodyRoute,
     StrictBody,
     off_the_loop_if_large,
@@ -598,8 +597,8 @@ async def score_labels(body: LabelScoreRequest, request: Request, state: State) 
         )  # fmt: skip
 
     try:  # the query is tokenized once per item: the work decides, not the body's size
-        heavy = text_bytes(body.query, body.items) > THREAD_BODY_BYTES
-        scoring = await asyncio.to_thread(plan) if heavy else plan()
+        extra = text_bytes(body.query, body.items)
+        scoring = await off_the_loop_if_large(request, plan, extra_bytes=extra)
     except InvalidRequest as e:
         raise bad_request(str(e), e.param, code=e.code) from None
     call = state.manager.submit(scoring.requests(lora_id=lora_id))
