@@ -553,6 +553,12 @@ class ServerConfig:
         "previous_response_id and background runs; past it the least recently used go. "
         "0 keeps none.",
     )
+    file_storage_path: str | None = _opt(
+        None,
+        "Folder for the files of /v1/files and the Batch API's outputs (as SGLang's flag); "
+        "files kept there are served again after a restart. Default: a temporary folder, "
+        "removed when the server stops.",
+    )
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )

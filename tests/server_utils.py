@@ -102,19 +102,21 @@ def tiny_model_server(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[S
     yield from served(log_dir / "server.log", *model, *flags)
 
 
-def state(server: ServerProcess) -> dict:
+def state(server: ServerProcess, headers: dict[str, str] | None = None) -> dict:
     """The scheduler's counters, as /get_server_info reports them."""
-    r = requests.get(server.url + "/get_server_info", timeout=30)
+    r = requests.get(server.url + "/get_server_info", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["internal_states"][0]
 
 
-def assert_kv_clean(server: ServerProcess, settle: float = 10.0) -> None:
+def assert_kv_clean(
+    server: ServerProcess, settle: float = 10.0, headers: dict[str, str] | None = None
+) -> None:
     """Idle: no request holds KV, free + cached == total, and a flush frees everything. A
     request just cancelled or disconnected is aborted asynchronously: its abort is given
     `settle` seconds to reach the scheduler."""
     deadline = time.monotonic() + settle
-    while (s := state(server))["num_running"] or s["num_waiting"]:
+    while (s := state(server, headers))["num_running"] or s["num_waiting"]:
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -122,9 +124,9 @@ def assert_kv_clean(server: ServerProcess, settle: float = 10.0) -> None:
     assert s["kv_held_by_requests"] == 0, s
     assert s["kv_free"] + s["kv_tree_evictable"] + s["kv_tree_protected"] == s["kv_total"], s
     assert s["kv_tree_protected"] == 0, s
-    r = requests.post(server.url + "/flush_cache", timeout=30)
+    r = requests.post(server.url + "/flush_cache", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
-    s = state(server)
+    s = state(server, headers)
     assert s["kv_free"] == s["kv_total"], s
 
 

@@ -21,7 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixserve import __version__
 from radixserve.config import Config
 from radixserve.lora.registry import LoraRegistry
-from radixserve.server import conversations, routes_native, routes_openai, routes_responses
+from radixserve.server import (
+    batches,
+    conversations,
+    files,
+    routes_native,
+    routes_openai,
+    routes_responses,
+)
 from radixserve.server import openai_api as oai
 from radixserve.server.body import validation_error
 from radixserve.server.errors import APIError, EngineUnavailable
@@ -41,6 +48,8 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.state.responses = ResponseStore(config.server.responses_store_size)
     app.state.conversations = conversations.ConversationStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
+    app.state.files = files.FileStore(config.server.file_storage_path)
+    app.state.batches = batches.BatchStore()
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -50,6 +59,8 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
     app.include_router(conversations.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     return app
 
 

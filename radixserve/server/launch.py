@@ -190,6 +190,7 @@ class Launcher:
         finally:
             for task in tasks:
                 task.cancel()
+            app.state.files.close()
             ctx.destroy(linger=0)
             sync_ctx.destroy(linger=0)
         return self.exit_code

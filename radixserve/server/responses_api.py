@@ -928,12 +928,17 @@ class Stored:
 
 
 def page(
-    items: list[dict[str, Any]], after: str | None, limit: int, order: str, owner: str
+    items: list[dict[str, Any]],
+    after: str | None,
+    limit: int,
+    order: str,
+    owner: str,
+    max_limit: int = 100,
 ) -> dict[str, Any]:
-    """A list route's page of `items` (oldest first): `limit` of them (1 to 100) after the
-    item `after`, in `order` (asc, desc), as OpenAI's cursor pages."""
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be between 1 and 100", "limit")
+    """A list route's page of `items` (oldest first): `limit` of them (1 to `max_limit`)
+    after the item `after`, in `order` (asc, desc), as OpenAI's cursor pages."""
+    if not 1 <= limit <= max_limit:
+        raise bad_request(f"limit must be between 1 and {max_limit}", "limit")
     if order == "desc":
         items = items[::-1]
     if after is not None:

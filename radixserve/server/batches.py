@@ -1,0 +1,550 @@
+"""OpenAI's Batch API: a JSONL file of requests to one endpoint, run by the server while the
+client waits elsewhere, the answers written to an output file (and the failures to an
+error file) that the Files API (`files.py`) serves.
+
+    POST /v1/batches              {input_file_id, endpoint, completion_window, metadata?,
+                                   output_expires_after?} -> the batch
+    GET  /v1/batches              a page of them, newest first (after, limit)
+    GET  /v1/batches/{id}         the batch
+    POST /v1/batches/{id}/cancel  -> the batch, cancelling
+
+Each input line is `{"custom_id", "method": "POST", "url": <the endpoint>, "body"}`. The
+endpoints are /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses.
+
+A batch is first checked whole (`check_input`): any malformed line fails it with the
+lines' errors and runs nothing. Then each body goes through the app itself, as an HTTP
+request would (`call_route`: the same checks, errors and statuses), up to a window of
+twice the engine's running requests at a time, so the scheduler keeps full batches and
+orders them by their shared prefixes. An output line is OpenAI's:
+
+    {"id": "batch_req_…", "custom_id", "response": {"status_code", "request_id", "body"},
+     "error": null}
+
+A request answered 2xx goes to the output file, any other to the error file. A request
+that never ran (the batch cancelled, expired or stopped with the server) goes to the error
+file with `response` null and `error` {code: batch_cancelled | batch_expired |
+server_shutdown, message}, so every line of the input is in one of the two files.
+
+Batches are kept in this server's memory (the newest MAX_BATCHES); their files are on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ConfigDict
+
+from radixserve.server import files as files_api
+from radixserve.server import responses_api as rapi
+from radixserve.server.body import JSONBodyRoute, StrictBody
+from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+
+logger = logging.getLogger(__name__)
+router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+COMPLETION_WINDOWS = {"24h": 86400}  # OpenAI's one window
+MAX_REQUESTS = 50_000  # OpenAI's bounds on one batch's input
+MAX_INPUT_BYTES = 200 << 20
+MAX_ERRORS = 100  # a failed check lists up to this many lines
+MAX_BATCHES = 10_000  # kept in memory; past it the oldest ended ones go
+DISCONNECTED = 499  # the status a route answers a request whose client left
+
+
+@dataclass
+class Batch:
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str]
+    output_lifetime_s: int | None  # the output and error files' (output_expires_after)
+    status: str = "validating"
+    times: dict[str, int] = field(default_factory=dict)  # "<status>_at" -> unix time
+    errors: list[dict[str, Any]] | None = None
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    model: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def enter(self, status: str) -> None:
+        self.status = status
+        self.times[f"{status}_at"] = int(time.time())
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("completed", "failed", "expired", "cancelled")
+
+    def public(self) -> dict[str, Any]:
+        times = {
+            f"{s}_at": self.times.get(f"{s}_at")
+            for s in ("in_progress", "finalizing", "completed", "failed", "expired")
+            + ("cancelling", "cancelled")
+        }
+        usage = None
+        if self.usage:
+            usage = {
+                "input_tokens": self.usage["input_tokens"],
+                "input_tokens_details": {"cached_tokens": self.usage["cached_tokens"]},
+                "output_tokens": self.usage["output_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self.usage["reasoning_tokens"]},
+                "total_tokens": self.usage["input_tokens"] + self.usage["output_tokens"],
+            }
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": None if self.errors is None else {"object": "list", "data": self.errors},
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            **times,
+            "request_counts": {
+                "total": self.total,
+                "completed": self.completed,
+                "failed": self.failed,
+            },
+            "metadata": self.metadata,
+            "model": self.model,
+            "usage": usage,
+        }
+
+
+class BatchStore:
+    """The batches, oldest first; past MAX_BATCHES the oldest ended ones go."""
+
+    def __init__(self, capacity: int = MAX_BATCHES) -> None:
+        self.capacity = capacity
+        self.batches: OrderedDict[str, Batch] = OrderedDict()
+        self.tasks: set[asyncio.Task] = set()
+
+    def add(self, batch: Batch) -> None:
+        self.batches[batch.id] = batch
+        for old in list(self.batches.values()):
+            if len(self.batches) <= self.capacity:
+                break
+            if old.ended:
+                del self.batches[old.id]
+
+    def get(self, batch_id: str) -> Batch:
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise APIError(
+                404, f"No batch found with id {batch_id!r}.", param="batch_id", code="not_found"
+            )
+        return batch
+
+
+# -- checking the input ---------------------------------------------------------------------
+@dataclass
+class Line:
+    number: int  # 1-based, as OpenAI's errors count lines
+    custom_id: str
+    body: dict[str, Any]
+
+
+def read_lines(source: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of an open file, from its start, numbered from 1."""
+    source.seek(0)
+    for number, raw in enumerate(source, 1):
+        if raw.strip():
+            yield number, raw
+
+
+def parse_line(number: int, raw: bytes, endpoint: str) -> Line:
+    """One input line, or a ValueError whose args are (code, message, param)."""
+
+    def bad(code: str, message: str, param: str | None = None) -> ValueError:
+        return ValueError(code, f"line {number}: {message}", param)
+
+    try:
+        entry = json.loads(raw)
+    except ValueError as e:
+        raise bad("invalid_json_line", f"not a JSON object ({e})") from None
+    if not isinstance(entry, dict):
+        raise bad("invalid_json_line", "not a JSON object")
+    custom_id = entry.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise bad("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if entry.get("method") != "POST":
+        raise bad("invalid_method", "method must be 'POST'", "method")
+    if entry.get("url") != endpoint:
+        message = f"url must be the batch's endpoint {endpoint!r}, got {entry.get('url')!r}"
+        raise bad("mismatched_url", message, "url")
+    body = entry.get("body")
+    if not isinstance(body, dict):
+        raise bad("invalid_body", "body must be a JSON object (the request's body)", "body")
+    unknown = set(entry) - {"custom_id", "method", "url", "body"}
+    if unknown:
+        raise bad("invalid_request", f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+    return Line(number, custom_id, body)
+
+
+@dataclass
+class Checked:
+    total: int
+    model: str | None
+    errors: list[dict[str, Any]]
+
+
+def check_input(source: IO[bytes], endpoint: str) -> Checked:
+    """Every line of a batch's input checked (run on a worker thread: reads the file)."""
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    total, model = 0, None
+
+    def error(code: str, message: str, param: str | None = None, line: int | None = None):
+        if len(errors) < MAX_ERRORS:
+            errors.append({"code": code, "message": message, "param": param, "line": line})
+
+    if source.seek(0, os.SEEK_END) > MAX_INPUT_BYTES:
+        error("file_too_large", f"the input file is larger than {MAX_INPUT_BYTES >> 20} MiB")
+        return Checked(0, None, errors)
+    for number, raw in read_lines(source):
+        total += 1
+        try:
+            line = parse_line(number, raw, endpoint)
+        except ValueError as e:
+            code, message, param = e.args
+            error(code, message, param, number)
+            continue
+        if line.custom_id in seen:
+            message = f"line {number}: custom_id {line.custom_id!r} is used by an earlier line"
+            error("duplicate_custom_id", message, "custom_id", number)
+        seen.add(line.custom_id)
+        if model is None and isinstance(line.body.get("model"), str):
+            model = line.body["model"]
+    if total == 0:
+        error("empty_file", "the input file has no requests")
+    elif total > MAX_REQUESTS:
+        error("too_many_requests", f"a batch takes at most {MAX_REQUESTS} requests, got {total}")
+    return Checked(total, model, errors)
+
+
+# -- running it -----------------------------------------------------------------------------
+async def call_route(
+    app: FastAPI, path: str, body: bytes, headers: list[tuple[bytes, bytes]], gone: asyncio.Event
+) -> tuple[int, bytes]:
+    """POST `body` to the app's route `path` in this process, as a client would: the status
+    and the body answered. Once `gone` is set, the request sees its client disconnect (the
+    route aborts it and answers 499)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ],
+        "client": ("batch", 0),
+        "server": ("radixserve", 0),
+    }
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    status = 500
+    chunks: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
+class Runner:
+    """One batch's run: check, dispatch through the app, write the two files, end."""
+
+    def __init__(self, app: FastAPI, batch: Batch, source: IO[bytes]) -> None:
+        self.app = app
+        self.batch = batch
+        # the input, open: a client that deletes the file meanwhile takes nothing from the run
+        self.source = source
+        self.files: files_api.FileStore = app.state.files
+        self.outputs: dict[str, tuple[str, IO[bytes]]] = {}  # "output"/"error" -> id, file
+        self.manager = app.state.server.manager
+        replicas = self.manager.to_scheduler.size
+        self.window = 2 * self.manager.info.max_running_requests * replicas
+        key = app.state.server.config.server.resolved_api_key
+        self.headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
+
+    async def run(self) -> None:
+        batch = self.batch
+        try:
+            checked = await asyncio.to_thread(check_input, self.source, batch.endpoint)
+            batch.total, batch.model = checked.total, checked.model
+            if batch.cancel.is_set():
+                batch.enter("cancelled")
+                return
+            if checked.errors:
+                batch.errors = checked.errors
+                batch.enter("failed")
+                return
+            batch.enter("in_progress")
+            stopped = await self.dispatch()
+            batch.enter("finalizing")
+            self.close_outputs()
+            batch.enter(stopped or "completed")
+        except Exception as e:  # a bug: the batch fails, the server goes on
+            logger.exception("batch %s failed", batch.id)
+            self.close_outputs()
+            error = {"code": "internal_error", "message": repr(e), "param": None, "line": None}
+            batch.errors = [error]
+            batch.enter("failed")
+        finally:
+            self.source.close()
+
+    def stop_reason(self) -> str | None:
+        if self.batch.cancel.is_set():
+            return "cancelled"
+        if time.time() >= self.batch.expires_at:
+            return "expired"
+        if self.manager.draining:
+            return "failed"
+        return None
+
+    async def dispatch(self) -> str | None:
+        """Run every line, up to `window` at a time; the status the batch ends in if it
+        stopped early (cancelled, expired, failed: the server stopping), else None."""
+        window = asyncio.Semaphore(self.window)
+        running: set[asyncio.Task] = set()
+        stopped = None
+        for number, raw in read_lines(self.source):
+            line = parse_line(number, raw, self.batch.endpoint)  # checked already
+            if stopped is None:
+                await window.acquire()
+                stopped = self.stop_reason()
+            if stopped is not None:
+                self.unrun(line, stopped)
+                continue
+            task = asyncio.create_task(self.one(line))
+            running.add(task)
+            task.add_done_callback(lambda t: (running.discard(t), window.release()))
+        if running:
+            await asyncio.gather(*running)
+        if stopped is None and self.batch.cancel.is_set():  # after the last was dispatched
+            stopped = "cancelled"
+        if stopped == "failed":
+            message = "the server stopped before the batch ended"
+            self.batch.errors = [
+                {"code": "server_shutdown", "message": message, "param": None, "line": None}
+            ]
+        return stopped
+
+    async def one(self, line: Line) -> None:
+        refused = _refused_in_batch(line.body, self.batch.endpoint)
+        if refused is not None:
+            self.write(line, refused.status, refused.body())
+            return
+        body = json.dumps(line.body).encode()
+        status, answer = await call_route(
+            self.app, self.batch.endpoint, body, self.headers, self.batch.cancel
+        )
+        if status == DISCONNECTED and self.batch.cancel.is_set():
+            self.unrun(line, "cancelled")
+            return
+        try:
+            parsed = json.loads(answer)
+        except ValueError:
+            parsed = APIError(status, answer.decode(errors="replace")).body()
+        self.write(line, status, parsed)
+
+    def write(self, line: Line, status: int, body: dict[str, Any]) -> None:
+        ok = 200 <= status < 300
+        request_id = body.get("id") if ok and isinstance(body.get("id"), str) else None
+        response = {
+            "status_code": status,
+            "request_id": request_id or f"req_{uuid.uuid4().hex}",
+            "body": body,
+        }
+        self.put("output" if ok else "error", line, response, None)
+        if ok:
+            self.batch.completed += 1
+            _add_usage(self.batch.usage, body.get("usage"))
+        else:
+            self.batch.failed += 1
+
+    def unrun(self, line: Line, why: str) -> None:
+        code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
+            why, "server_shutdown"
+        )
+        message = {
+            "batch_cancelled": "the batch was cancelled before this request ended",
+            "batch_expired": "the batch expired before this request ran",
+            "server_shutdown": "the server stopped before this request ran",
+        }[code]
+        self.put("error", line, None, {"code": code, "message": message})
+        self.batch.failed += 1
+
+    def put(self, kind: str, line: Line, response: dict | None, error: dict | None) -> None:
+        if kind not in self.outputs:
+            file_id = self.files.new_id()
+            self.outputs[kind] = (file_id, self.files.path(file_id).open("wb"))
+        entry = {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": line.custom_id,
+            "response": response,
+            "error": error,
+        }
+        self.outputs[kind][1].write(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
+
+    def close_outputs(self) -> None:
+        """List the output and error files written (each only if it has a line)."""
+        for kind, (file_id, out) in self.outputs.items():
+            out.close()
+            name = f"{self.batch.id}_{kind}.jsonl"
+            self.files.add(file_id, name, "batch_output", self.batch.output_lifetime_s)
+            if kind == "output":
+                self.batch.output_file_id = file_id
+            else:
+                self.batch.error_file_id = file_id
+        self.outputs.clear()
+
+
+def _refused_in_batch(body: dict[str, Any], endpoint: str) -> APIError | None:
+    """What a batch cannot run: a stream (there is no client reading it), or a response
+    made in the background (the batch would end before it)."""
+    if body.get("stream"):
+        return bad_request("stream is not supported in a batch: leave it false", "stream")
+    if endpoint == "/v1/responses" and body.get("background"):
+        return bad_request("background is not supported in a batch: leave it false", "background")
+    return None
+
+
+def _add_usage(total: dict[str, int], usage: Any) -> None:
+    """Add one answer's usage (chat/completions/embeddings' or the Responses API's)."""
+    if not isinstance(usage, dict):
+        return
+    prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    output_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+    for key, value in (
+        ("input_tokens", usage.get("prompt_tokens", usage.get("input_tokens"))),
+        ("output_tokens", usage.get("completion_tokens", usage.get("output_tokens"))),
+        ("cached_tokens", (prompt_details or {}).get("cached_tokens")),
+        ("reasoning_tokens", (output_details or {}).get("reasoning_tokens")),
+    ):
+        total[key] = total.get(key, 0) + (value if isinstance(value, int) else 0)
+
+
+# -- routes ---------------------------------------------------------------------------------
+class ExpiresAfter(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    anchor: str
+    seconds: int
+
+
+class CreateBatch(StrictBody):
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
+
+
+def _batches(request: Request) -> BatchStore:
+    return request.app.state.batches
+
+
+@router.post("/v1/batches")
+async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
+    files = files_api.store_of(request)
+    if body.endpoint not in ENDPOINTS:
+        raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
+    if body.completion_window not in COMPLETION_WINDOWS:
+        raise bad_request("completion_window must be '24h'", "completion_window")
+    rapi.check_metadata(body.metadata)
+    given = body.output_expires_after
+    lifetime_s = files_api.lifetime(
+        None if given is None else given.model_dump(), "output_expires_after"
+    )
+    stored = files.get(body.input_file_id, "input_file_id")
+    if stored.purpose != "batch":
+        raise bad_request(
+            f"the input file {stored.id!r} was uploaded with purpose {stored.purpose!r}; a "
+            "batch's input takes purpose 'batch'",
+            "input_file_id",
+        )
+    now = int(time.time())
+    batch = Batch(
+        id=f"batch_{uuid.uuid4().hex}",
+        endpoint=body.endpoint,
+        input_file_id=stored.id,
+        completion_window=body.completion_window,
+        created_at=now,
+        expires_at=now + COMPLETION_WINDOWS[body.completion_window],
+        metadata=body.metadata or {},
+        output_lifetime_s=lifetime_s,
+    )
+    runner = Runner(request.app, batch, files.path(stored.id).open("rb"))
+    store = _batches(request)
+    store.add(batch)
+    task = asyncio.create_task(runner.run())
+    store.tasks.add(task)
+    task.add_done_callback(store.tasks.discard)
+    return JSONResponse(batch.public())
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> JSONResponse:
+    items = [b.public() for b in _batches(request).batches.values()]
+    return JSONResponse(rapi.page(items, after, limit, "desc", "batches"))
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_batches(request).get(batch_id).public())
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
+    batch = _batches(request).get(batch_id)
+    if batch.ended:
+        raise APIError(
+            409,
+            f"Cannot cancel a batch with status {batch.status!r}.",
+            param="batch_id",
+            code="batch_not_cancellable",
+        )
+    if not batch.cancel.is_set():
+        batch.cancel.set()
+        batch.enter("cancelling")
+    return JSONResponse(batch.public())

@@ -1,0 +1,121 @@
+"""The Files API's store and the Batch API's input checks, without a server: files kept in
+a given folder are served again by a new store, expired ones are deleted, a temporary
+folder goes with the store; a batch's input is checked line by line within OpenAI's bounds;
+usage adds up from every endpoint's shape."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+
+from radixserve.server import batches, files
+from radixserve.server.errors import APIError
+
+
+def put(store: files.FileStore, data: bytes, lifetime_s: int | None = None) -> str:
+    file_id = store.new_id()
+    store.path(file_id).write_bytes(data)
+    store.add(file_id, "in.jsonl", "batch", lifetime_s)
+    return file_id
+
+
+def test_files_in_a_given_folder_outlive_the_store(tmp_path):
+    store = files.FileStore(str(tmp_path))
+    kept = put(store, b"abc")
+    store.close()  # the user's folder stays
+    again = files.FileStore(str(tmp_path))
+    assert again.get(kept) == store.files[kept]
+    assert again.path(kept).read_bytes() == b"abc"
+    assert again.listed("batch", None, 10, "asc")["data"] == [store.files[kept].public()]
+    assert again.listed("user_data", None, 10, "asc")["data"] == []
+
+
+def test_expired_files_are_deleted_and_bad_descriptions_skipped(tmp_path):
+    store = files.FileStore(str(tmp_path))
+    short = put(store, b"x", lifetime_s=3600)
+    long = put(store, b"y", lifetime_s=7200)
+    described = store.path(short).with_suffix(".json")
+    description = json.loads(described.read_text())
+    described.write_text(json.dumps({**description, "expires_at": int(time.time()) - 1}))
+    (tmp_path / "file-broken.json").write_text("{")
+    again = files.FileStore(str(tmp_path))
+    assert list(again.files) == [long]
+    assert not again.path(short).exists() and not described.exists()
+
+    again.files[long].expires_at = int(time.time()) - 1  # expires while served
+    with pytest.raises(APIError) as e:
+        again.get(long)
+    assert e.value.status == 404 and not again.path(long).exists()
+
+
+def test_a_temporary_folder_goes_with_the_store():
+    store = files.FileStore(None)
+    put(store, b"z")
+    assert store.folder.is_dir()
+    store.close()
+    assert not store.folder.exists()
+
+
+@pytest.mark.parametrize(
+    "given, param",
+    [
+        ({"anchor": "last_active_at", "seconds": 3600}, "x.anchor"),
+        ({"anchor": "created_at", "seconds": "soon"}, "x.seconds"),
+        ({"anchor": "created_at", "seconds": True}, "x.seconds"),
+        ({"anchor": "created_at", "seconds": 3599}, "x.seconds"),
+        ({"anchor": "created_at", "seconds": 30 * 86400 + 1}, "x.seconds"),
+    ],
+)
+def test_lifetimes_outside_openais_bounds_are_refused(given, param):
+    with pytest.raises(APIError) as e:
+        files.lifetime(given, "x")
+    assert e.value.status == 400 and e.value.param == param
+    assert files.lifetime({"anchor": "created_at", "seconds": "3600"}, "x") == 3600
+    assert files.lifetime(None, "x") is None
+
+
+def source(*lines: object) -> io.BytesIO:
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines)
+    return io.BytesIO(text.encode())
+
+
+def request(custom_id: str, **extra: object) -> dict:
+    entry = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions"}
+    return {**entry, "body": {"model": "m", "prompt": "hi"}, **extra}
+
+
+def test_the_input_check_counts_lines_and_names_the_model():
+    checked = batches.check_input(source(request("a"), "", request("b")), "/v1/completions")
+    assert (checked.total, checked.model, checked.errors) == (2, "m", [])
+    checked = batches.check_input(source(request("a", colour=1)), "/v1/completions")
+    assert [(e["code"], e["param"], e["line"]) for e in checked.errors] == [
+        ("invalid_request", "colour", 1)
+    ]
+
+
+def test_the_input_check_keeps_openais_bounds(monkeypatch):
+    monkeypatch.setattr(batches, "MAX_REQUESTS", 3)
+    checked = batches.check_input(source(*(request(f"r{i}") for i in range(4))), "/v1/completions")
+    assert [e["code"] for e in checked.errors] == ["too_many_requests"]
+    monkeypatch.setattr(batches, "MAX_ERRORS", 2)
+    checked = batches.check_input(source("[]", "1", "x", request("ok")), "/v1/completions")
+    assert checked.total == 4 and [e["line"] for e in checked.errors] == [1, 2]
+    monkeypatch.setattr(batches, "MAX_INPUT_BYTES", 10)
+    checked = batches.check_input(source(request("big")), "/v1/completions")
+    assert [e["code"] for e in checked.errors] == ["file_too_large"]
+
+
+def test_usage_adds_up_from_every_endpoints_shape():
+    total: dict[str, int] = {}
+    chat = {"prompt_tokens": 10, "completion_tokens": 4, "prompt_tokens_details": {}}
+    chat["prompt_tokens_details"]["cached_tokens"] = 6
+    responses = {"input_tokens": 5, "output_tokens": 3}
+    responses["input_tokens_details"] = {"cached_tokens": 1}
+    responses["output_tokens_details"] = {"reasoning_tokens": 2}
+    for usage in (chat, responses, {"prompt_tokens": 7, "total_tokens": 7}, None):
+        batches._add_usage(total, usage)
+    expected = {"input_tokens": 22, "output_tokens": 7, "cached_tokens": 7, "reasoning_tokens": 2}
+    assert total == expected

@@ -1,0 +1,311 @@
+"""OpenAI's Batch and Files APIs end to end on SmolLM2, with the official `openai` client,
+behind an API key: a batch's answers are the endpoint's own (greedy, token for token) for
+chat, completions, embeddings and responses; a request the endpoint refuses lands in the
+error file with its 4xx; a malformed input fails the batch with its lines; a cancelled
+batch accounts for every line and frees its KV; files upload, list, read and delete."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import openai
+import pytest
+import requests
+
+from tests.server_utils import ServerProcess, assert_kv_clean
+
+pytestmark = pytest.mark.smollm2
+
+TIMEOUT = 180
+KEY = "batch-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTIONS = ["What is 2+2?", "Name a color.", "What is the capital of France?", "Say hi."]
+ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batches")
+    proc = ServerProcess(
+        "--api-key", KEY, "--file-storage-path", str(folder / "files"), log=folder / "server.log"
+    )
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT)
+
+
+def upload(client: openai.OpenAI, lines: list, purpose: str = "batch") -> str:
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+    return client.files.create(file=("input.jsonl", io.BytesIO(text.encode())), purpose=purpose).id
+
+
+def line(custom_id: str, url: str, body: dict) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def chat_body(question: str, max_tokens: int = 16) -> dict:
+    messages = [{"role": "user", "content": question}]
+    return {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def run(client: openai.OpenAI, file_id: str, endpoint: str, **extra):
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint=endpoint, completion_window="24h", **extra
+    )
+    return wait(client, batch.id)
+
+
+def wait(client: openai.OpenAI, batch_id: str):
+    deadline = time.monotonic() + TIMEOUT
+    while (batch := client.batches.retrieve(batch_id)).status not in ENDED:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    return batch
+
+
+def read_jsonl(client: openai.OpenAI, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    text = client.files.content(file_id).text
+    entries = [json.loads(x) for x in text.splitlines()]
+    return {e["custom_id"]: e for e in entries}
+
+
+def test_a_chat_batch_answers_as_the_endpoint_does(client, server):
+    lines = [line(f"q{i}", "/v1/chat/completions", chat_body(q)) for i, q in enumerate(QUESTIONS)]
+    lines.append(line("empty", "/v1/chat/completions", {"model": "m", "messages": []}))
+    lines.append(line("streamed", "/v1/chat/completions", {**chat_body("Hi"), "stream": True}))
+    file_id = upload(client, lines)
+    batch = client.batches.create(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"run": "one"},
+    )
+    assert batch.status == "validating" and batch.id.startswith("batch_")
+    client.files.delete(file_id)  # the run keeps reading what it opened
+    batch = wait(client, batch.id)
+
+    assert batch.status == "completed", batch
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (6, 4, 2)
+    assert batch.metadata == {"run": "one"} and batch.model == "m"
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    assert batch.expires_at == batch.created_at + 86400
+
+    outputs = read_jsonl(client, batch.output_file_id)
+    assert set(outputs) == {f"q{i}" for i in range(len(QUESTIONS))}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for i, question in enumerate(QUESTIONS):
+        entry = outputs[f"q{i}"]
+        assert entry["id"].startswith("batch_req_") and entry["error"] is None
+        response = entry["response"]
+        assert response["status_code"] == 200
+        body = response["body"]
+        assert response["request_id"] == body["id"] and body["object"] == "chat.completion"
+        direct = client.chat.completions.create(**chat_body(question))
+        assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        for key in ("prompt_tokens", "completion_tokens"):
+            usage[key] += body["usage"][key]
+        usage["cached_tokens"] += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert batch.usage.input_tokens == usage["prompt_tokens"]
+    assert batch.usage.output_tokens == usage["completion_tokens"]
+    assert batch.usage.input_tokens_details.cached_tokens == usage["cached_tokens"]
+    assert batch.usage.total_tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    errors = read_jsonl(client, batch.error_file_id)
+    assert set(errors) == {"empty", "streamed"}
+    for custom_id, param in (("empty", "messages"), ("streamed", "stream")):
+        response = errors[custom_id]["response"]
+        assert response["status_code"] == 400, response
+        assert response["body"]["error"]["param"] == param, response
+
+    made = {f.id: f for f in client.files.list(purpose="batch_output")}
+    output = made[batch.output_file_id]
+    assert output.filename == f"{batch.id}_output.jsonl" and output.purpose == "batch_output"
+    assert batch.error_file_id in made and file_id not in {f.id for f in client.files.list()}
+    listed = client.batches.list(limit=100)
+    assert batch.id in [b.id for b in listed.data]
+    assert_kv_clean(server, headers=AUTH)
+
+
+def test_completions_embeddings_and_responses_batches(client):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    body = {"model": "m", "max_tokens": 8, "temperature": 0}
+    lines = [line(f"c{i}", "/v1/completions", {**body, "prompt": p}) for i, p in enumerate(prompts)]
+    batch = run(client, upload(client, lines), "/v1/completions")
+    outputs = read_jsonl(client, batch.output_file_id)
+    for i, prompt in enumerate(prompts):
+        direct = client.completions.create(**body, prompt=prompt).choices[0].text
+        assert outputs[f"c{i}"]["response"]["body"]["choices"][0]["text"] == direct
+
+    inputs = ["hello world", "a batch of embeddings"]
+    lines = [line("e", "/v1/embeddings", {"model": "m", "input": inputs})]
+    batch = run(client, upload(client, lines), "/v1/embeddings")
+    assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+    got = read_jsonl(client, batch.output_file_id)["e"]["response"]["body"]["data"]
+    direct = client.embeddings.create(model="m", input=inputs).data
+    for a, b in zip(got, direct):
+        assert a["embedding"] == pytest.approx(b.embedding, abs=1e-5)
+
+    question = {"model": "m", "input": "Name a fruit.", "max_output_tokens": 12, "temperature": 0}
+    lines = [
+        line("r", "/v1/responses", question),
+        line("bg", "/v1/responses", {**question, "background": True}),
+    ]
+    batch = run(client, upload(client, lines), "/v1/responses")
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1), batch
+    body = read_jsonl(client, batch.output_file_id)["r"]["response"]["body"]
+    direct = client.responses.create(**question)
+    assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == (
+        direct.output_text
+    )
+    assert batch.usage.input_tokens == body["usage"]["input_tokens"]
+    refused = read_jsonl(client, batch.error_file_id)["bg"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "background"
+
+
+def test_a_malformed_input_fails_the_batch_with_its_lines(client):
+    good = line("a", "/v1/chat/completions", chat_body("Hi"))
+    lines = [
+        good,
+        "{not json",
+        {**good, "custom_id": ""},
+        {**good, "custom_id": "b", "url": "/v1/completions"},
+        {**good, "custom_id": "c", "method": "GET"},
+        good,  # "a" again
+        {**good, "custom_id": "d", "body": "text"},
+    ]
+    batch = run(client, upload(client, lines), "/v1/chat/completions")
+    assert batch.status == "failed" and batch.failed_at, batch
+    assert batch.in_progress_at is None and batch.output_file_id is None
+    found = [(e.line, e.code, e.param) for e in batch.errors.data]
+    assert found == [
+        (2, "invalid_json_line", None),
+        (3, "missing_custom_id", "custom_id"),
+        (4, "mismatched_url", "url"),
+        (5, "invalid_method", "method"),
+        (6, "duplicate_custom_id", "custom_id"),
+        (7, "invalid_body", "body"),
+    ]
+    assert all(f"line {e.line}:" in e.message for e in batch.errors.data)
+
+    batch = run(client, upload(client, ["", "  "]), "/v1/chat/completions")
+    assert batch.status == "failed" and batch.errors.data[0].code == "empty_file"
+
+
+def test_a_batch_that_cannot_be_made_is_a_clear_error(client, server):
+    file_id = upload(client, [line("a", "/v1/chat/completions", chat_body("Hi"))])
+    other = upload(client, [line("a", "/v1/chat/completions", chat_body("Hi"))], "user_data")
+    args = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+    cases = [
+        ({**args, "input_file_id": "file-nope"}, 404, "input_file_id"),
+        ({**args, "input_file_id": other}, 400, "input_file_id"),
+        ({**args, "endpoint": "/v1/moderations"}, 400, "endpoint"),
+        ({**args, "completion_window": "1h"}, 400, "completion_window"),
+        ({**args, "metadata": {"k" * 65: "v"}}, 400, "metadata"),
+        (
+            {**args, "output_expires_after": {"anchor": "created_at", "seconds": 60}},
+            400,
+            "output_expires_after.seconds",
+        ),
+        ({**args, "colour": "blue"}, 400, "colour"),
+    ]
+    for body, status, param in cases:
+        body = {"completion_window": "24h", **body}
+        r = requests.post(server.url + "/v1/batches", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = requests.get(server.url + "/v1/batches/batch_nope", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "batch_id"
+    r = requests.post(server.url + "/v1/batches", json=args | {"completion_window": "24h"})
+    assert r.status_code == 401  # the key guards the batch routes too
+
+
+def test_a_cancelled_batch_accounts_for_every_line(client, server):
+    lines = [
+        line(f"q{i}", "/v1/chat/completions", chat_body(f"Count to {100 + i}.", 400))
+        for i in range(40)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while client.batches.retrieve(batch.id).status == "validating":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    batch = wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at, batch
+    counts = batch.request_counts
+    assert counts.total == 40 and counts.completed + counts.failed == 40, counts
+    assert counts.failed > 0
+    entries = {
+        **read_jsonl(client, batch.output_file_id),
+        **read_jsonl(client, batch.error_file_id),
+    }
+    assert set(entries) == {f"q{i}" for i in range(40)}
+    for entry in read_jsonl(client, batch.error_file_id).values():
+        assert entry["response"] is None and entry["error"]["code"] == "batch_cancelled", entry
+    error_file = client.files.retrieve(batch.error_file_id)
+    assert error_file.expires_at == error_file.created_at + 3600
+    with pytest.raises(openai.APIStatusError) as e:
+        client.batches.cancel(batch.id)
+    assert e.value.status_code == 409
+    assert_kv_clean(server, headers=AUTH)
+
+
+def test_files_upload_list_read_and_delete(client, server):
+    data = b'{"custom_id": "x"}\n' * 3
+    made = client.files.create(
+        file=("mine.jsonl", io.BytesIO(data)),
+        purpose="user_data",
+        expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    assert (made.filename, made.bytes, made.purpose) == ("mine.jsonl", len(data), "user_data")
+    assert made.expires_at == made.created_at + 7200
+    assert client.files.retrieve(made.id).id == made.id
+    assert client.files.content(made.id).read() == data
+    batch_file = client.files.retrieve(upload(client, ["{}"]))
+    assert batch_file.expires_at == batch_file.created_at + 30 * 86400  # OpenAI's default
+
+    listed = client.files.list(purpose="user_data")
+    assert made.id in [f.id for f in listed.data] and all(
+        f.purpose == "user_data" for f in listed.data
+    )
+    first = client.files.list(limit=1, order="asc")
+    assert len(first.data) == 1 and first.has_more
+    second = client.files.list(limit=1, order="asc", after=first.data[0].id)
+    assert second.data[0].id != first.data[0].id
+
+    deleted = client.files.delete(made.id)
+    assert deleted.deleted and deleted.id == made.id
+    for call in (client.files.retrieve, client.files.content, client.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(made.id)
+
+    url = server.url + "/v1/files"
+    short = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "10"}
+    short_param = "expires_after.seconds"
+    refusals = [
+        ({"json": {"purpose": "batch"}}, None),  # not a form
+        ({"files": {"file": ("a", b"x")}, "data": {"purpose": "nope"}}, "purpose"),
+        ({"files": {"other": ("a", b"x")}, "data": {"purpose": "batch"}}, "file"),
+        ({"files": {"file": ("a", b"x")}, "data": {"purpose": "batch", **short}}, short_param),
+    ]
+    for kwargs, param in refusals:
+        r = requests.post(url, headers=AUTH, timeout=30, **kwargs)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
