@@ -5,11 +5,15 @@ usage adds up from every endpoint's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from radixserve.server import batches, files
 from radixserve.server.errors import APIError
@@ -119,3 +123,85 @@ def test_usage_adds_up_from_every_endpoints_shape():
         batches._add_usage(total, usage)
     expected = {"input_tokens": 22, "output_tokens": 7, "cached_tokens": 7, "reasoning_tokens": 2}
     assert total == expected
+
+
+class Engine:
+    """A stand-in for the engine behind a small real app: a route that refuses the first
+    `refusals` calls with 503 (a full queue), then answers, counting how many run at once."""
+
+    def __init__(self, refusals: int = 0) -> None:
+        self.refusals = refusals
+        self.calls = self.running = self.most = 0
+        self.release = asyncio.Event()
+        self.release.set()
+
+    def app(self, folder) -> FastAPI:
+        app = FastAPI()
+        manager = SimpleNamespace(dead=None, draining=False)
+        config = SimpleNamespace(server=SimpleNamespace(resolved_api_key=None))
+        app.state.server = SimpleNamespace(manager=manager, config=config)
+        app.state.files = files.FileStore(str(folder))
+
+        @app.post("/v1/completions")
+        async def complete(request: Request) -> JSONResponse:
+            self.calls += 1
+            if self.refusals:
+                self.refusals -= 1
+                return JSONResponse({"error": {"message": "full"}}, status_code=503)
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.01)  # long enough for the window to fill
+            while not self.release.is_set():  # as the real routes, a disconnect aborts
+                if await request.is_disconnected():
+                    self.running -= 1
+                    return JSONResponse({"error": {"message": "gone"}}, status_code=499)
+                await asyncio.sleep(0.01)
+            self.running -= 1
+            prompt = (await request.json())["prompt"]
+            return JSONResponse({"id": f"cmpl-{prompt}", "usage": {"prompt_tokens": 1}})
+
+        return app
+
+
+def a_batch(app: FastAPI, count: int, window: asyncio.Semaphore) -> batches.Runner:
+    now = int(time.time())
+    batch = batches.Batch("batch_t", "/v1/completions", "file-t", "24h", now, now + 60, {}, None)
+    lines = [{**request(f"r{i}"), "body": {"prompt": str(i)}} for i in range(count)]
+    return batches.Runner(app, batch, source(*lines), window)
+
+
+def test_a_full_queue_is_waited_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(batches, "RETRY_FIRST_S", 0.01)
+    engine = Engine(refusals=2)
+    runner = a_batch(engine.app(tmp_path), 1, asyncio.Semaphore(4))
+    asyncio.run(runner.run())
+    assert runner.batch.status == "completed" and engine.calls == 3
+    assert (runner.batch.completed, runner.batch.failed) == (1, 0)
+
+
+def test_batches_share_one_window_and_give_it_back(tmp_path):
+    engine = Engine()
+    app = engine.app(tmp_path)
+
+    async def main() -> tuple[batches.Runner, ...]:
+        window = asyncio.Semaphore(3)
+        runners = (a_batch(app, 5, window), a_batch(app, 4, window))
+        await asyncio.gather(*(r.run() for r in runners))
+        assert engine.most == 3
+
+        engine.release.clear()  # the next batch's requests hang until cancelled
+        cancelled = a_batch(app, 6, window)
+        run = asyncio.ensure_future(cancelled.run())
+        while engine.running < 3:
+            await asyncio.sleep(0.01)
+        cancelled.batch.cancel.set()
+        await run
+        engine.release.set()
+        assert window._value == 3  # every permit back
+        return (*runners, cancelled)
+
+    first, second, cancelled = asyncio.run(main())
+    assert first.batch.completed == 5 and second.batch.completed == 4
+    assert cancelled.batch.status == "cancelled" and cancelled.batch.failed == 6
+    errors = app.state.files.path(cancelled.batch.error_file_id).read_text().splitlines()
+    assert {json.loads(e)["error"]["code"] for e in errors} == {"batch_cancelled"}

@@ -14,8 +14,10 @@ endpoints are /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/resp
 A batch is first checked whole (`check_input`): any malformed line fails it with the
 lines' errors and runs nothing. Then each body goes through the app itself, as an HTTP
 request would (`call_route`: the same checks, errors and statuses), up to a window of
-twice the engine's running requests at a time, so the scheduler keeps full batches and
-orders them by their shared prefixes. An output line is OpenAI's:
+twice the engine's running requests at a time (all batches together; at most half of
+--max-queued-requests), so the scheduler keeps full batches and orders them by their
+shared prefixes. A request refused with 503 (the queue full of other clients' requests)
+is sent again after a wait. An output line is OpenAI's:
 
     {"id": "batch_req_…", "custom_id", "response": {"status_code", "request_id", "body"},
      "error": null}
@@ -59,6 +61,7 @@ MAX_INPUT_BYTES = 200 << 20
 MAX_ERRORS = 100  # a failed check lists up to this many lines
 MAX_BATCHES = 10_000  # kept in memory; past it the oldest ended ones go
 DISCONNECTED = 499  # the status a route answers a request whose client left
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0  # waits before a request refused with 503 goes again
 
 
 @dataclass
@@ -137,6 +140,10 @@ class BatchStore:
         self.capacity = capacity
         self.batches: OrderedDict[str, Batch] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
+        # the requests of all batches in flight at once (made with the first batch, once
+        # the engine's size is known): batches running together share it, first come first
+        # served, and never fill the scheduler's queue (--max-queued-requests) themselves
+        self.window: asyncio.Semaphore | None = None
 
     def add(self, batch: Batch) -> None:
         self.batches[batch.id] = batch
@@ -293,7 +300,9 @@ async def call_route(
 class Runner:
     """One batch's run: check, dispatch through the app, write the two files, end."""
 
-    def __init__(self, app: FastAPI, batch: Batch, source: IO[bytes]) -> None:
+    def __init__(
+        self, app: FastAPI, batch: Batch, source: IO[bytes], window: asyncio.Semaphore
+    ) -> None:
         self.app = app
         self.batch = batch
         # the input, open: a client that deletes the file meanwhile takes nothing from the run
@@ -301,8 +310,7 @@ class Runner:
         self.files: files_api.FileStore = app.state.files
         self.outputs: dict[str, tuple[str, IO[bytes]]] = {}  # "output"/"error" -> id, file
         self.manager = app.state.server.manager
-        replicas = self.manager.to_scheduler.size
-        self.window = 2 * self.manager.info.max_running_requests * replicas
+        self.window = window
         key = app.state.server.config.server.resolved_api_key
         self.headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
 
@@ -331,6 +339,9 @@ class Runner:
             batch.enter("failed")
         finally:
             self.source.close()
+            for file_id, out in self.outputs.values():  # cancelled with the server: unlisted
+                out.close()
+                self.files.path(file_id).unlink(missing_ok=True)
 
     def stop_reason(self) -> str | None:
         if self.batch.cancel.is_set():
@@ -344,7 +355,7 @@ class Runner:
     async def dispatch(self) -> str | None:
         """Run every line, up to `window` at a time; the status the batch ends in if it
         stopped early (cancelled, expired, failed: the server stopping), else None."""
-        window = asyncio.Semaphore(self.window)
+        window = self.window
         running: set[asyncio.Task] = set()
         stopped = None
         for number, raw in read_lines(self.source):
@@ -352,10 +363,12 @@ class Runner:
             if stopped is None:
                 await window.acquire()
                 stopped = self.stop_reason()
+                if stopped is not None:
+                    window.release()  # shared with the other batches
             if stopped is not None:
                 self.unrun(line, stopped)
                 continue
-            task = asyncio.create_task(self.one(line))
+            task = asyncio.create_task(self.guarded(line))
             running.add(task)
             task.add_done_callback(lambda t: (running.discard(t), window.release()))
         if running:
@@ -369,17 +382,35 @@ class Runner:
             ]
         return stopped
 
+    async def guarded(self, line: Line) -> None:
+        """One line's run; a bug met by it fails that line alone (a 500 in the error file)."""
+        try:
+            await self.one(line)
+        except Exception as e:
+            logger.exception("batch %s: line %d failed", self.batch.id, line.number)
+            self.write(line, 500, APIError(500, f"internal error in the batch: {e!r}").body())
+
     async def one(self, line: Line) -> None:
         refused = _refused_in_batch(line.body, self.batch.endpoint)
         if refused is not None:
             self.write(line, refused.status, refused.body())
             return
         body = json.dumps(line.body).encode()
-        status, answer = await call_route(
-            self.app, self.batch.endpoint, body, self.headers, self.batch.cancel
-        )
+        wait_s = RETRY_FIRST_S
+        while True:
+            status, answer = await call_route(
+                self.app, self.batch.endpoint, body, self.headers, self.batch.cancel
+            )
+            # the scheduler's queue is full (interactive requests fill it): wait, then again
+            if status != 503 or self.stop_reason() or self.manager.dead is not None:
+                break
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, RETRY_MAX_S)
         if status == DISCONNECTED and self.batch.cancel.is_set():
             self.unrun(line, "cancelled")
+            return
+        if status == 503 and (stopped := self.stop_reason()):
+            self.unrun(line, stopped)
             return
         try:
             parsed = json.loads(answer)
@@ -514,8 +545,14 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
         metadata=body.metadata or {},
         output_lifetime_s=lifetime_s,
     )
-    runner = Runner(request.app, batch, files.path(stored.id).open("rb"))
     store = _batches(request)
+    if store.window is None:
+        state = request.app.state.server
+        size = state.manager.info.max_running_requests * state.manager.to_scheduler.size
+        store.window = asyncio.Semaphore(
+            min(2 * size, max(state.config.server.max_queued_requests // 2, 1))
+        )
+    runner = Runner(request.app, batch, files.path(stored.id).open("rb"), store.window)
     store.add(batch)
     task = asyncio.create_task(runner.run())
     store.tasks.add(task)
