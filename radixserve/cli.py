@@ -61,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     add_config_args(gen, RUNNER_PARTS)
 
+    batch = commands.add_parser(
+        "run-batch",
+        parents=[logs],
+        help="run a file of OpenAI batch requests offline (as vLLM's run_batch)",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the requests, one per line")
+    batch.add_argument("-o", "--output-file", required=True, help="where the results go")
+    add_config_args(batch, SERVER_PARTS)
+
     argv = sys.argv[1:] if argv is None else argv
     bench = commands.add_parser(
         "bench", parents=[logs], help="benchmarks (radixserve bench --help lists them)"
@@ -77,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, level)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "run-batch":
+        return _run_batch(args, level)
     return benches[args.bench].run(args)
 
 
@@ -125,6 +136,18 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
             bench_kinds.add_parser(name, help=(module.__doc__ or "").replace("%", "%%"))
         )
     return benches
+
+
+def _run_batch(args: argparse.Namespace, log_level: str) -> int:
+    from radixserve.model.loader import ModelLoadError
+    from radixserve.run_batch import run
+
+    try:
+        config = config_from_args(args, SERVER_PARTS)
+        return run(config, args.input_file, args.output_file, log_level)
+    except (ModelLoadError, ValueError, OSError) as e:
+        print(f"radixserve run-batch: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _serve(args: argparse.Namespace, log_level: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -57,3 +58,37 @@ def test_bad_sampling_value_is_a_clear_error(tiny_model_dirs):
     )
     assert proc.returncode == 2
     assert "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_batch_writes_every_result_in_the_inputs_order(tiny_model_dirs, tmp_path):
+    def line(custom_id: str, url: str, body: dict) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+    completion = {"model": "m", "max_tokens": 4, "temperature": 0}
+    lines = [
+        line("c1", "/v1/completions", {**completion, "prompt": "The quick"}),
+        line("e1", "/v1/embeddings", {"model": "m", "input": "hello"}),
+        line("c2", "/v1/completions", {**completion, "prompt": "The quick"}),
+        line("bad", "/v1/completions", {**completion, "prompt": "x", "max_tokens": -1}),
+        line("c3", "/v1/completions", {**completion, "prompt": "Once upon"}),
+    ]
+    given, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    given.write_text("\n".join(lines) + "\n")
+    model = ("--model-path", str(tiny_model_dirs["llama"]))
+    proc = radixserve("run-batch", "-i", str(given), "-o", str(results), *model)
+    assert proc.returncode == 0, proc.stderr
+    entries = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [e["custom_id"] for e in entries] == ["c1", "e1", "c2", "bad", "c3"]
+    status = {e["custom_id"]: e["response"]["status_code"] for e in entries}
+    assert status == {"c1": 200, "e1": 200, "c2": 200, "bad": 400, "c3": 200}
+    texts = [
+        e["response"]["body"]["choices"][0]["text"] for e in entries if e["custom_id"][0] == "c"
+    ]
+    assert texts[0] == texts[1]  # greedy: the same prompt, the same text
+    assert entries[1]["response"]["body"]["data"][0]["embedding"]
+    assert entries[3]["response"]["body"]["error"]["param"] == "max_tokens"
+
+    given.write_text(lines[0] + "\n{oops\n")
+    proc = radixserve("run-batch", "-i", str(given), "-o", str(results), *model)
+    assert proc.returncode == 1 and "line 2:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
