@@ -95,6 +95,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
     """`radixserve bench <name>`: one subcommand per benchmark module."""
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from radixserve.bench import (
+        batch,
         dp,
         hicache,
         http_shared_prefix,
@@ -129,6 +130,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:
         "programs": programs,
         "hicache": hicache,
         "dp": dp,
+        "batch": batch,
         "tp": tp,
     }
     for name, module in benches.items():

@@ -163,7 +163,7 @@ class Engine:
         return app
 
 
-def a_batch(app: FastAPI, count: int, window: asyncio.Semaphore) -> batches.Runner:
+def a_batch(app: FastAPI, count: int, window: batches.Window) -> batches.Runner:
     now = int(time.time())
     batch = batches.Batch("batch_t", "/v1/completions", "file-t", "24h", now, now + 60, {}, None)
     lines = [{**request(f"r{i}"), "body": {"prompt": str(i)}} for i in range(count)]
@@ -173,7 +173,7 @@ def a_batch(app: FastAPI, count: int, window: asyncio.Semaphore) -> batches.Runn
 def test_a_full_queue_is_waited_out(tmp_path, monkeypatch):
     monkeypatch.setattr(batches, "RETRY_FIRST_S", 0.01)
     engine = Engine(refusals=2)
-    runner = a_batch(engine.app(tmp_path), 1, asyncio.Semaphore(4))
+    runner = a_batch(engine.app(tmp_path), 1, batches.Window(4))
     asyncio.run(runner.run())
     assert runner.batch.status == "completed" and engine.calls == 3
     assert (runner.batch.completed, runner.batch.failed) == (1, 0)
@@ -184,7 +184,7 @@ def test_batches_share_one_window_and_give_it_back(tmp_path):
     app = engine.app(tmp_path)
 
     async def main() -> tuple[batches.Runner, ...]:
-        window = asyncio.Semaphore(3)
+        window = batches.Window(3)
         runners = (a_batch(app, 5, window), a_batch(app, 4, window))
         await asyncio.gather(*(r.run() for r in runners))
         assert engine.most == 3
@@ -197,7 +197,7 @@ def test_batches_share_one_window_and_give_it_back(tmp_path):
         cancelled.batch.cancel.set()
         await run
         engine.release.set()
-        assert window._value == 3  # every permit back
+        assert window.free == 3 and not window.waiting  # every permit back
         return (*runners, cancelled)
 
     first, second, cancelled = asyncio.run(main())
@@ -205,3 +205,127 @@ def test_batches_share_one_window_and_give_it_back(tmp_path):
     assert cancelled.batch.status == "cancelled" and cancelled.batch.failed == 6
     errors = app.state.files.path(cancelled.batch.error_file_id).read_text().splitlines()
     assert {json.loads(e)["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_a_wait_for_the_queue_ends_with_a_cancel(tmp_path, monkeypatch):
+    monkeypatch.setattr(batches, "RETRY_FIRST_S", 30.0)
+    engine = Engine(refusals=100)
+    runner = a_batch(engine.app(tmp_path), 1, batches.Window(4))
+
+    async def main() -> None:
+        run = asyncio.ensure_future(runner.run())
+        while engine.calls == 0:
+            await asyncio.sleep(0.01)
+        runner.batch.cancel.set()
+        await asyncio.wait_for(run, 10)  # not the 30 s wait
+
+    asyncio.run(main())
+    assert runner.batch.status == "cancelled" and engine.calls == 1
+    assert (runner.batch.completed, runner.batch.failed) == (0, 1)
+
+
+def test_the_window_is_weighed_in_sequences_first_come_first_served():
+    async def main() -> list[str]:
+        window = batches.Window(4)
+        order: list[str] = []
+
+        async def take(name: str, wanted: int) -> int:
+            taken = await window.take(wanted)
+            order.append(name)
+            return taken
+
+        assert await window.take(3) == 3
+        big = asyncio.ensure_future(take("big", 9))  # at most the whole window
+        small = asyncio.ensure_future(take("small", 1))  # fits now, but waits its turn
+        gone = asyncio.ensure_future(take("gone", 1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert order == [] and window.free == 1
+        window.give(3)
+        assert await big == 4
+        window.give(4)
+        assert await small == 1
+        window.give(1)
+        assert window.free == 4 and not window.waiting
+        return order
+
+    assert asyncio.run(main()) == ["big", "small"]
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, count",
+    [
+        ("/v1/chat/completions", {"n": 3}, 3),
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "n": 2}, 8),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, 1),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, 2),
+        ("/v1/embeddings", {"input": ["a"] * 5}, 5),
+        ("/v1/embeddings", {"input": "a"}, 1),
+        ("/v1/responses", {"input": ["x", "y"]}, 1),
+    ],
+)
+def test_a_requests_sequences(endpoint, body, count):
+    assert batches.sequences(body, endpoint) == count
+
+
+def test_lines_are_checked_as_request_bodies_are():
+    entry = request("a")
+    deep = json.dumps({**entry, "body": {"x": []}}).replace("[]", "[" * 100 + "]" * 100)
+    surrogate = json.dumps(entry).replace('"a"', '"\\ud800"', 1)
+    long_url = json.dumps({**entry, "url": "/v1/" + "x" * 10_000})
+    checked = batches.check_input(source(deep, surrogate, long_url), "/v1/completions")
+    codes = [(e["line"], e["code"]) for e in checked.errors]
+    assert codes == [(1, "invalid_json_line"), (2, "invalid_json_line"), (3, "mismatched_url")]
+    assert all(len(e["message"]) < 300 for e in checked.errors)
+
+
+def test_an_embeddings_batch_is_bounded_in_inputs(monkeypatch):
+    monkeypatch.setattr(batches, "MAX_EMBEDDING_INPUTS", 5)
+    lines = [
+        {"custom_id": str(i), "method": "POST", "url": "/v1/embeddings", "body": body}
+        for i, body in enumerate([{"input": ["a"] * 3}] * 2)
+    ]
+    checked = batches.check_input(source(*lines), "/v1/embeddings")
+    assert [e["code"] for e in checked.errors] == ["too_many_inputs"]
+
+
+def test_bytes_no_description_lists_are_removed(tmp_path):
+    store = files.FileStore(str(tmp_path))
+    kept = put(store, b"a")
+    stray = tmp_path / store.new_id()
+    stray.write_bytes(b"left by a crash")
+    files.FileStore(str(tmp_path))
+    assert not stray.exists() and store.path(kept).exists()
+
+
+def test_an_upload_without_a_length_stops_at_the_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 1000)
+    app = FastAPI()
+    app.state.files = files.FileStore(str(tmp_path))
+    app.include_router(files.router)
+    app.add_exception_handler(APIError, lambda _, e: JSONResponse(e.body(), e.status))
+    boundary = b"b0undary"
+    head = b"--" + boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    head += b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
+    head += b'filename="a.jsonl"\r\n\r\n'
+    chunks = [head] + [b"x" * 65536] * 48  # 3 MiB, in chunks, no Content-Length
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks[1:])}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/files",
+        "query_string": b"",
+        "headers": [(b"content-type", b"multipart/form-data; boundary=" + boundary)],
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 413, sent
+    assert len(chunks) > 24  # it stopped reading past the limit (and its 1 MiB of form)
+    assert not app.state.files.files and not list(tmp_path.glob("file-*"))

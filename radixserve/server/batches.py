@@ -13,11 +13,11 @@ endpoints are /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/resp
 
 A batch is first checked whole (`check_input`): any malformed line fails it with the
 lines' errors and runs nothing. Then each body goes through the app itself, as an HTTP
-request would (`call_route`: the same checks, errors and statuses), up to a window of
-twice the engine's running requests at a time (all batches together; at most half of
---max-queued-requests), so the scheduler keeps full batches and orders them by their
-shared prefixes. A request refused with 503 (the queue full of other clients' requests)
-is sent again after a wait. An output line is OpenAI's:
+request would (`call_route`: the same checks, errors and statuses), within a window
+(`Window`) of twice the engine's running requests counted in sequences, shared by all
+batches and at most half of --max-queued-requests, so the scheduler keeps full batches
+and orders them by their shared prefixes. A request refused with 503 (the queue full of
+other clients' requests) is sent again after a wait. An output line is OpenAI's:
 
     {"id": "batch_req_…", "custom_id", "response": {"status_code", "request_id", "body"},
      "error": null}
@@ -32,13 +32,15 @@ Batches are kept in this server's memory (the newest MAX_BATCHES); their files a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -48,7 +50,7 @@ from pydantic import ConfigDict
 
 from radixserve.server import files as files_api
 from radixserve.server import responses_api as rapi
-from radixserve.server.body import JSONBodyRoute, StrictBody
+from radixserve.server.body import THREAD_BODY_BYTES, JSONBodyRoute, StrictBody, load_body
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,11 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/r
 COMPLETION_WINDOWS = {"24h": 86400}  # OpenAI's one window
 MAX_REQUESTS = 50_000  # OpenAI's bounds on one batch's input
 MAX_INPUT_BYTES = 200 << 20
+MAX_EMBEDDING_INPUTS = 50_000  # across an embeddings batch's requests, as OpenAI's
 MAX_ERRORS = 100  # a failed check lists up to this many lines
+MAX_ACTIVE = 100  # batches not ended at once; past it a new one is a 429
+RETRY_FOR_S = 600.0  # how long a request refused with 503 is sent again
+YIELD_EVERY = 256  # lines read between two yields to the event loop
 MAX_BATCHES = 10_000  # kept in memory; past it the oldest ended ones go
 DISCONNECTED = 499  # the status a route answers a request whose client left
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0  # waits before a request refused with 503 goes again
@@ -140,10 +146,7 @@ class BatchStore:
         self.capacity = capacity
         self.batches: OrderedDict[str, Batch] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
-        # the requests of all batches in flight at once (made with the first batch, once
-        # the engine's size is known): batches running together share it, first come first
-        # served, and never fill the scheduler's queue (--max-queued-requests) themselves
-        self.window: asyncio.Semaphore | None = None
+        self.window: Window | None = None  # made with the first batch (the engine's size)
 
     def add(self, batch: Batch) -> None:
         self.batches[batch.id] = batch
@@ -153,6 +156,9 @@ class BatchStore:
             if old.ended:
                 del self.batches[old.id]
 
+    def active(self) -> int:
+        return sum(1 for batch in self.batches.values() if not batch.ended)
+
     def get(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)
         if batch is None:
@@ -160,6 +166,62 @@ class BatchStore:
                 404, f"No batch found with id {batch_id!r}.", param="batch_id", code="not_found"
             )
         return batch
+
+
+class Window:
+    """The sequences of batch requests in flight, shared by all batches: a request takes as
+    many permits as it puts sequences in the scheduler's queue (at most all of them), first
+    come first served, so batches together never fill the queue themselves."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free = size
+        self.waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    async def take(self, wanted: int) -> int:
+        """Wait for `wanted` permits (1 to size); the number taken, to give back."""
+        wanted = min(max(wanted, 1), self.size)
+        if not self.waiting and self.free >= wanted:
+            self.free -= wanted
+            return wanted
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.append((wanted, turn))
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # granted as it was cancelled
+                self.give(wanted)
+            else:
+                with contextlib.suppress(ValueError):  # (give may have dropped it)
+                    self.waiting.remove((wanted, turn))
+                self.give(0)  # those behind it may fit now
+            raise
+        return wanted
+
+    def give(self, count: int) -> None:
+        self.free += count
+        while self.waiting:
+            wanted, turn = self.waiting[0]
+            if turn.done():  # cancelled while it waited
+                self.waiting.popleft()
+                continue
+            if self.free < wanted:
+                break
+            self.waiting.popleft()
+            self.free -= wanted
+            turn.set_result(None)
+
+
+async def _off_the_loop_if_large(size: int, work: Callable[..., Any], *args: Any) -> Any:
+    """`work(*args)` on a worker thread when it handles more than THREAD_BODY_BYTES of JSON."""
+    if size > THREAD_BODY_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
+
+
+# the batches' input checks, one at a time, on a thread of their own (not the default
+# executor's, which large request bodies use)
+_CHECKS = ThreadPoolExecutor(1, thread_name_prefix="batch-check")
 
 
 # -- checking the input ---------------------------------------------------------------------
@@ -184,27 +246,45 @@ def parse_line(number: int, raw: bytes, endpoint: str) -> Line:
     def bad(code: str, message: str, param: str | None = None) -> ValueError:
         return ValueError(code, f"line {number}: {message}", param)
 
-    try:
-        entry = json.loads(raw)
-    except ValueError as e:
-        raise bad("invalid_json_line", f"not a JSON object ({e})") from None
-    if not isinstance(entry, dict):
-        raise bad("invalid_json_line", "not a JSON object")
+    try:  # the checks of a request's body: depth, lone surrogates, NaN, 64-bit integers
+        entry = load_body(raw)
+    except APIError as e:
+        raise bad("invalid_json_line", e.message) from None
     custom_id = entry.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise bad("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
     if entry.get("method") != "POST":
         raise bad("invalid_method", "method must be 'POST'", "method")
     if entry.get("url") != endpoint:
-        message = f"url must be the batch's endpoint {endpoint!r}, got {entry.get('url')!r}"
+        message = f"url must be the batch's endpoint {endpoint!r}, got {shown(entry.get('url'))}"
         raise bad("mismatched_url", message, "url")
     body = entry.get("body")
     if not isinstance(body, dict):
         raise bad("invalid_body", "body must be a JSON object (the request's body)", "body")
-    unknown = set(entry) - {"custom_id", "method", "url", "body"}
+    unknown = sorted(set(entry) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise bad("invalid_request", f"unknown fields {sorted(unknown)}", sorted(unknown)[0])
+        names = ", ".join(shown(name) for name in unknown[:5])
+        raise bad("invalid_request", f"unknown fields {names}", shown(unknown[0], quote=False))
     return Line(number, custom_id, body)
+
+
+def shown(value: Any, quote: bool = True, limit: int = 100) -> str:
+    """A value a client gave, as an error message echoes it: cut to `limit` characters (a
+    batch's errors are kept, and a line may hold megabytes)."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def sequences(body: dict[str, Any], endpoint: str) -> int:
+    """How many sequences a line's request puts in the scheduler's queue (as its
+    --max-queued-requests counts them): n per prompt; one per embedding input."""
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    if endpoint == "/v1/responses":
+        return 1
+    given = body.get("input" if endpoint == "/v1/embeddings" else "prompt")
+    many = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
+    prompts = len(given) if many else 1
+    return max(prompts, 1) * (1 if endpoint == "/v1/embeddings" else max(n, 1))
 
 
 @dataclass
@@ -218,7 +298,7 @@ def check_input(source: IO[bytes], endpoint: str) -> Checked:
     """Every line of a batch's input checked (run on a worker thread: reads the file)."""
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
-    total, model = 0, None
+    total, model, inputs = 0, None, 0
 
     def error(code: str, message: str, param: str | None = None, line: int | None = None):
         if len(errors) < MAX_ERRORS:
@@ -236,15 +316,20 @@ def check_input(source: IO[bytes], endpoint: str) -> Checked:
             error(code, message, param, number)
             continue
         if line.custom_id in seen:
-            message = f"line {number}: custom_id {line.custom_id!r} is used by an earlier line"
+            message = f"line {number}: custom_id {shown(line.custom_id)} is used by an earlier line"
             error("duplicate_custom_id", message, "custom_id", number)
         seen.add(line.custom_id)
+        if endpoint == "/v1/embeddings":
+            inputs += sequences(line.body, endpoint)
         if model is None and isinstance(line.body.get("model"), str):
             model = line.body["model"]
     if total == 0:
         error("empty_file", "the input file has no requests")
     elif total > MAX_REQUESTS:
         error("too_many_requests", f"a batch takes at most {MAX_REQUESTS} requests, got {total}")
+    if inputs > MAX_EMBEDDING_INPUTS:
+        message = f"an embeddings batch takes at most {MAX_EMBEDDING_INPUTS} inputs, got {inputs}"
+        error("too_many_inputs", message)
     return Checked(total, model, errors)
 
 
@@ -300,9 +385,7 @@ async def call_route(
 class Runner:
     """One batch's run: check, dispatch through the app, write the two files, end."""
 
-    def __init__(
-        self, app: FastAPI, batch: Batch, source: IO[bytes], window: asyncio.Semaphore
-    ) -> None:
+    def __init__(self, app: FastAPI, batch: Batch, source: IO[bytes], window: Window) -> None:
         self.app = app
         self.batch = batch
         # the input, open: a client that deletes the file meanwhile takes nothing from the run
@@ -311,13 +394,15 @@ class Runner:
         self.outputs: dict[str, tuple[str, IO[bytes]]] = {}  # "output"/"error" -> id, file
         self.manager = app.state.server.manager
         self.window = window
+        self.running: set[asyncio.Task] = set()
         key = app.state.server.config.server.resolved_api_key
         self.headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
 
     async def run(self) -> None:
         batch = self.batch
         try:
-            checked = await asyncio.to_thread(check_input, self.source, batch.endpoint)
+            loop = asyncio.get_running_loop()
+            checked = await loop.run_in_executor(_CHECKS, check_input, self.source, batch.endpoint)
             batch.total, batch.model = checked.total, checked.model
             if batch.cancel.is_set():
                 batch.enter("cancelled")
@@ -331,15 +416,21 @@ class Runner:
             batch.enter("finalizing")
             self.close_outputs()
             batch.enter(stopped or "completed")
-        except Exception as e:  # a bug: the batch fails, the server goes on
+        except Exception as e:  # a bug, or the disk full: the batch fails, the server goes on
             logger.exception("batch %s failed", batch.id)
-            self.close_outputs()
+            for task in self.running:  # nothing changes once the batch has ended
+                task.cancel()
+            await asyncio.gather(*self.running, return_exceptions=True)
+            try:
+                self.close_outputs()
+            except OSError:
+                logger.exception("batch %s: its outputs could not be kept", batch.id)
             error = {"code": "internal_error", "message": repr(e), "param": None, "line": None}
             batch.errors = [error]
             batch.enter("failed")
         finally:
             self.source.close()
-            for file_id, out in self.outputs.values():  # cancelled with the server: unlisted
+            for file_id, out in self.outputs.values():  # not listed: dropped
                 out.close()
                 self.files.path(file_id).unlink(missing_ok=True)
 
@@ -353,26 +444,28 @@ class Runner:
         return None
 
     async def dispatch(self) -> str | None:
-        """Run every line, up to `window` at a time; the status the batch ends in if it
+        """Run every line within the shared window; the status the batch ends in if it
         stopped early (cancelled, expired, failed: the server stopping), else None."""
         window = self.window
-        running: set[asyncio.Task] = set()
         stopped = None
-        for number, raw in read_lines(self.source):
-            line = parse_line(number, raw, self.batch.endpoint)  # checked already
+        for i, (number, raw) in enumerate(read_lines(self.source)):
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # a long input read on without a wait: let others run
+            line = await _off_the_loop_if_large(
+                len(raw), parse_line, number, raw, self.batch.endpoint
+            )
             if stopped is None:
-                await window.acquire()
+                weight = await window.take(sequences(line.body, self.batch.endpoint))
                 stopped = self.stop_reason()
                 if stopped is not None:
-                    window.release()  # shared with the other batches
+                    window.give(weight)  # shared with the other batches
             if stopped is not None:
                 self.unrun(line, stopped)
                 continue
-            task = asyncio.create_task(self.guarded(line))
-            running.add(task)
-            task.add_done_callback(lambda t: (running.discard(t), window.release()))
-        if running:
-            await asyncio.gather(*running)
+            task = asyncio.create_task(self.guarded(line, len(raw)))
+            self.running.add(task)
+            task.add_done_callback(lambda t, w=weight: (self.running.discard(t), window.give(w)))
+        await asyncio.gather(*self.running, return_exceptions=True)
         if stopped is None and self.batch.cancel.is_set():  # after the last was dispatched
             stopped = "cancelled"
         if stopped == "failed":
@@ -382,29 +475,38 @@ class Runner:
             ]
         return stopped
 
-    async def guarded(self, line: Line) -> None:
+    async def guarded(self, line: Line, size: int) -> None:
         """One line's run; a bug met by it fails that line alone (a 500 in the error file)."""
         try:
-            await self.one(line)
+            await self.one(line, size)
         except Exception as e:
             logger.exception("batch %s: line %d failed", self.batch.id, line.number)
-            self.write(line, 500, APIError(500, f"internal error in the batch: {e!r}").body())
+            try:
+                self.write(line, 500, APIError(500, f"internal error in the batch: {e!r}").body())
+            except Exception:
+                logger.exception("batch %s: line %d is in neither file", self.batch.id, line.number)
 
-    async def one(self, line: Line) -> None:
+    async def one(self, line: Line, size: int) -> None:
         refused = _refused_in_batch(line.body, self.batch.endpoint)
         if refused is not None:
             self.write(line, refused.status, refused.body())
             return
-        body = json.dumps(line.body).encode()
-        wait_s = RETRY_FIRST_S
+        body = await _off_the_loop_if_large(size, lambda: json.dumps(line.body).encode())
+        wait_s, deadline = RETRY_FIRST_S, time.monotonic() + RETRY_FOR_S
         while True:
+            if stopped := self.stop_reason():
+                self.unrun(line, stopped)
+                return
             status, answer = await call_route(
                 self.app, self.batch.endpoint, body, self.headers, self.batch.cancel
             )
-            # the scheduler's queue is full (interactive requests fill it): wait, then again
-            if status != 503 or self.stop_reason() or self.manager.dead is not None:
+            # a 503: the scheduler's queue is full (other clients' requests fill it); wait,
+            # then again, for up to RETRY_FOR_S (one that never fits ends as its 503)
+            retry = time.monotonic() + wait_s < deadline and self.manager.dead is None
+            if status != 503 or not retry:
                 break
-            await asyncio.sleep(wait_s)
+            with contextlib.suppress(TimeoutError):  # a cancel ends the wait
+                await asyncio.wait_for(self.batch.cancel.wait(), wait_s)
             wait_s = min(2 * wait_s, RETRY_MAX_S)
         if status == DISCONNECTED and self.batch.cancel.is_set():
             self.unrun(line, "cancelled")
@@ -455,19 +557,25 @@ class Runner:
             "response": response,
             "error": error,
         }
-        self.outputs[kind][1].write(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
+        try:
+            text = json.dumps(entry, ensure_ascii=False).encode()
+        except UnicodeEncodeError:  # a lone surrogate in an answer: escaped
+            text = json.dumps(entry).encode()
+        self.outputs[kind][1].write(text + b"\n")
 
     def close_outputs(self) -> None:
         """List the output and error files written (each only if it has a line)."""
-        for kind, (file_id, out) in self.outputs.items():
+        while self.outputs:
+            kind = next(iter(self.outputs))
+            file_id, out = self.outputs[kind]
             out.close()
             name = f"{self.batch.id}_{kind}.jsonl"
             self.files.add(file_id, name, "batch_output", self.batch.output_lifetime_s)
+            del self.outputs[kind]
             if kind == "output":
                 self.batch.output_file_id = file_id
             else:
                 self.batch.error_file_id = file_id
-        self.outputs.clear()
 
 
 def _refused_in_batch(body: dict[str, Any], endpoint: str) -> APIError | None:
@@ -546,12 +654,17 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
         output_lifetime_s=lifetime_s,
     )
     store = _batches(request)
+    if store.active() >= MAX_ACTIVE:
+        raise APIError(
+            429,
+            f"{MAX_ACTIVE} batches are running or waiting: wait for one to end",
+            type="rate_limit_error",
+            code="too_many_batches",
+        )
     if store.window is None:
         state = request.app.state.server
         size = state.manager.info.max_running_requests * state.manager.to_scheduler.size
-        store.window = asyncio.Semaphore(
-            min(2 * size, max(state.config.server.max_queued_requests // 2, 1))
-        )
+        store.window = Window(min(2 * size, max(state.config.server.max_queued_requests // 2, 1)))
     runner = Runner(request.app, batch, files.path(stored.id).open("rb"), store.window)
     store.add(batch)
     task = asyncio.create_task(runner.run())

@@ -14,20 +14,26 @@ time the store is used."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
+from starlette.types import Message
 
 from radixserve.server import responses_api as rapi
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
@@ -40,6 +46,7 @@ PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals") 
 BATCH_FILE_LIFETIME_S = 30 * 86400  # OpenAI's default for purpose batch
 MIN_LIFETIME_S, MAX_LIFETIME_S = 3600, 30 * 86400  # OpenAI's bounds on expires_after
 MAX_LIST_LIMIT = 10_000
+FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 
 
 @dataclass
@@ -73,8 +80,9 @@ def lifetime(expires_after: dict[str, Any] | None, param: str) -> int | None:
     if expires_after.get("anchor") != "created_at":
         raise bad_request(f"{param}.anchor must be 'created_at'", f"{param}.anchor")
     seconds = expires_after.get("seconds")
-    if isinstance(seconds, str) and seconds.isdigit():  # a multipart form's value
-        seconds = int(seconds)
+    if isinstance(seconds, str):  # a multipart form's value
+        with contextlib.suppress(ValueError):
+            seconds = int(seconds, 10)
     if not isinstance(seconds, int) or isinstance(seconds, bool):
         raise bad_request(f"{param}.seconds must be an integer", f"{param}.seconds")
     if not MIN_LIFETIME_S <= seconds <= MAX_LIFETIME_S:
@@ -100,8 +108,15 @@ class FileStore:
             except (OSError, ValueError, TypeError) as e:
                 logger.warning("skipping %s: not a file description (%s)", described, e)
                 continue
-            if self.path(stored.id).is_file():
+            if stored.id != described.stem or not FILE_ID.fullmatch(stored.id):
+                logger.warning("skipping %s: it describes another file", described)
+            elif self.path(stored.id).is_file():
                 self.files[stored.id] = stored
+            else:  # its bytes are gone
+                described.unlink(missing_ok=True)
+        for path in self.folder.glob("file-*"):  # bytes no description lists (a crash)
+            if FILE_ID.fullmatch(path.name) and path.name not in self.files:
+                path.unlink(missing_ok=True)
         self.purge()
 
     def path(self, file_id: str) -> Path:
@@ -140,7 +155,10 @@ class FileStore:
         expires = None if lifetime_s is None else created + lifetime_s
         size = self.path(file_id).stat().st_size
         stored = StoredFile(file_id, filename, purpose, size, created, expires)
-        self.path(file_id).with_suffix(".json").write_text(json.dumps(asdict(stored)))
+        described = self.path(file_id).with_suffix(".json")
+        partial = described.with_suffix(".json.partial")
+        partial.write_text(json.dumps(asdict(stored)))
+        os.replace(partial, described)  # whole or not at all
         self.files[file_id] = stored
 
     def delete(self, file_id: str) -> None:
@@ -191,7 +209,7 @@ async def upload_file(request: Request) -> JSONResponse:
     if int(request.headers.get("content-length") or 0) > MAX_FILE_BYTES + (1 << 20):
         raise _too_large()
     store = store_of(request)
-    async with request.form(max_files=1, max_fields=8) as form:
+    async with _form(request) as form:
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise bad_request("file: give the file's content as a form file field", "file")
@@ -217,6 +235,30 @@ async def upload_file(request: Request) -> JSONResponse:
             raise
     store.add(file_id, filename, str(purpose), lifetime_s)
     return JSONResponse(store.files[file_id].public())
+
+
+@contextlib.asynccontextmanager
+async def _form(request: Request) -> AsyncIterator[FormData]:
+    """The upload's form, parsed as it arrives: a 413 once it passes MAX_FILE_BYTES (with
+    no Content-Length to tell it first), a 400 for a malformed one, a 499 for a client that
+    left."""
+    received = 0
+
+    async def counted() -> Message:
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > MAX_FILE_BYTES + (1 << 20):
+            raise _too_large()
+        return message
+
+    try:
+        async with Request(request.scope, counted).form(max_files=1, max_fields=8) as form:
+            yield form
+    except MultiPartException as e:
+        raise bad_request(f"the upload is not a form this route reads: {e.message}") from None
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected") from None
 
 
 @router.get("/v1/files")

@@ -1,0 +1,109 @@
+"""The Batch API against concurrent clients, on one server in one run: the same
+shared-prefix completions (greedy, fixed output length) sent by `--concurrency` clients to
+/v1/completions, and as one batch (/v1/files, /v1/batches, polled until it ends); rounds
+alternate the two, each after a cache flush. Prints each side's output tok/s, their medians
+and the batch / clients ratio, and checks that both gave the same texts."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2
+
+from radixserve.bench.offline import PARTS, add_workload_args, workload_prompts
+from radixserve.bench.server_vs_engine import Server, server_flags
+from radixserve.config import add_config_args, config_from_args
+
+POLL_S = 0.1
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
+    parser.add_argument("--concurrency", type=int, default=64, help="clients at once")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both, alternating")
+    add_config_args(parser, PARTS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from radixserve.model.loader import resolve_model_folder
+
+    config = config_from_args(args, PARTS)
+    folder = resolve_model_folder(config.model.model_path, config.model.cache_dir)
+    prompts = workload_prompts(args, AutoConfig.from_pretrained(folder).vocab_size)
+    body = {"model": "m", "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    bodies = [{**body, "prompt": p} for p in prompts]
+    rates: dict[str, list[float]] = {"clients": [], "batch": []}
+    texts: dict[str, list[str]] = {}
+    with Server(server_flags(config)) as url, httpx2.Client(base_url=url, timeout=3600) as http:
+        http.post("/v1/completions", json={**bodies[0], "max_tokens": 1})  # warm-up
+        for round_ in range(args.rounds):
+            for side in ("clients", "batch"):
+                http.post("/flush_cache")
+                start = time.perf_counter()
+                if side == "clients":
+                    answers = _clients(http, bodies, args.concurrency)
+                else:
+                    answers = _batch(http, bodies)
+                seconds = time.perf_counter() - start
+                tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+                rates[side].append(tokens / seconds)
+                texts.setdefault(side, [a["choices"][0]["text"] for a in answers])
+            print(
+                f"round {round_ + 1}: clients {rates['clients'][-1]:.1f}, "
+                f"batch {rates['batch'][-1]:.1f} out tok/s",
+                flush=True,
+            )
+    clients, batch = (statistics.median(rates[s]) for s in ("clients", "batch"))
+    print(
+        f"\nshared-prefix completions: {len(prompts)} requests ({args.num_groups} groups x "
+        f"{args.prompts_per_group}; system {args.system_prompt_len} + question "
+        f"{args.question_len} tokens; {args.output_len} out); {args.concurrency} clients; "
+        f"medians of {args.rounds} rounds"
+    )
+    print(f"{'side':<10}{'out tok/s':>11}   rounds")
+    for side in ("clients", "batch"):
+        print(f"{side:<10}{statistics.median(rates[side]):>11.1f}   {rates[side]}")
+    same = texts["clients"] == texts["batch"]
+    print(f"batch / clients: {batch / clients:.2f}; same texts: {same}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"rates": rates, "ratio": batch / clients, "same_texts": same}, f)
+    return 0 if same else 1
+
+
+def _clients(http: httpx2.Client, bodies: list[dict], concurrency: int) -> list[dict]:
+    def one(body: dict) -> dict:
+        response = http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, bodies))
+
+
+def _batch(http: httpx2.Client, bodies: list[dict]) -> list[dict]:
+    lines = [
+        {"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body}
+        for i, body in enumerate(bodies)
+    ]
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    upload = http.post(
+        "/v1/files", files={"file": ("in.jsonl", io.BytesIO(data))}, data={"purpose": "batch"}
+    )
+    made = {"input_file_id": upload.json()["id"], "endpoint": "/v1/completions"}
+    batch = http.post("/v1/batches", json={**made, "completion_window": "24h"}).json()
+    while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
+        time.sleep(POLL_S)
+        batch = http.get(f"/v1/batches/{batch['id']}").json()
+    if batch["status"] != "completed" or batch["error_file_id"]:
+        raise RuntimeError(f"the batch did not complete cleanly: {batch}")
+    content = http.get(f"/v1/files/{batch['output_file_id']}/content").text
+    entries = {e["custom_id"]: e for e in map(json.loads, content.splitlines())}
+    return [entries[str(i)]["response"]["body"] for i in range(len(bodies))]
