@@ -191,6 +191,8 @@ class InProcessTransport:
                 return
             if msg.error is not None:
                 future.set_exception(AssertionError(msg.error))
+            elif msg.refused is not None:
+                future.set_exception(ValueError(msg.refused))
             else:
                 future.set_result(msg.update or msg.lora or msg.result)
 
@@ -535,6 +537,17 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; False (nothing done) while requests are running."""
         return bool(self._control("flush_cache"))
+
+    def start_profile(self, **args: Any) -> None:
+        """Profile the scheduler's steps with torch's profiler, as the server's
+        /start_profile (its fields: output_dir, start_step, num_steps, activities,
+        with_stack, record_shapes, profile_prefix, profile_id); ValueError if one is
+        running or an argument is wrong."""
+        self._control("start_profile", args)
+
+    def stop_profile(self) -> str:
+        """End the profile and write its Chrome trace; its path ('' if no step ran)."""
+        return self._control("stop_profile")
 
     def check_kv_accounting(self) -> None:
         """Raises AssertionError if a KV slot is unaccounted for."""

@@ -7,6 +7,7 @@ errors. One real server (SmolLM2-135M-Instruct, fp32 CPU) serves the whole modul
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import threading
@@ -1212,3 +1213,38 @@ def test_still_serves_after_errors(url):
     state = wait_idle(url)
     assert state["num_running"] == 0 and state["kv_held_by_requests"] == 0, state
     assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_start_and_stop_profile_write_a_trace_of_the_steps(url, tmp_path):
+    r = post(url, "/start_profile", {"output_dir": str(tmp_path), "profile_prefix": "t-"})
+    assert r.status_code == 200, r.text
+    r = post(url, "/start_profile", {"output_dir": str(tmp_path)})
+    assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
+    generate(url, {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    r = requests.post(url + "/stop_profile", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    (trace,) = r.json()["traces"]
+    assert trace.startswith(str(tmp_path / "t-")) and trace.endswith("-DP-0.trace.json.gz")
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == "aten::mm" or "linear" in str(e.get("name")) for e in events)
+    r = requests.post(url + "/stop_profile", timeout=TIMEOUT)
+    assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+
+    # with num_steps the trace is written by itself
+    r = post(url, "/start_profile", {"output_dir": str(tmp_path / "auto"), "num_steps": 2})
+    assert r.status_code == 200, r.text
+    generate(url, {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert len(list((tmp_path / "auto").glob("*.trace.json.gz"))) == 1
+    assert requests.post(url + "/stop_profile", timeout=TIMEOUT).status_code == 400
+
+    for body, param in (
+        ({"activities": ["RPD"]}, None),
+        ({"num_steps": 0}, None),
+        ({"profile_by_stage": True}, "profile_by_stage"),
+        ({"colour": 1}, "colour"),
+        ({"num_steps": "2"}, "num_steps"),
+    ):
+        r = post(url, "/start_profile", {"output_dir": str(tmp_path), **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)

@@ -95,6 +95,8 @@ ControlOp = Literal[
     "update_weights",
     "pause_generation",
     "continue_generation",
+    "start_profile",
+    "stop_profile",
     "load_lora_adapter",
     "unload_lora_adapter",
 ]
@@ -112,7 +114,8 @@ class ControlReq(Message):
     # {"named_tensors": [(name, tensor)...], "flush_cache": bool};
     # pause_generation: {"mode": PauseMode};
     # load_lora_adapter: {"uid": int, "name": str, "path": str}; unload_lora_adapter:
-    # {"uid": int} (answered once no live request uses it)
+    # {"uid": int} (answered once no live request uses it); start_profile: ProfileArgs
+    # fields (scheduler/profiler.py)
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -152,10 +155,11 @@ class LoraUpdate(msgspec.Struct):
 
 class ControlReply(Message):
     call_id: int
-    result: bool | SchedulerStats | None = None
+    result: bool | str | SchedulerStats | None = None  # stop_profile: the trace's path
     update: WeightUpdate | None = None  # the answer to update_weights
     lora: LoraUpdate | None = None  # the answer to load/unload_lora_adapter
     error: str | None = None  # the op failed (e.g. the KV accounting check)
+    refused: str | None = None  # the op's arguments or timing were wrong (a 400)
 
 
 class SchedulerState(Message):

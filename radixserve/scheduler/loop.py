@@ -29,6 +29,7 @@ from radixserve.core.messages import (
     WeightUpdate,
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
+from radixserve.scheduler.profiler import ProfileRefused, StepProfiler
 from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class SchedulerLoop:
         # pause_generation's mode while generation is paused (nothing steps; requests queue
         # and aborts end them), None while it runs
         self.paused: PauseMode | None = None
+        self.profiler = StepProfiler(dp_rank)  # /start_profile's
 
     def run(self) -> None:
         try:
@@ -126,6 +128,8 @@ class SchedulerLoop:
         elif scheduler.has_work:
             step_start = time.perf_counter()
             outputs = scheduler.step()
+            if self.profiler.active:
+                self.profiler.after_step()  # (writes the trace after its num_steps)
             decoded = scheduler.last_step == "decode"
             if decoded:  # where decode time goes, for the benchmarks
                 scheduler.stats.decode_step_seconds += time.perf_counter() - step_start
@@ -315,6 +319,14 @@ class SchedulerLoop:
             return ControlReply(msg.call_id, self.scheduler.flush_cache())
         if msg.op == "get_state":
             return ControlReply(msg.call_id, self.state())
+        if msg.op in ("start_profile", "stop_profile"):
+            try:
+                if msg.op == "start_profile":
+                    self.profiler.start(msg.args)
+                    return ControlReply(msg.call_id, True)
+                return ControlReply(msg.call_id, self.profiler.stop())
+            except (ProfileRefused, OSError) as e:
+                return ControlReply(msg.call_id, refused=str(e))
         try:
             self.scheduler.check_kv_accounting()
         except AssertionError as e:

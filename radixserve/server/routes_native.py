@@ -11,9 +11,10 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ConfigDict, WithJsonSchema
+from pydantic import ConfigDict, ValidationError, WithJsonSchema
 
 from radixserve import __version__
 from radixserve.core.messages import PauseMode
@@ -26,7 +27,9 @@ from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_t
 from radixserve.server.body import (
     JSONBodyRoute,
     StrictBody,
+    load_body,
     off_the_loop_if_large,
+    validation_error,
 )
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -50,6 +53,7 @@ from radixserve.server.streaming import sse, until_disconnect
 from radixserve.server.tokenizer_manager import Call
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+STOP_PROFILE_TIMEOUT_S = 600.0  # writing a long profile's trace takes a while
 # a weight update waits for the running requests to end: as long as they may take
 UPDATE_WEIGHTS_TIMEOUT_S = 3600.0
 
@@ -376,6 +380,53 @@ async def unload_lora_adapter(body: UnloadLoraRequest, state: State) -> JSONResp
 
 def _lora_answer(loras: LoraRegistry, error: str | None) -> dict[str, Any]:
     return {"success": error is None, "error_message": error, "loaded_adapters": loras.loaded()}
+
+
+class ProfileRequest(StrictBody):
+    """SGLang's /start_profile body (its ProfileReqInput), every field optional: traces go to
+    `output_dir` (default $RADIXSERVE_TORCH_PROFILER_DIR or $SGLANG_TORCH_PROFILER_DIR, else
+    /tmp); after `start_step` steps, for `num_steps` steps (then the trace is written by
+    itself) or until /stop_profile; `activities` among CPU (always), GPU (CUDA's kernels
+    where there is a GPU) and MEM (tensor allocations)."""
+
+    model_config = ConfigDict(extra="forbid")
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_prefix: str | None = None
+    profile_id: str | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request, state: State) -> dict[str, Any]:
+    """Start profiling the scheduler's steps with torch's profiler (SGLang's route); each
+    data-parallel replica writes its own trace."""
+    raw = await request.body()
+    try:
+        body = ProfileRequest.model_validate(load_body(raw) if raw.strip() else {})
+    except ValidationError as e:
+        raise validation_error(RequestValidationError(e.errors())) from None
+    for served, name in ((body.profile_by_stage, "profile_by_stage"),
+                         (body.merge_profiles, "merge_profiles")):  # fmt: skip
+        if served:
+            raise bad_request(f"{name} is not served: leave it false", name)
+    args = body.model_dump(exclude={"profile_by_stage", "merge_profiles"}, exclude_none=True)
+    await state.manager.control("start_profile", args=args)
+    return {"message": "Start profiling.", "status": "ok"}
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(state: State) -> dict[str, Any]:
+    """Stop profiling and write the traces (which takes a while: up to minutes for a long
+    profile); their paths in `traces`."""
+    paths = await state.manager.control("stop_profile", timeout=STOP_PROFILE_TIMEOUT_S)
+    traces = [p for p in paths if p]
+    return {"message": "Stop profiling.", "status": "ok", "traces": traces}
 
 
 class PauseRequest(StrictBody):

@@ -364,6 +364,10 @@ class TokenizerManager:
         if errors:
             gather.future.set_exception(APIError(500, "; ".join(errors)))
             return
+        refused = list(dict.fromkeys(r.refused for r in gather.replies if r.refused))
+        if refused:
+            gather.future.set_exception(bad_request("; ".join(refused)))
+            return
         results = [r.update or r.lora or r.result for r in gather.replies]
         if all(isinstance(r, SchedulerStats) for r in results):
             results = [r.as_dict() for r in sorted(results, key=lambda r: r.dp_rank)]
