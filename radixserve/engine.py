@@ -546,8 +546,13 @@ class Engine:
         self._control("start_profile", args)
 
     def stop_profile(self) -> str:
-        """End the profile and write its Chrome trace; its path ('' if no step ran)."""
-        return self._control("stop_profile")
+        """End the profile and write its Chrome trace (or, for one that ended by itself
+        after num_steps, report it): its path ('' if no step ran); ValueError if no profile
+        was started since the last stop."""
+        path = self._control("stop_profile")
+        if path is None:
+            raise ValueError("no profile is running: start_profile first")
+        return path
 
     def check_kv_accounting(self) -> None:
         """Raises AssertionError if a KV slot is unaccounted for."""

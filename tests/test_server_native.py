@@ -1231,11 +1231,13 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps(url, tmp_path):
     r = requests.post(url + "/stop_profile", timeout=TIMEOUT)
     assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
 
-    # with num_steps the trace is written by itself
+    # with num_steps the trace is written by itself, and the next stop reports it
     r = post(url, "/start_profile", {"output_dir": str(tmp_path / "auto"), "num_steps": 2})
     assert r.status_code == 200, r.text
     generate(url, {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-    assert len(list((tmp_path / "auto").glob("*.trace.json.gz"))) == 1
+    (written,) = (tmp_path / "auto").glob("*.trace.json.gz")
+    r = requests.post(url + "/stop_profile", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["traces"] == [str(written)], r.text
     assert requests.post(url + "/stop_profile", timeout=TIMEOUT).status_code == 400
 
     for body, param in (
@@ -1244,6 +1246,8 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps(url, tmp_path):
         ({"profile_by_stage": True}, "profile_by_stage"),
         ({"colour": 1}, "colour"),
         ({"num_steps": "2"}, "num_steps"),
+        ({"profile_prefix": "a/b"}, None),
+        ({"output_dir": "/tmp/a\u0000b"}, None),
     ):
         r = post(url, "/start_profile", {"output_dir": str(tmp_path), **body})
         assert r.status_code == 400, (body, r.text)

@@ -98,6 +98,11 @@ class SchedulerLoop:
             while self.transport.alive():
                 self.run_once()
         finally:
+            if self.profiler.active:  # a profile still running is written, not lost
+                try:
+                    logger.info("stopping: the profile's trace is %s", self.profiler.stop())
+                except Exception:
+                    logger.exception("the running profile could not be written")
             self.scheduler.close()
 
     def run_once(self) -> None:
@@ -325,8 +330,11 @@ class SchedulerLoop:
                     self.profiler.start(msg.args)
                     return ControlReply(msg.call_id, True)
                 return ControlReply(msg.call_id, self.profiler.stop())
-            except (ProfileRefused, OSError) as e:
+            except (ProfileRefused, OSError, ValueError) as e:  # (a path it cannot make)
                 return ControlReply(msg.call_id, refused=str(e))
+            except Exception as e:  # the scheduler goes on
+                logger.exception("%s failed", msg.op)
+                return ControlReply(msg.call_id, error=f"{msg.op} failed: {e!r}")
         try:
             self.scheduler.check_kv_accounting()
         except AssertionError as e:

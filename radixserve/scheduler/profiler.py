@@ -41,14 +41,37 @@ class ProfileArgs:
     start_step: int = 0  # steps to let pass first (a warm-up)
     num_steps: int | None = None  # then stop by itself after this many; None: at stop
     activities: tuple[str, ...] = ("CPU", "GPU")
-    with_stack: bool = False
+    with_stack: bool = True  # (as SGLang's default)
     record_shapes: bool = False
     profile_prefix: str = ""
     profile_id: str = ""
 
     @classmethod
     def of(cls, given: dict[str, Any]) -> ProfileArgs:
-        args = cls(**{k: v for k, v in given.items() if v is not None})
+        """The arguments, checked (ProfileRefused names what is wrong)."""
+        try:
+            args = cls(**{k: v for k, v in given.items() if v is not None})
+        except TypeError as e:  # an argument this profile does not take
+            raise ProfileRefused(str(e)) from None
+        kinds = {
+            "output_dir": str,
+            "profile_prefix": str,
+            "profile_id": str,
+            "start_step": int,
+            "num_steps": (int, type(None)),
+            "with_stack": bool,
+            "record_shapes": bool,
+            "activities": (list, tuple),
+        }
+        for name, kind in kinds.items():
+            value = getattr(args, name)
+            counted = name in ("start_step", "num_steps")
+            if not isinstance(value, kind) or (counted and isinstance(value, bool)):
+                raise ProfileRefused(f"{name}: {value!r} is not of the right type")
+        for name in ("output_dir", "profile_prefix", "profile_id"):
+            bad = "\0/" if name != "output_dir" else "\0"  # names within output_dir
+            if any(c in getattr(args, name) for c in bad):
+                raise ProfileRefused(f"{name} must not hold {' or '.join(map(repr, bad))}")
         args.activities = tuple(args.activities)
         unknown = [a for a in args.activities if a not in ACTIVITIES]
         if unknown:
@@ -67,6 +90,10 @@ class StepProfiler:
         self.args: ProfileArgs | None = None
         self.profile: torch.profiler.profile | None = None
         self.steps = 0  # since start: to start_step, then within the profile
+        # the trace of the last profile that ended by itself (num_steps), or why it failed,
+        # for the next stop to report
+        self.ended: str | None = None
+        self.failure: str | None = None
 
     @property
     def active(self) -> bool:
@@ -76,6 +103,7 @@ class StepProfiler:
         if self.args is not None:
             raise ProfileRefused("a profile is already running: /stop_profile first")
         args = ProfileArgs.of(given)
+        self.ended = self.failure = None
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         if not os.access(args.output_dir, os.W_OK):
             raise ProfileRefused(f"output_dir: {args.output_dir} is not writable")
@@ -83,23 +111,33 @@ class StepProfiler:
         if args.start_step == 0:
             self._begin()
 
-    def after_step(self) -> str | None:
-        """Count a step; the trace's path if the profile ended with it (num_steps)."""
+    def after_step(self) -> None:
+        """Count a step: the profile begins after start_step of them, and ends by itself
+        after num_steps (the trace kept for the next stop to report). Never raises: the
+        scheduler goes on whatever the profiler meets (a full disk, a folder removed)."""
         if self.args is None:
-            return None
+            return
         self.steps += 1
-        if self.profile is None:
-            if self.steps >= self.args.start_step:
-                self._begin()
-            return None
-        if self.args.num_steps is not None and self.steps >= self.args.num_steps:
-            return self.stop()
-        return None
+        try:
+            if self.profile is None:
+                if self.steps >= self.args.start_step:
+                    self._begin()
+            elif self.args.num_steps is not None and self.steps >= self.args.num_steps:
+                self.ended = self.stop()
+        except Exception as e:
+            logger.exception("the profile failed")
+            self.args, self.profile = None, None
+            self.failure = f"the profile failed: {e!r}"
 
-    def stop(self) -> str:
-        """End the profile and write its trace; the trace's path ('' if no step ran)."""
+    def stop(self) -> str | None:
+        """End the profile and write its trace: the trace's path ('' if no step ran); for a
+        profile that ended by itself since, what it left; None if there was none."""
         if self.args is None:
-            raise ProfileRefused("no profile is running: /start_profile first")
+            failure, self.failure = self.failure, None
+            if failure is not None:
+                raise RuntimeError(failure)
+            ended, self.ended = self.ended, None
+            return ended
         args, profile = self.args, self.profile
         self.args, self.profile = None, None
         if profile is None:  # stopped before start_step came

@@ -6,6 +6,7 @@ prefix) and /v1/score (SGLang's label-token scoring)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -416,6 +417,7 @@ async def start_profile(request: Request, state: State) -> dict[str, Any]:
         if served:
             raise bad_request(f"{name} is not served: leave it false", name)
     args = body.model_dump(exclude={"profile_by_stage", "merge_profiles"}, exclude_none=True)
+    args.setdefault("profile_id", str(time.time()))  # one for every replica's trace
     await state.manager.control("start_profile", args=args)
     return {"message": "Start profiling.", "status": "ok"}
 
@@ -425,7 +427,9 @@ async def stop_profile(state: State) -> dict[str, Any]:
     """Stop profiling and write the traces (which takes a while: up to minutes for a long
     profile); their paths in `traces`."""
     paths = await state.manager.control("stop_profile", timeout=STOP_PROFILE_TIMEOUT_S)
-    traces = [p for p in paths if p]
+    if all(p is None for p in paths):
+        raise bad_request("no profile is running: /start_profile first")
+    traces = [p for p in paths if p]  # ('': it ran no step; a replica ended by itself)
     return {"message": "Stop profiling.", "status": "ok", "traces": traces}
 
 
