@@ -148,6 +148,7 @@ class Engine:
             if self.refusals:
                 self.refusals -= 1
                 return JSONResponse({"error": {"message": "full"}}, status_code=503)
+            prompt = (await request.json())["prompt"]  # the body first, as the routes read it
             self.running += 1
             self.most = max(self.most, self.running)
             await asyncio.sleep(0.01)  # long enough for the window to fill
@@ -157,7 +158,6 @@ class Engine:
                     return JSONResponse({"error": {"message": "gone"}}, status_code=499)
                 await asyncio.sleep(0.01)
             self.running -= 1
-            prompt = (await request.json())["prompt"]
             return JSONResponse({"id": f"cmpl-{prompt}", "usage": {"prompt_tokens": 1}})
 
         return app
@@ -329,3 +329,30 @@ def test_an_upload_without_a_length_stops_at_the_limit(tmp_path, monkeypatch):
     assert sent[0]["status"] == 413, sent
     assert len(chunks) > 24  # it stopped reading past the limit (and its 1 MiB of form)
     assert not app.state.files.files and not list(tmp_path.glob("file-*"))
+
+
+def test_a_cancel_does_not_wait_for_another_batchs_permits(tmp_path):
+    engine = Engine()
+    app = engine.app(tmp_path)
+
+    async def main() -> tuple[batches.Runner, batches.Runner]:
+        window = batches.Window(1)
+        engine.release.clear()
+        holder, waiter = a_batch(app, 1, window), a_batch(app, 3, window)
+        holding = asyncio.ensure_future(holder.run())
+        while engine.running < 1:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(waiter.run())
+        while waiter.batch.status != "in_progress":
+            await asyncio.sleep(0.01)
+        waiter.batch.cancel.set()
+        await asyncio.wait_for(waiting, 10)  # while the holder still runs
+        assert not holding.done() and window.free == 0
+        engine.release.set()
+        await holding
+        assert window.free == 1 and not window.waiting
+        return holder, waiter
+
+    holder, waiter = asyncio.run(main())
+    assert waiter.batch.status == "cancelled" and waiter.batch.failed == 3
+    assert holder.batch.status == "completed" and holder.batch.completed == 1

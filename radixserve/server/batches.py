@@ -429,6 +429,8 @@ class Runner:
             batch.errors = [error]
             batch.enter("failed")
         finally:
+            for task in self.running:  # (the server stopping cancelled the run)
+                task.cancel()
             self.source.close()
             for file_id, out in self.outputs.values():  # not listed: dropped
                 out.close()
@@ -455,7 +457,7 @@ class Runner:
                 len(raw), parse_line, number, raw, self.batch.endpoint
             )
             if stopped is None:
-                weight = await window.take(sequences(line.body, self.batch.endpoint))
+                weight = await self.take(sequences(line.body, self.batch.endpoint))
                 stopped = self.stop_reason()
                 if stopped is not None:
                     window.give(weight)  # shared with the other batches
@@ -474,6 +476,22 @@ class Runner:
                 {"code": "server_shutdown", "message": message, "param": None, "line": None}
             ]
         return stopped
+
+    async def take(self, wanted: int) -> int:
+        """Permits from the window, or none (0) once the batch is cancelled: a cancel does
+        not wait for other batches' requests to give theirs back."""
+        taking = asyncio.ensure_future(self.window.take(wanted))
+        cancelled = asyncio.ensure_future(self.batch.cancel.wait())
+        try:
+            await asyncio.wait({taking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if taking.done():
+            return taking.result()
+        taking.cancel()  # (Window.take gives back what it was granted meanwhile)
+        with contextlib.suppress(asyncio.CancelledError):
+            await taking
+        return 0
 
     async def guarded(self, line: Line, size: int) -> None:
         """One line's run; a bug met by it fails that line alone (a 500 in the error file)."""
@@ -528,10 +546,13 @@ class Runner:
             "request_id": request_id or f"req_{uuid.uuid4().hex}",
             "body": body,
         }
-        self.put("output" if ok else "error", line, response, None)
+        usage = dict(self.batch.usage)
+        if ok:
+            _add_usage(usage, body.get("usage"))
+        self.put("output" if ok else "error", line, response, None)  # the last that may fail
+        self.batch.usage = usage
         if ok:
             self.batch.completed += 1
-            _add_usage(self.batch.usage, body.get("usage"))
         else:
             self.batch.failed += 1
 

@@ -114,8 +114,11 @@ class FileStore:
                 self.files[stored.id] = stored
             else:  # its bytes are gone
                 described.unlink(missing_ok=True)
-        for path in self.folder.glob("file-*"):  # bytes no description lists (a crash)
-            if FILE_ID.fullmatch(path.name) and path.name not in self.files:
+        for path in self.folder.glob("file-*"):  # what a crash left: bytes undescribed,
+            # a description half written (one server to a folder: another's upload in
+            # progress would look the same)
+            stray = FILE_ID.fullmatch(path.name) and path.name not in self.files
+            if stray or path.name.endswith(".json.partial"):
                 path.unlink(missing_ok=True)
         self.purge()
 
