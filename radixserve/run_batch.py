@@ -1,10 +1,14 @@
 """`radixserve run-batch -i requests.jsonl -o results.jsonl [server flags]`: a file of OpenAI
 batch requests run offline, as vLLM's `run_batch` does. It serves the model on a private
-port for the length of the run, sends the file through the server's Batch API (one batch
-per url the lines name), and writes every line's result, in the input's order, as the
-Batch API's output lines: `{"id", "custom_id", "response": {"status_code", "request_id",
-"body"}, "error"}`. The exit code is 0 when every batch ran (a request's own error is in its
-line), 1 when one was refused whole (its errors are printed), 2 for a bad command line."""
+port for the length of the run and sends the file through the server's Batch API: the
+lines are checked here first (a line that is not a request of an endpoint served, or whose
+custom_id an earlier line has, gets its error line and is not sent), then sent as batches,
+one per url and within the Batch API's bounds (requests, bytes, embedding inputs) each.
+Every line's result is written in the input's order, as the Batch API's output lines:
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
+
+Exit code: 0 when every batch ran (a request's own error is in its line), 1 when one did
+not (the reason is printed), 2 for a bad command line or an input with no requests."""
 
 from __future__ import annotations
 
@@ -15,129 +19,171 @@ import signal
 import sys
 import threading
 import time
-from collections import defaultdict
-from dataclasses import replace
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx2
 
 from radixserve.config import Config
-from radixserve.server.batches import ENDPOINTS
+from radixserve.server import batches
 
 POLL_S = 1.0
 PROGRESS_S = 10.0  # how often the progress line is printed
-READY_TIMEOUT_S = 900.0
 ENDED = ("completed", "failed", "cancelled", "expired")
 
 
-def group_by_url(path: Path) -> tuple[dict[str, list[bytes]], list[str]]:
-    """The input's lines grouped by the url each names (a line that names none, or not a
-    JSON object, goes with the first group: its batch's check reports it), and the
-    custom_ids in the input's order."""
-    groups: dict[str, list[bytes]] = defaultdict(list)
-    order: list[str] = []
-    for raw in path.read_bytes().splitlines():
-        if not raw.strip():
-            continue
-        try:
-            entry = json.loads(raw)
-        except ValueError:
-            entry = None
-        url = entry.get("url") if isinstance(entry, dict) else None
-        if url not in ENDPOINTS:
-            url = next(iter(groups), ENDPOINTS[0])
-        groups[url].append(raw)
-        if isinstance(entry, dict) and isinstance(entry.get("custom_id"), str):
-            order.append(entry["custom_id"])
-    return dict(groups), order
+@dataclass
+class Line:
+    index: int  # among the input's non-blank lines
+    number: int  # the line's number in the file
+    url: str
+    custom_id: str
+    raw: bytes
+    inputs: int  # sequences: embedding inputs count toward an embeddings batch's bound
+
+
+def error_entry(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    error = {"code": code, "message": message}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": error}  # fmt: skip
+
+
+def read_input(path: Path) -> tuple[list[Line], list[dict[str, Any] | None]]:
+    """The lines to send, and a result slot for every non-blank line of the input (the
+    error line of each that is not sent)."""
+    lines: list[Line] = []
+    results: list[dict[str, Any] | None] = []
+    seen: set[str] = set()
+    with path.open("rb") as source:
+        for number, raw in enumerate(source, 1):
+            if not raw.strip():
+                continue
+            index = len(results)
+            results.append(None)
+            try:
+                entry = json.loads(raw)
+            except (ValueError, RecursionError):
+                entry = None
+            given = entry.get("url") if isinstance(entry, dict) else None
+            url = given if given in batches.ENDPOINTS else batches.ENDPOINTS[0]
+            custom_id = entry.get("custom_id") if isinstance(entry, dict) else None
+            try:
+                if isinstance(entry, dict) and given not in batches.ENDPOINTS:
+                    raise ValueError(
+                        "invalid_url",
+                        f"line {number}: url must be one of {', '.join(batches.ENDPOINTS)}, "
+                        f"got {batches.shown(given)}",
+                    )
+                line = batches.parse_line(number, raw, url)  # the server's own check
+                if line.custom_id in seen:
+                    raise ValueError(
+                        "duplicate_custom_id",
+                        f"line {number}: custom_id {batches.shown(line.custom_id)} is used by "
+                        "an earlier line",
+                    )
+            except ValueError as e:
+                shown = custom_id if isinstance(custom_id, str) else None
+                results[index] = error_entry(shown, e.args[0], e.args[1])
+                continue
+            seen.add(line.custom_id)
+            inputs = batches.sequences(line.body, url)
+            lines.append(Line(index, number, url, line.custom_id, raw.rstrip(b"\r\n"), inputs))
+    return lines, results
+
+
+def chunks(lines: list[Line]) -> list[list[Line]]:
+    """The lines as batches: one url each, each within the Batch API's bounds."""
+    made: list[list[Line]] = []
+    for url in batches.ENDPOINTS:
+        chunk: list[Line] = []
+        size = inputs = 0
+        for line in (x for x in lines if x.url == url):
+            full = (
+                len(chunk) >= batches.MAX_REQUESTS
+                or size + len(line.raw) + 1 > batches.MAX_INPUT_BYTES
+                or (url == "/v1/embeddings" and inputs + line.inputs > batches.MAX_EMBEDDING_INPUTS)
+            )
+            if full and chunk:
+                made.append(chunk)
+                chunk, size, inputs = [], 0, 0
+            chunk.append(line)
+            size += len(line.raw) + 1
+            inputs += line.inputs
+        if chunk:
+            made.append(chunk)
+    return made
 
 
 class Client:
-    """The run's side of the server: waits for it, then runs each group as a batch."""
+    """The run's side of the server: waits for it, then runs the batches."""
 
-    def __init__(self, url: str, api_key: str) -> None:
-        self.url = url
+    def __init__(self, url: str, api_key: str, server_up: threading.Event) -> None:
+        self.server_up = server_up
         self.http = httpx2.Client(
             base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=600
         )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
+        """Until the server answers /health (a large model may take long to load), or
+        stops (it could not start: the launcher says why)."""
+        while self.server_up.is_set():
             try:
                 if self.http.get("/health").status_code == 200:
                     return
             except httpx2.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"the server did not become ready within {READY_TIMEOUT_S:.0f} s")
+        raise RuntimeError("the server stopped before it was ready")
 
-    def run(self, groups: dict[str, list[bytes]]) -> tuple[dict[str, dict], list[str]]:
-        """Every group's batch run together; each line's result by custom_id, and the
-        errors of batches refused whole."""
-        started = {}
-        for url, lines in groups.items():
+    def run(self, parts: list[list[Line]], results: list[dict | None]) -> list[str]:
+        """Every batch run together, their results put in `results`; what went wrong with
+        the batches that did not complete."""
+        started = []
+        for part in parts:
             upload = self.http.post(
                 "/v1/files",
-                files={"file": ("input.jsonl", b"\n".join(lines))},
+                files={"file": ("input.jsonl", b"\n".join(line.raw for line in part))},
                 data={"purpose": "batch"},
             )
-            file_id = _ok(upload)["id"]
-            batch = self.http.post(
-                "/v1/batches",
-                json={"input_file_id": file_id, "endpoint": url, "completion_window": "24h"},
+            body = {"input_file_id": _ok(upload)["id"], "endpoint": part[0].url}
+            started.append(
+                _ok(self.http.post("/v1/batches", json=body | {"completion_window": "24h"}))["id"]
             )
-            started[url] = _ok(batch)["id"]
-        batches = self.wait(started)
-        results: dict[str, dict] = {}
-        refused: list[str] = []
-        for url, batch in batches.items():
-            for error in (batch.get("errors") or {}).get("data") or []:
-                refused.append(f"{url}: {error['message']} ({error['code']})")
+        problems = []
+        for part, batch in zip(parts, self.wait(started)):
+            by_id = {line.custom_id: line for line in part}
+            if batch["status"] != "completed":
+                reasons = [e["message"] for e in (batch.get("errors") or {}).get("data") or []]
+                problems.append(f"a batch of {part[0].url} ended {batch['status']}: {reasons}")
             for key in ("output_file_id", "error_file_id"):
                 if batch.get(key):
                     content = self.http.get(f"/v1/files/{batch[key]}/content")
-                    for raw in _content(content).splitlines():
+                    for raw in _ok(content, json_body=False).splitlines():
                         entry = json.loads(raw)
-                        results[entry["custom_id"]] = entry
-        return results, refused
+                        results[by_id[entry["custom_id"]].index] = entry
+        return problems
 
-    def wait(self, started: dict[str, str]) -> dict[str, dict]:
+    def wait(self, started: list[str]) -> list[dict]:
         last_said = time.monotonic()
         while True:
-            batches = {url: _ok(self.http.get(f"/v1/batches/{b}")) for url, b in started.items()}
-            if all(b["status"] in ENDED for b in batches.values()):
-                return batches
+            batches_now = [_ok(self.http.get(f"/v1/batches/{b}")) for b in started]
+            if all(b["status"] in ENDED for b in batches_now):
+                return batches_now
             if time.monotonic() - last_said >= PROGRESS_S:
                 last_said = time.monotonic()
-                counts = [b["request_counts"] for b in batches.values()]
+                counts = [b["request_counts"] for b in batches_now]
                 done = sum(c["completed"] + c["failed"] for c in counts)
                 total = sum(c["total"] for c in counts)
                 print(f"run-batch: {done}/{total} requests done", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
 
 
-def _ok(response: httpx2.Response) -> dict[str, Any]:
+def _ok(response: httpx2.Response, json_body: bool = True) -> Any:
     if response.status_code != 200:
         raise RuntimeError(f"{response.request.url.path}: {response.status_code} {response.text}")
-    return response.json()
-
-
-def _content(response: httpx2.Response) -> str:
-    if response.status_code != 200:
-        raise RuntimeError(f"{response.request.url.path}: {response.status_code} {response.text}")
-    return response.text
-
-
-def write_results(path: Path, order: list[str], results: dict[str, dict]) -> None:
-    """The results in the input's order (a custom_id the input gives twice once), then any
-    the order did not name."""
-    ordered = [c for c in dict.fromkeys(order) if c in results]
-    ordered += [c for c in results if c not in set(ordered)]
-    with path.open("w") as out:
-        for custom_id in ordered:
-            out.write(json.dumps(results[custom_id], ensure_ascii=False) + "\n")
+    return response.json() if json_body else response.text
 
 
 def run(config: Config, input_file: str, output_file: str, log_level: str) -> int:
@@ -147,47 +193,65 @@ def run(config: Config, input_file: str, output_file: str, log_level: str) -> in
     if not source.is_file():
         print(f"radixserve run-batch: error: no input file {source}", file=sys.stderr)
         return 2
-    groups, order = group_by_url(source)
-    if not groups:
+    lines, results = read_input(source)
+    if not results:
         print(f"radixserve run-batch: error: {source} has no requests", file=sys.stderr)
         return 2
-    with bind_socket("127.0.0.1", 0) as probe:  # a free port for the private server
+    outcome: dict[str, Any] = {"problems": []}
+    if lines:
+        outcome = serve_and_run(
+            config, chunks(lines), results, log_level, bind_socket, launch_server
+        )
+    missing = [i for i, entry in enumerate(results) if entry is None]
+    for i in missing:  # (the run stopped before these came back)
+        results[i] = error_entry(None, "no_result", "the run ended before this request's result")
+    with target.open("w") as out:
+        for entry in results:
+            out.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    failed = sum(1 for e in results if e and (e.get("error") or _status(e) >= 400))
+    print(
+        f"run-batch: {len(results)} requests, results in {target} ({failed} failed)",
+        file=sys.stderr,
+    )
+    for problem in outcome["problems"]:
+        print(f"radixserve run-batch: {problem}", file=sys.stderr)
+    return 1 if outcome["problems"] or missing else 0
+
+
+def serve_and_run(
+    config: Config, parts: list[list[Line]], results: list, log_level: str, bind, launch
+) -> dict[str, Any]:
+    """Serve the model on a private port and key in this thread while a client thread runs
+    the batches, then stops the server (SIGTERM: it drains and exits)."""
+    with bind("127.0.0.1", 0) as probe:  # a free port for the private server
         port = probe.getsockname()[1]
     api_key = secrets.token_hex(16)
     server = replace(config.server, host="127.0.0.1", port=port, api_key=api_key)
-    config = replace(config, server=server)
-    outcome: dict[str, Any] = {}
+    server_up = threading.Event()  # set while the server runs: the client stops it only then
+    outcome: dict[str, Any] = {"problems": []}
 
     def client_side() -> None:
         try:
-            client = Client(f"http://127.0.0.1:{port}", api_key)
+            client = Client(f"http://127.0.0.1:{port}", api_key, server_up)
             client.wait_ready()
-            outcome["results"], outcome["refused"] = client.run(groups)
-        except Exception as e:  # reported after the server has stopped
-            outcome["error"] = e
+            outcome["problems"] = client.run(parts, results)
+        except Exception as e:
+            outcome["problems"] = [f"error: {e}"]
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # the server drains and stops
+            if server_up.is_set():
+                os.kill(os.getpid(), signal.SIGTERM)  # the server drains and stops
 
-    print(f"run-batch: starting the server for {len(order)} requests", file=sys.stderr)
+    count = sum(len(part) for part in parts)
+    print(f"run-batch: starting the server for {count} requests", file=sys.stderr)
+    server_up.set()
     threading.Thread(target=client_side, name="run-batch", daemon=True).start()
-    code = launch_server(config, log_level)
-    if "error" in outcome:
-        print(f"radixserve run-batch: error: {outcome['error']}", file=sys.stderr)
-        return 1
-    if "results" not in outcome:
-        print(f"radixserve run-batch: the server stopped (exit code {code})", file=sys.stderr)
-        return 1
-    results, refused = outcome["results"], outcome["refused"]
-    write_results(target, order, results)
-    for message in refused:
-        print(f"radixserve run-batch: refused: {message}", file=sys.stderr)
-    failed = sum(1 for entry in results.values() if entry.get("error") or _status(entry) >= 400)
-    print(
-        f"run-batch: {len(order)} requests, {len(results)} results in {target}"
-        f" ({failed} failed)" + (f"; {len(refused)} errors refused a batch" if refused else ""),
-        file=sys.stderr,
-    )
-    return 1 if refused else 0
+    try:
+        code = launch(replace(config, server=server), log_level)
+    finally:
+        server_up.clear()
+    if code != 0 and not outcome["problems"]:
+        outcome["problems"] = [f"the server stopped with exit code {code}"]
+    return outcome
 
 
 def _status(entry: dict[str, Any]) -> int:

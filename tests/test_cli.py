@@ -68,7 +68,10 @@ def test_run_batch_writes_every_result_in_the_inputs_order(tiny_model_dirs, tmp_
     lines = [
         line("c1", "/v1/completions", {**completion, "prompt": "The quick"}),
         line("e1", "/v1/embeddings", {"model": "m", "input": "hello"}),
+        "{oops",
         line("c2", "/v1/completions", {**completion, "prompt": "The quick"}),
+        line("s1", "/v1/score", {"model": "m"}),
+        line("c1", "/v1/embeddings", {"model": "m", "input": "again"}),
         line("bad", "/v1/completions", {**completion, "prompt": "x", "max_tokens": -1}),
         line("c3", "/v1/completions", {**completion, "prompt": "Once upon"}),
     ]
@@ -78,17 +81,14 @@ def test_run_batch_writes_every_result_in_the_inputs_order(tiny_model_dirs, tmp_
     proc = radixserve("run-batch", "-i", str(given), "-o", str(results), *model)
     assert proc.returncode == 0, proc.stderr
     entries = [json.loads(x) for x in results.read_text().splitlines()]
-    assert [e["custom_id"] for e in entries] == ["c1", "e1", "c2", "bad", "c3"]
-    status = {e["custom_id"]: e["response"]["status_code"] for e in entries}
-    assert status == {"c1": 200, "e1": 200, "c2": 200, "bad": 400, "c3": 200}
-    texts = [
-        e["response"]["body"]["choices"][0]["text"] for e in entries if e["custom_id"][0] == "c"
-    ]
+    ids = ["c1", "e1", None, "c2", "s1", "c1", "bad", "c3"]
+    assert [e["custom_id"] for e in entries] == ids
+    status = [(e["response"] or {}).get("status_code") for e in entries]
+    assert status == [200, 200, None, 200, None, None, 400, 200]
+    errors = [(e["error"] or {}).get("code") for e in entries]
+    assert errors[2:6] == ["invalid_json_line", None, "invalid_url", "duplicate_custom_id"]
+    texts = [e["response"]["body"]["choices"][0]["text"] for e in (entries[0], entries[3])]
     assert texts[0] == texts[1]  # greedy: the same prompt, the same text
     assert entries[1]["response"]["body"]["data"][0]["embedding"]
-    assert entries[3]["response"]["body"]["error"]["param"] == "max_tokens"
-
-    given.write_text(lines[0] + "\n{oops\n")
-    proc = radixserve("run-batch", "-i", str(given), "-o", str(results), *model)
-    assert proc.returncode == 1 and "line 2:" in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert entries[6]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert "8 requests" in proc.stderr and "Traceback" not in proc.stderr

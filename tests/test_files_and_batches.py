@@ -15,6 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from radixserve import run_batch
 from radixserve.server import batches, files
 from radixserve.server.errors import APIError
 
@@ -356,3 +357,34 @@ def test_a_cancel_does_not_wait_for_another_batchs_permits(tmp_path):
     holder, waiter = asyncio.run(main())
     assert waiter.batch.status == "cancelled" and waiter.batch.failed == 3
     assert holder.batch.status == "completed" and holder.batch.completed == 1
+
+
+def test_run_batch_checks_lines_first_and_sends_them_within_the_bounds(tmp_path, monkeypatch):
+    given = tmp_path / "in.jsonl"
+    good = [request(f"r{i}") for i in range(5)]
+    embed = {"custom_id": "e", "method": "POST", "url": "/v1/embeddings"}
+    embed["body"] = {"input": ["a", "b", "c"]}
+    rows = [*good[:2], "not json", {**good[2], "url": "/v2/x"}, good[0], *good[2:], embed]
+    given.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n\n")
+    lines, results = run_batch.read_input(given)
+    assert len(results) == 9 and [x.custom_id for x in lines] == [
+        "r0",
+        "r1",
+        *"r2 r3 r4".split(),
+        "e",
+    ]
+    errors = {i: r["error"]["code"] for i, r in enumerate(results) if r is not None}
+    assert errors == {2: "invalid_json_line", 3: "invalid_url", 4: "duplicate_custom_id"}
+    assert [x.number for x in lines] == [1, 2, 6, 7, 8, 9] and lines[-1].inputs == 3
+
+    monkeypatch.setattr(batches, "MAX_REQUESTS", 2)
+    parts = run_batch.chunks(lines)
+    assert [[x.custom_id for x in part] for part in parts] == [
+        ["r0", "r1"],
+        ["r2", "r3"],
+        ["r4"],
+        ["e"],
+    ]
+    monkeypatch.setattr(batches, "MAX_REQUESTS", 50)
+    monkeypatch.setattr(batches, "MAX_INPUT_BYTES", 2 * len(lines[0].raw) + 2)
+    assert [len(part) for part in run_batch.chunks(lines)] == [2, 2, 1, 1]
