@@ -264,6 +264,7 @@ def test_the_window_is_weighed_in_sequences_first_come_first_served():
         ("/v1/embeddings", {"input": ["a"] * 5}, 5),
         ("/v1/embeddings", {"input": "a"}, 1),
         ("/v1/responses", {"input": ["x", "y"]}, 1),
+        ("/v1/score", {"query": "q", "items": ["a", "b", "c"]}, 3),
     ],
 )
 def test_a_requests_sequences(endpoint, body, count):

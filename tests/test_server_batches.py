@@ -156,6 +156,15 @@ def test_completions_embeddings_and_responses_batches(client):
     for a, b in zip(got, direct):
         assert a["embedding"] == pytest.approx(b.embedding, abs=1e-5)
 
+    score = {"query": "Is the sky blue? Answer:", "items": [" Yes", " No"]}
+    score["label_token_ids"] = [330, 1770]
+    batch = run(client, upload(client, [line("s", "/v1/score", score)]), "/v1/score")
+    assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+    got = read_jsonl(client, batch.output_file_id)["s"]["response"]["body"]["scores"]
+    direct = requests.post(f"{client.base_url}score", json=score, headers=AUTH, timeout=60)
+    for row, expected in zip(got, direct.json()["scores"], strict=True):
+        assert row == pytest.approx(expected, rel=1e-3)  # (batched apart: fp32 rounding)
+
     question = {"model": "m", "input": "Name a fruit.", "max_output_tokens": 12, "temperature": 0}
     lines = [
         line("r", "/v1/responses", question),

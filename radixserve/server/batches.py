@@ -9,7 +9,8 @@ error file) that the Files API (`files.py`) serves.
     POST /v1/batches/{id}/cancel  -> the batch, cancelling
 
 Each input line is `{"custom_id", "method": "POST", "url": <the endpoint>, "body"}`. The
-endpoints are /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/responses.
+endpoints are /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses and
+SGLang's /v1/score.
 
 A batch is first checked whole (`check_input`): any malformed line fails it with the
 lines' errors and runs nothing. Then each body goes through the app itself, as an HTTP
@@ -56,7 +57,14 @@ from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# OpenAI's served here, and SGLang's /v1/score (label probabilities: a classifier in batch)
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/score",
+)
 COMPLETION_WINDOWS = {"24h": 86400}  # OpenAI's one window
 MAX_REQUESTS = 50_000  # OpenAI's bounds on one batch's input
 MAX_INPUT_BYTES = 200 << 20
@@ -279,6 +287,9 @@ def sequences(body: dict[str, Any], endpoint: str) -> int:
     """How many sequences a line's request puts in the scheduler's queue (as its
     --max-queued-requests counts them): n per prompt; one per embedding input."""
     n = body.get("n") if isinstance(body.get("n"), int) else 1
+    if endpoint == "/v1/score":  # each item is a sequence
+        items = body.get("items")
+        return max(len(items), 1) if isinstance(items, list) else 1
     if endpoint == "/v1/responses":
         return 1
     given = body.get("input" if endpoint == "/v1/embeddings" else "prompt")
