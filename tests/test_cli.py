@@ -70,7 +70,7 @@ def test_run_batch_writes_every_result_in_the_inputs_order(tiny_model_dirs, tmp_
         line("e1", "/v1/embeddings", {"model": "m", "input": "hello"}),
         "{oops",
         line("c2", "/v1/completions", {**completion, "prompt": "The quick"}),
-        line("s1", "/v1/score", {"model": "m"}),
+        line("s1", "/v1/rerank", {"model": "m"}),
         line("c1", "/v1/embeddings", {"model": "m", "input": "again"}),
         line("bad", "/v1/completions", {**completion, "prompt": "x", "max_tokens": -1}),
         line("c3", "/v1/completions", {**completion, "prompt": "Once upon"}),
