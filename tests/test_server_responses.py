@@ -385,6 +385,24 @@ def test_item_references_stand_for_stored_items(client):
     assert listed[1].type == "message" and listed[1].role == "assistant"
 
 
+def test_item_references_stand_for_a_conversations_items(client):
+    """Items added to a conversation by hand can be named by an item_reference too, until
+    the conversation is deleted."""
+    conversation = client.conversations.create()
+    intro = {"type": "message", "role": "user", "content": "My name is Ada."}
+    (added,) = client.conversations.items.create(conversation.id, items=[intro]).data
+    question = {"role": "user", "content": "What is my name?"}
+    spelled = client.responses.create(input=[intro, question], **GREEDY)
+    referenced = client.responses.create(  # (not stored: no other holder of the item)
+        input=[{"type": "item_reference", "id": added.id}, question], store=False, **GREEDY
+    )
+    assert referenced.output_text == spelled.output_text
+    assert referenced.usage.input_tokens == spelled.usage.input_tokens
+    client.conversations.delete(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(input=[{"type": "item_reference", "id": added.id}], **GREEDY)
+
+
 def test_a_conversation_holds_the_responses_made_in_it(client, server):
     """OpenAI's Conversations API: a response in a conversation reads its items and adds its
     own once it ends (whole or streamed); the items list, read and delete as OpenAI's."""

@@ -18,6 +18,7 @@ responses are."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -96,6 +97,7 @@ class ConversationStore:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.sizes: dict[str, int] = {}
+        self.holders: dict[str, str] = {}  # item id -> the conversation holding it
 
     def put(self, conversation: Conversation, added: list[dict[str, Any]] | None = None) -> None:
         """Keep a conversation, the most recently used now: measured whole, or (`added`:
@@ -108,13 +110,30 @@ class ConversationStore:
             self.sizes[conversation.id] += len(json.dumps(added))
         else:
             self.sizes[conversation.id] = len(json.dumps(conversation.items))
+        for item in conversation.items if added is None else added:
+            self.holders[item["id"]] = conversation.id
         total = sum(self.sizes.values())
         for oldest in list(self.entries)[:-1]:
             if len(self.entries) <= self.capacity and total <= self.max_bytes:
                 break
             if self.entries[oldest].running is None:  # not one a response is adding to
-                total -= self.sizes.pop(oldest)
-                del self.entries[oldest]
+                total -= self.sizes[oldest]
+                self._drop(oldest)
+
+    def _drop(self, conversation_id: str) -> None:
+        for item in self.entries.pop(conversation_id).items:
+            if self.holders.get(item["id"]) == conversation_id:
+                del self.holders[item["id"]]
+        del self.sizes[conversation_id]
+
+    def find_item(self, item_id: str) -> dict[str, Any] | None:
+        """An item of any conversation kept (a copy), by its id: what an `item_reference`
+        names."""
+        conversation = self.entries.get(self.holders.get(item_id, ""))
+        if conversation is None:
+            return None
+        found = next((i for i in conversation.items if i["id"] == item_id), None)
+        return None if found is None else copy.deepcopy(found)
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
         conversation = self.entries.get(conversation_id)
@@ -139,8 +158,7 @@ class ConversationStore:
 
     def delete(self, conversation_id: str) -> None:
         self.get(conversation_id)
-        del self.entries[conversation_id]
-        del self.sizes[conversation_id]
+        self._drop(conversation_id)
 
 
 def _store(request: Request) -> ConversationStore:

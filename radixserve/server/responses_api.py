@@ -1033,10 +1033,15 @@ class ResponseStore:
             if self.holders.get(item["id"]) == response_id:
                 del self.holders[item["id"]]
 
-    def resolve(self, given: str | list[Any]) -> str | list[Any]:
+    def resolve(
+        self,
+        given: str | list[Any],
+        elsewhere: Callable[[str], dict[str, Any] | None] | None = None,
+    ) -> str | list[Any]:
         """The input with each `item_reference` replaced by the stored item it names (a
-        copy: an input or output item of any stored response, as OpenAI's resolve them);
-        a 404 names the reference whose item is not stored."""
+        copy: an input or output item of any stored response, as OpenAI's resolve them, or
+        one `elsewhere` finds: a conversation's); a 404 names the reference whose item is
+        not stored."""
         if isinstance(given, str) or not any(_is_reference(raw) for raw in given):
             return given
         resolved = []
@@ -1052,6 +1057,8 @@ class ResponseStore:
                 )
             holder = self.entries.get(self.holders.get(item_id, ""))
             item = next((x for x in _held_items(holder) if x["id"] == item_id), None)
+            if item is None and elsewhere is not None:
+                item = elsewhere(item_id)
             if item is None:
                 raise APIError(
                     404,

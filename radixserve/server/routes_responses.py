@@ -113,7 +113,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         earlier, earlier_bytes = list(conversation.items), conversations.sizes[conversation.id]
         conversation.lock(token)  # one response at a time adds to a conversation
     try:
-        body.input = store.resolve(body.input)
+        body.input = store.resolve(body.input, conversations.find_item)
         run = await off_the_loop_if_large(
             request, lambda: _prepare(body, earlier, state), extra_bytes=earlier_bytes
         )
