@@ -389,3 +389,27 @@ def test_run_batch_checks_lines_first_and_sends_them_within_the_bounds(tmp_path,
     monkeypatch.setattr(batches, "MAX_REQUESTS", 50)
     monkeypatch.setattr(batches, "MAX_INPUT_BYTES", 2 * len(lines[0].raw) + 2)
     assert [len(part) for part in run_batch.chunks(lines)] == [2, 2, 1, 1]
+
+
+def test_batches_kept_in_a_folder_are_listed_again(tmp_path):
+    store = batches.BatchStore(capacity=2, folder=tmp_path)
+    now = int(time.time())
+
+    def made(batch_id: str) -> batches.Batch:
+        batch = batches.Batch(batch_id, "/v1/completions", "file-x", "24h", now, now + 60, {}, None)
+        store.add(batch)
+        return batch
+
+    done, running = made("batch_done"), made("batch_running")
+    done.total, done.completed, done.output_file_id = 3, 3, "file-out"
+    done.enter("completed")
+    running.enter("in_progress")
+    again = batches.BatchStore(capacity=2, folder=tmp_path)
+    assert list(again.batches) == ["batch_done", "batch_running"]
+    assert again.get("batch_done").public() == done.public()
+    killed = again.get("batch_running")  # the server died under it
+    assert killed.status == "failed" and killed.errors[0]["code"] == "server_shutdown"
+    assert batches.BatchStore(folder=tmp_path).get("batch_running").status == "failed"
+
+    made("batch_new")  # past the capacity: the oldest ended one goes, from disk too
+    assert "batch_done" not in store.batches and not (tmp_path / "batch_done.json").exists()

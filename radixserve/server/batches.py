@@ -42,7 +42,8 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import IO, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -98,11 +99,19 @@ class Batch:
     model: str | None = None
     output_file_id: str | None = None
     error_file_id: str | None = None
-    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    made_ns: int = field(default_factory=time.time_ns)  # (orders those made in one second)
+    cancel: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    saved: Callable[[Batch], None] | None = field(default=None, repr=False)  # (the store's)
 
     def enter(self, status: str) -> None:
         self.status = status
         self.times[f"{status}_at"] = int(time.time())
+        if self.saved is not None:
+            self.saved(self)
+
+    def fields(self) -> dict[str, Any]:
+        """What is kept of it on disk (all but the run's own state)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in UNSAVED}
 
     @property
     def ended(self) -> bool:
@@ -147,22 +156,62 @@ class Batch:
         }
 
 
-class BatchStore:
-    """The batches, oldest first; past MAX_BATCHES the oldest ended ones go."""
+UNSAVED = ("cancel", "saved")
 
-    def __init__(self, capacity: int = MAX_BATCHES) -> None:
+
+class BatchStore:
+    """The batches, oldest first; past MAX_BATCHES the oldest ended ones go. With a
+    `folder` (in --file-storage-path), each is also kept there as `<id>.json`, written at
+    each change of status, and a server started again on the folder lists them again: one
+    that had not ended (the server was killed) is failed, its requests not run."""
+
+    def __init__(self, capacity: int = MAX_BATCHES, folder: Path | None = None) -> None:
         self.capacity = capacity
+        self.folder = folder
         self.batches: OrderedDict[str, Batch] = OrderedDict()
         self.tasks: set[asyncio.Task] = set()
         self.window: Window | None = None  # made with the first batch (the engine's size)
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        kept = []
+        for path in folder.glob("batch_*.json"):
+            try:
+                kept.append(Batch(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError) as e:
+                logger.warning("skipping %s: not a batch (%s)", path, e)
+        for batch in sorted(kept, key=lambda b: b.made_ns):
+            batch.saved = self.save
+            self.batches[batch.id] = batch
+            if not batch.ended:
+                message = "the server stopped while the batch ran (it was not shut down)"
+                batch.errors = [
+                    {"code": "server_shutdown", "message": message, "param": None, "line": None}
+                ]
+                batch.enter("failed")
+
+    def save(self, batch: Batch) -> None:
+        if self.folder is None:
+            return
+        path = self.folder / f"{batch.id}.json"
+        partial = path.with_suffix(".json.partial")
+        try:
+            partial.write_text(json.dumps(batch.fields()))
+            os.replace(partial, path)
+        except OSError:  # (a full disk): the batch runs on, kept in memory
+            logger.exception("batch %s could not be saved", batch.id)
 
     def add(self, batch: Batch) -> None:
+        batch.saved = self.save
         self.batches[batch.id] = batch
+        self.save(batch)
         for old in list(self.batches.values()):
             if len(self.batches) <= self.capacity:
                 break
             if old.ended:
                 del self.batches[old.id]
+                if self.folder is not None:
+                    (self.folder / f"{old.id}.json").unlink(missing_ok=True)
 
     def active(self) -> int:
         return sum(1 for batch in self.batches.values() if not batch.ended)
