@@ -318,3 +318,38 @@ def test_files_upload_list_read_and_delete(client, server):
         r = requests.post(url, headers=AUTH, timeout=30, **kwargs)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
+    """A server stopped (SIGTERM) while a batch runs ends it failed with server_shutdown,
+    every line in its files; a server started again on the folder lists it and them."""
+    flags = (
+        "--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "8192",
+        "--file-storage-path", str(tmp_path / "files"), "--shutdown-timeout", "1",
+        "--max-running-requests", "4",
+    )  # fmt: skip
+    body = {"model": "m", "prompt": "The quick", "max_tokens": 400, "ignore_eos": True}
+    lines = [line(f"r{i}", "/v1/completions", body) for i in range(24)]
+    with ServerProcess(*flags, log=tmp_path / "first.log") as first:
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key="x", max_retries=0)
+        made = client.batches.create(
+            input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+        )
+        while client.batches.retrieve(made.id).request_counts.completed < 1:
+            time.sleep(0.05)
+    with ServerProcess(*flags, log=tmp_path / "second.log") as second:
+        client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0)
+        batch = client.batches.retrieve(made.id)
+        assert batch.status == "failed" and batch.errors.data[0].code == "server_shutdown"
+        counts = batch.request_counts
+        assert counts.total == 24 and counts.completed + counts.failed == 24, counts
+        assert 1 <= counts.completed < 24
+        done = read_jsonl(client, batch.output_file_id)
+        rest = read_jsonl(client, batch.error_file_id)
+        assert len(done) == counts.completed and set(done) | set(rest) == {
+            f"r{i}" for i in range(24)
+        }
+        assert made.id in [b.id for b in client.batches.list()]
+        for entry in rest.values():  # aborted as the server stopped, or never sent
+            error, response = entry["error"], entry["response"]
+            assert (error or {}).get("code") == "server_shutdown" or response["status_code"] >= 500

@@ -46,6 +46,7 @@ from radixserve.tokenizer import (
 logger = logging.getLogger("radixserve.server")
 
 WATCH_INTERVAL_S = 0.2
+BATCH_END_TIMEOUT_S = 10.0  # a draining server waits this long for batches to end
 CHILD_STOP_TIMEOUT_S = 5.0
 
 
@@ -166,6 +167,7 @@ class Launcher:
         dispatcher = Dispatcher(senders, self.config.parallel.load_balance_method)
         self.manager = TokenizerManager(dispatcher, Metrics())
         app = build_app(self.manager, self.config, served_model_name(self.config))
+        self.app = app
         self.loras = app.state.server.loras  # (names for --log-requests)
         self.server = _Server(
             uvicorn.Config(
@@ -312,6 +314,9 @@ class Launcher:
             abort_deadline = time.monotonic() + 2.0
             while self.manager.pending and time.monotonic() < abort_deadline:
                 await asyncio.sleep(0.05)
+        running = self.app.state.batches.tasks  # they write their files and end, failed
+        if running:
+            await asyncio.wait(running, timeout=BATCH_END_TIMEOUT_S)
         self.server.should_exit = True
 
     def stop_children(self) -> None:
