@@ -595,6 +595,54 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
         assert all(1 not in used for used in prefills[1:b_first]), prefills
         engine.check_kv_accounting()
 
+    # the priority policy: a request of the adapter in use that outranks the one waiting
+    # for a slot still goes; one that does not waits behind it
+    with Engine(
+        str(case.folder),
+        progress=False,
+        dtype=FP32,
+        lora_paths=paths,
+        max_loras_per_batch=1,
+        schedule_policy="priority",
+    ) as engine:
+        prefilled: list[list[tuple[int, int]]] = []  # per step: (adapter, length) prefilled
+        streams = []
+        forward = engine.runner.forward
+
+        def send(ids: list[int], name: str, priority: int, tokens: int = 4) -> None:
+            params = {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}
+            streams.append(
+                engine.generate(
+                    input_ids=ids,
+                    sampling_params=params,
+                    lora_path=name,
+                    priority=priority,
+                    stream=True,
+                )  # fmt: skip
+            )
+
+        def arrivals_spy(batch):
+            owners = batch.lora_ids or [0] * len(batch.extend_lens)
+            prefilled.append([(u, n) for u, n in zip(owners, batch.extend_lens) if n > 1])
+            if len(prefilled) == 1:  # "a" runs: "b" finds no slot
+                send([21, 22, 23, 24, 25, 26], "b", priority=1)
+            if len(prefilled) == 3:  # while "b" waits: "a" above it, "a" below it
+                send([31, 32, 33, 34, 35, 36, 37], "a", priority=9)
+                send([41, 42, 43, 44, 45, 46, 47, 48, 49], "a", priority=0)
+            return forward(batch)
+
+        engine.runner.forward = arrivals_spy
+        send([11, 12, 13, 14, 15], "a", priority=0, tokens=24)
+        for stream in list(streams):
+            for _ in stream:
+                pass
+        for stream in streams[1:]:
+            for _ in stream:
+                pass
+        order = [entry for step in prefilled for entry in step]
+        assert order.index((1, 7)) < order.index((2, 6)) < order.index((1, 9)), prefilled
+        engine.check_kv_accounting()
+
     with pytest.raises(LoraError, match="rank 8 is above --max-lora-rank 4"):
         Engine(str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_lora_rank=4)
     narrow = ["q_proj", "v_proj", "down_proj"]  # adapter b's modules, not a's

@@ -88,8 +88,11 @@ class PrefillAdder:
     adapters: set[int] = field(default_factory=set)
     max_adapters: int | None = None
     # the adapter of a request that found no slot (this step, or an earlier one where it is
-    # still waiting): until it has one, no request of another adapter joins
+    # still waiting): until it has one, no request of another adapter joins, unless (under
+    # the priority policy: `by_priority`) it outranks the waiting request (`waiting_priority`)
     waiting_adapter: int | None = None
+    waiting_priority: int | None = None
+    by_priority: bool = False
 
     @classmethod
     def for_step(
@@ -187,21 +190,28 @@ class PrefillAdder:
         if req.lora_id:
             self.adapters.add(req.lora_id)
             if req.lora_id == self.waiting_adapter:  # it has its slot: the others may join
-                self.waiting_adapter = None
+                self.waiting_adapter = self.waiting_priority = None
 
     def _adapter_fits(self, req: Req) -> bool:
         """Its adapter is one the batch uses already, or there is room for one more. Once a
         request found no room, requests of other adapters wait (the base model's still go),
         in this step and the next ones, until it has a slot: else a steady stream of the
         adapters in use (which the lpm and priority orders put first) would keep it waiting
-        for good."""
+        for good. Under the priority policy, a request of higher priority than the waiting
+        one still goes."""
         if not req.lora_id or self.max_adapters is None:
             return True
         if self.waiting_adapter is not None and req.lora_id != self.waiting_adapter:
-            return False
+            outranks = self.waiting_priority is not None and req.priority > self.waiting_priority
+            if not outranks:
+                return False
         if req.lora_id in self.adapters or len(self.adapters) < self.max_adapters:
             return True
-        self.waiting_adapter = req.lora_id
+        outranks = self.waiting_priority is not None and req.priority > self.waiting_priority
+        if self.waiting_adapter is None or outranks:  # the first without a slot waits, or
+            # under the priority policy, the most urgent
+            self.waiting_adapter = req.lora_id
+            self.waiting_priority = req.priority if self.by_priority else None
         return False
 
     def _take(self, req: Req) -> list[int]:

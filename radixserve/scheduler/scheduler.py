@@ -320,11 +320,16 @@ class Scheduler:
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
-        order = order_waiting(self.config.schedule_policy, self.waiting, self.kv.tree, self.rng)
-        if held_for is not None:  # its oldest request first: no budget runs out before it
+        policy = self.config.schedule_policy
+        order = order_waiting(policy, self.waiting, self.kv.tree, self.rng)
+        adder.by_priority = policy == "priority"
+        if held_for is not None:  # its oldest request first (no budget runs out before it),
+            # or under the priority policy, after those that outrank it only
             first = next(r for r in self.waiting if r.lora_id == held_for)
             order.remove(first)
-            order.insert(0, first)
+            ahead = [r for r in order if r.priority > first.priority] if adder.by_priority else []
+            order.insert(len(ahead), first)
+            adder.waiting_priority = first.priority if adder.by_priority else None
         for req in order:
             result = adder.try_add(req)
             if result is Admission.STOP:
