@@ -13,9 +13,7 @@ not (the reason is printed), 2 for a bad command line or an input with no reques
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -30,6 +28,7 @@ from radixserve.config import Config
 from radixserve.server import batches
 
 POLL_S = 1.0
+CLIENT_END_TIMEOUT_S = 30.0
 PROGRESS_S = 10.0  # how often the progress line is printed
 ENDED = ("completed", "failed", "cancelled", "expired")
 
@@ -87,8 +86,15 @@ def read_input(path: Path) -> tuple[list[Line], list[dict[str, Any] | None]]:
                 shown = custom_id if isinstance(custom_id, str) else None
                 results[index] = error_entry(shown, e.args[0], e.args[1])
                 continue
-            seen.add(line.custom_id)
             inputs = batches.sequences(line.body, url)
+            too_big = len(raw) + 1 > batches.MAX_INPUT_BYTES
+            too_many = url == "/v1/embeddings" and inputs > batches.MAX_EMBEDDING_INPUTS
+            if too_big or too_many:  # no batch could take it
+                what = "bytes" if too_big else "embedding inputs"
+                message = f"line {number}: more {what} than one batch takes"
+                results[index] = error_entry(line.custom_id, "request_too_large", message)
+                continue
+            seen.add(line.custom_id)
             lines.append(Line(index, number, url, line.custom_id, raw.rstrip(b"\r\n"), inputs))
     return lines, results
 
@@ -154,15 +160,16 @@ class Client:
         problems = []
         for part, batch in zip(parts, self.wait(started)):
             by_id = {line.custom_id: line for line in part}
-            if batch["status"] != "completed":
-                reasons = [e["message"] for e in (batch.get("errors") or {}).get("data") or []]
-                problems.append(f"a batch of {part[0].url} ended {batch['status']}: {reasons}")
             for key in ("output_file_id", "error_file_id"):
                 if batch.get(key):
-                    content = self.http.get(f"/v1/files/{batch[key]}/content")
-                    for raw in _ok(content, json_body=False).splitlines():
-                        entry = json.loads(raw)
-                        results[by_id[entry["custom_id"]].index] = entry
+                    content = _ok(self.http.get(f"/v1/files/{batch[key]}/content"), False)
+                    for raw in content.split(b"\n"):  # (not splitlines: U+2028 is text)
+                        if raw.strip():
+                            entry = json.loads(raw)
+                            results[by_id[entry["custom_id"]].index] = entry
+            if batch["status"] != "completed":
+                problems.append(f"a batch of {part[0].url} ended {batch['status']}")
+                _account_for(part, batch, results)
         return problems
 
     def wait(self, started: list[str]) -> list[dict]:
@@ -183,7 +190,26 @@ class Client:
 def _ok(response: httpx2.Response, json_body: bool = True) -> Any:
     if response.status_code != 200:
         raise RuntimeError(f"{response.request.url.path}: {response.status_code} {response.text}")
-    return response.json() if json_body else response.text
+    return response.json() if json_body else response.content
+
+
+def _account_for(part: list[Line], batch: dict[str, Any], results: list) -> None:
+    """The lines of a batch that did not complete and gave no result: each with the error
+    the batch names for its line (numbered as in the input), or the batch's end."""
+    by_number = {}
+    for error in (batch.get("errors") or {}).get("data") or []:
+        if isinstance(error.get("line"), int) and 1 <= error["line"] <= len(part):
+            by_number[error["line"]] = error
+    for n, line in enumerate(part, 1):
+        if results[line.index] is not None:
+            continue
+        error = by_number.get(n)
+        if error is not None:
+            message = error["message"].replace(f"line {n}:", f"line {line.number}:", 1)
+            results[line.index] = error_entry(line.custom_id, error["code"], message)
+        else:
+            message = f"its batch ended {batch['status']} before this request ran"
+            results[line.index] = error_entry(line.custom_id, f"batch_{batch['status']}", message)
 
 
 def run(config: Config, input_file: str, output_file: str, log_level: str) -> int:
@@ -227,7 +253,8 @@ def serve_and_run(
         port = probe.getsockname()[1]
     api_key = secrets.token_hex(16)
     server = replace(config.server, host="127.0.0.1", port=port, api_key=api_key)
-    server_up = threading.Event()  # set while the server runs: the client stops it only then
+    server_up = threading.Event()  # set while the server runs
+    launched: list[Any] = []  # the launcher, to stop it from the client's thread
     outcome: dict[str, Any] = {"problems": []}
 
     def client_side() -> None:
@@ -238,17 +265,23 @@ def serve_and_run(
         except Exception as e:
             outcome["problems"] = [f"error: {e}"]
         finally:
-            if server_up.is_set():
-                os.kill(os.getpid(), signal.SIGTERM)  # the server drains and stops
+            launched[0].request_stop()  # drain and stop (nothing if it has stopped)
 
     count = sum(len(part) for part in parts)
     print(f"run-batch: starting the server for {count} requests", file=sys.stderr)
     server_up.set()
-    threading.Thread(target=client_side, name="run-batch", daemon=True).start()
+    client = threading.Thread(target=client_side, name="run-batch", daemon=True)
+
+    def on_launch(launcher: Any) -> None:
+        launched.append(launcher)
+        client.start()
+
     try:
-        code = launch(replace(config, server=server), log_level)
+        code = launch(replace(config, server=server), log_level, launched=on_launch)
     finally:
         server_up.clear()
+    if client.ident is not None:  # (its reads end once the server is gone)
+        client.join(timeout=CLIENT_END_TIMEOUT_S)
     if code != 0 and not outcome["problems"]:
         outcome["problems"] = [f"the server stopped with exit code {code}"]
     return outcome

@@ -407,9 +407,27 @@ def test_batches_kept_in_a_folder_are_listed_again(tmp_path):
     again = batches.BatchStore(capacity=2, folder=tmp_path)
     assert list(again.batches) == ["batch_done", "batch_running"]
     assert again.get("batch_done").public() == done.public()
-    killed = again.get("batch_running")  # the server died under it
+    killed = again.get("batch_running")  # the server died under it: its files are gone
     assert killed.status == "failed" and killed.errors[0]["code"] == "server_shutdown"
+    assert (killed.completed, killed.failed, killed.output_file_id) == (0, killed.total, None)
     assert batches.BatchStore(folder=tmp_path).get("batch_running").status == "failed"
 
     made("batch_new")  # past the capacity: the oldest ended one goes, from disk too
     assert "batch_done" not in store.batches and not (tmp_path / "batch_done.json").exists()
+
+
+def test_a_failed_batchs_lines_are_accounted_for_in_the_inputs_numbers():
+    part = [
+        run_batch.Line(index=i, number=n, url="/v1/completions", custom_id=c, raw=b"{}", inputs=1)
+        for i, (n, c) in enumerate([(3, "a"), (7, "b"), (9, "c")])
+    ]
+    results: list = [None, {"custom_id": "b", "response": {"status_code": 200}}, None]
+    error = {"code": "invalid_body", "message": "line 3: body must be an object", "line": 3}
+    batch = {"status": "failed", "errors": {"data": [error]}}
+    run_batch._account_for(part, batch, results)
+    assert results[0]["custom_id"] == "a" and results[0]["error"]["code"] == "batch_failed"
+    assert results[1]["response"]["status_code"] == 200  # its own result stays
+    assert results[2]["error"] == {
+        "code": "invalid_body",
+        "message": "line 9: body must be an object",
+    }

@@ -547,3 +547,17 @@ def test_conversations_go_least_recently_used_first_but_not_while_a_response_run
     first.unlock("r1")
     store.add(second, rapi.input_items("lost"))  # gone: nothing is added
     assert second.items == []
+
+
+def test_a_conversations_items_are_found_by_id_whoever_holds_them():
+    store = ConversationStore(capacity=10)
+    first, second = (Conversation(f"conv_{i}", 0, {}) for i in range(2))
+    store.put(first)
+    store.put(second)
+    store.add(first, [{"id": "msg_1", "type": "message", "role": "user", "content": "A"}])
+    store.add(second, [{"id": "msg_1", "type": "message", "role": "user", "content": "B"}])
+    assert store.find_item("msg_1")["content"] == "B"
+    store.delete(second.id)  # the id is still held by the first
+    assert store.find_item("msg_1")["content"] == "A"
+    first.items.clear()
+    assert store.find_item("msg_1") is None and "msg_1" not in store.holders

@@ -53,7 +53,7 @@ from pydantic import ConfigDict
 from radixserve.server import files as files_api
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import THREAD_BODY_BYTES, JSONBodyRoute, StrictBody, load_body
-from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.errors import ERROR_RESPONSES, APIError, EngineUnavailable, bad_request
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
@@ -175,20 +175,28 @@ class BatchStore:
             return
         folder.mkdir(parents=True, exist_ok=True)
         kept = []
-        for path in folder.glob("batch_*.json"):
+        for path in folder.glob("batch_*.json*"):
+            if path.name.endswith(".partial"):  # a write the server did not finish
+                path.unlink(missing_ok=True)
+                continue
             try:
-                kept.append(Batch(**json.loads(path.read_text())))
+                batch = Batch(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError) as e:
                 logger.warning("skipping %s: not a batch (%s)", path, e)
+                continue
+            if f"{batch.id}.json" == path.name:
+                kept.append(batch)
         for batch in sorted(kept, key=lambda b: b.made_ns):
             batch.saved = self.save
             self.batches[batch.id] = batch
-            if not batch.ended:
-                message = "the server stopped while the batch ran (it was not shut down)"
+            if not batch.ended:  # killed under it: its files were never kept
+                batch.completed, batch.failed, batch.usage = 0, batch.total, {}
+                batch.output_file_id = batch.error_file_id = None
+                message = "the server was killed while the batch ran: it has no results"
                 batch.errors = [
                     {"code": "server_shutdown", "message": message, "param": None, "line": None}
                 ]
-                batch.enter("failed")
+                batch.enter("cancelled" if batch.status == "cancelling" else "failed")
 
     def save(self, batch: Batch) -> None:
         if self.folder is None:
@@ -510,24 +518,26 @@ class Runner:
         stopped early (cancelled, expired, failed: the server stopping), else None."""
         window = self.window
         stopped = None
-        for i, (number, raw) in enumerate(read_lines(self.source)):
+        lines = read_lines(self.source)
+        for i, (number, raw) in enumerate(lines):
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)  # a long input read on without a wait: let others run
             line = await _off_the_loop_if_large(
                 len(raw), parse_line, number, raw, self.batch.endpoint
             )
-            if stopped is None:
-                weight = await self.take(sequences(line.body, self.batch.endpoint))
-                stopped = self.stop_reason()
-                if stopped is not None:
-                    window.give(weight)  # shared with the other batches
+            weight = await self.take(sequences(line.body, self.batch.endpoint))
+            stopped = self.stop_reason()
             if stopped is not None:
+                window.give(weight)  # shared with the other batches
                 self.unrun(line, stopped)
-                continue
+                break
             task = asyncio.create_task(self.guarded(line, len(raw)))
             self.running.add(task)
             task.add_done_callback(lambda t, w=weight: (self.running.discard(t), window.give(w)))
         await asyncio.gather(*self.running, return_exceptions=True)
+        if stopped is not None:  # the lines never sent, written off on a worker thread (a
+            # large input's rest would hold the loop): nothing else writes the files now
+            await asyncio.to_thread(self.unrun_rest, lines, stopped)
         if stopped is None and self.batch.cancel.is_set():  # after the last was dispatched
             stopped = "cancelled"
         if stopped == "failed":
@@ -583,8 +593,12 @@ class Runner:
             retry = time.monotonic() + wait_s < deadline and self.manager.dead is None
             if status != 503 or not retry:
                 break
-            with contextlib.suppress(TimeoutError):  # a cancel ends the wait
-                await asyncio.wait_for(self.batch.cancel.wait(), wait_s)
+            until = time.monotonic() + wait_s
+            while time.monotonic() < until and not self.stop_reason():  # a stop ends the wait
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self.batch.cancel.wait(), min(until - time.monotonic(), 0.25)
+                    )
             wait_s = min(2 * wait_s, RETRY_MAX_S)
         if status == DISCONNECTED and self.batch.cancel.is_set():
             self.unrun(line, "cancelled")
@@ -596,6 +610,13 @@ class Runner:
             parsed = json.loads(answer)
         except ValueError:
             parsed = APIError(status, answer.decode(errors="replace")).body()
+        if self.manager.draining and _aborted(parsed):  # cut short by the server stopping:
+            # an error, its partial answer kept
+            response = {"status_code": status, "request_id": None, "body": parsed}
+            message = "the server stopped while this request ran: its answer is cut short"
+            self.put("error", line, response, {"code": "server_shutdown", "message": message})
+            self.batch.failed += 1
+            return
         self.write(line, status, parsed)
 
     def write(self, line: Line, status: int, body: dict[str, Any]) -> None:
@@ -615,6 +636,10 @@ class Runner:
             self.batch.completed += 1
         else:
             self.batch.failed += 1
+
+    def unrun_rest(self, lines: Iterator[tuple[int, bytes]], why: str) -> None:
+        for number, raw in lines:  # (checked already: each is a JSON object with its id)
+            self.unrun(Line(number, json.loads(raw)["custom_id"], {}), why)
 
     def unrun(self, line: Line, why: str) -> None:
         code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
@@ -657,6 +682,17 @@ class Runner:
                 self.batch.output_file_id = file_id
             else:
                 self.batch.error_file_id = file_id
+
+
+def _aborted(body: dict[str, Any]) -> bool:
+    """An answer the server cut short (an abort): a choice that finished so, or a response
+    that failed."""
+    choices = body.get("choices")
+    if isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices
+    ):
+        return True
+    return body.get("object") == "response" and body.get("status") == "failed"
 
 
 def _refused_in_batch(body: dict[str, Any], endpoint: str) -> APIError | None:
@@ -735,6 +771,8 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
         output_lifetime_s=lifetime_s,
     )
     store = _batches(request)
+    if request.app.state.server.manager.draining:
+        raise EngineUnavailable("the server is shutting down and takes no new batches")
     if store.active() >= MAX_ACTIVE:
         raise APIError(
             429,

@@ -128,12 +128,16 @@ class ConversationStore:
 
     def find_item(self, item_id: str) -> dict[str, Any] | None:
         """An item of any conversation kept (a copy), by its id: what an `item_reference`
-        names."""
-        conversation = self.entries.get(self.holders.get(item_id, ""))
-        if conversation is None:
-            return None
-        found = next((i for i in conversation.items if i["id"] == item_id), None)
-        return None if found is None else copy.deepcopy(found)
+        names. The index names the conversation that last took that id; where it no longer
+        holds it (two conversations may hold items of one id), every one is looked in."""
+        holder = self.entries.get(self.holders.get(item_id, ""))
+        for conversation in ([holder] if holder else []) + list(self.entries.values()):
+            found = next((i for i in conversation.items if i["id"] == item_id), None)
+            if found is not None:
+                self.holders[item_id] = conversation.id
+                return copy.deepcopy(found)
+        self.holders.pop(item_id, None)
+        return None
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
         conversation = self.entries.get(conversation_id)
@@ -264,5 +268,7 @@ async def delete_item(conversation_id: str, item_id: str, request: Request) -> J
     store = _store(request)
     conversation = store.get(conversation_id)
     conversation.items.remove(conversation.item(item_id))
+    if store.holders.get(item_id) == conversation.id:
+        del store.holders[item_id]
     store.put(conversation)
     return JSONResponse(conversation.public())

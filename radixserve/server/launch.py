@@ -20,7 +20,9 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import uvicorn
@@ -120,9 +122,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def launch_server(config: Config, log_level: str = "info") -> int:
+def launch_server(
+    config: Config,
+    log_level: str = "info",
+    launched: Callable[[Launcher], None] | None = None,
+) -> int:
     """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
-    process died or failed to start."""
+    process died or failed to start. `launched` is given the launcher first (to stop it
+    from another thread: `request_stop`)."""
     if config.parallel.node_rank > 0:
         return launch_node(config, log_level)
     template = config.server.chat_template
@@ -131,6 +138,8 @@ def launch_server(config: Config, log_level: str = "info") -> int:
     sock = bind_socket(config.server.host, config.server.port)
     endpoints = Endpoints.fresh(config.parallel.dp_size)
     launcher = Launcher(config, endpoints, sock, log_level, chat_template)
+    if launched is not None:
+        launched(launcher)
     try:
         return asyncio.run(launcher.run())
     finally:
@@ -158,8 +167,30 @@ class Launcher:
         self.failed = False  # a process died or could not start
         self.children: dict[str, multiprocessing.process.BaseProcess] = {}
         self.roles: dict[str, str] = {}  # child name → its role (CHILD_MAINS)
+        self._loop: asyncio.AbstractEventLoop | None = None  # while run() runs
+        self._loop_lock = threading.Lock()
+
+    def request_stop(self) -> None:
+        """From another thread: drain and stop, as a first SIGTERM does; nothing if the
+        server is stopping or has stopped already."""
+        with self._loop_lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._stop_requested)
+
+    def _stop_requested(self) -> None:
+        if not self.stopping:
+            self.on_signal(signal.SIGTERM)
 
     async def run(self) -> int:
+        with self._loop_lock:
+            self._loop = asyncio.get_running_loop()
+        try:
+            return await self._run()
+        finally:
+            with self._loop_lock:
+                self._loop = None
+
+    async def _run(self) -> int:
         ctx = zmq.asyncio.Context()
         receiver = AsyncReceiver(ctx, self.endpoints.main)  # bound before children connect
         sync_ctx = zmq.Context()
@@ -314,9 +345,10 @@ class Launcher:
             abort_deadline = time.monotonic() + 2.0
             while self.manager.pending and time.monotonic() < abort_deadline:
                 await asyncio.sleep(0.05)
-        running = self.app.state.batches.tasks  # they write their files and end, failed
-        if running:
-            await asyncio.wait(running, timeout=BATCH_END_TIMEOUT_S)
+        batches = self.app.state.batches  # they write their files and end, failed
+        deadline = time.monotonic() + BATCH_END_TIMEOUT_S
+        while batches.tasks and time.monotonic() < deadline:
+            await asyncio.wait(set(batches.tasks), timeout=deadline - time.monotonic())
         self.server.should_exit = True
 
     def stop_children(self) -> None:
