@@ -431,3 +431,15 @@ def test_a_failed_batchs_lines_are_accounted_for_in_the_inputs_numbers():
         "code": "invalid_body",
         "message": "line 9: body must be an object",
     }
+
+
+def test_a_batch_cancelled_while_checked_accounts_for_every_line(tmp_path):
+    engine = Engine()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 3, batches.Window(4))
+    runner.batch.cancel.set()  # before its check ends
+    asyncio.run(runner.run())
+    assert runner.batch.status == "cancelled" and engine.calls == 0
+    assert (runner.batch.total, runner.batch.failed) == (3, 3)
+    errors = app.state.files.path(runner.batch.error_file_id).read_text().splitlines()
+    assert [json.loads(e)["error"]["code"] for e in errors] == ["batch_cancelled"] * 3

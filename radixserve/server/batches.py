@@ -472,9 +472,6 @@ class Runner:
             loop = asyncio.get_running_loop()
             checked = await loop.run_in_executor(_CHECKS, check_input, self.source, batch.endpoint)
             batch.total, batch.model = checked.total, checked.model
-            if batch.cancel.is_set():
-                batch.enter("cancelled")
-                return
             if checked.errors:
                 batch.errors = checked.errors
                 batch.enter("failed")
