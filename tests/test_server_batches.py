@@ -134,6 +134,9 @@ def test_a_chat_batch_answers_as_the_endpoint_does(client, server):
     assert batch.error_file_id in made and file_id not in {f.id for f in client.files.list()}
     listed = client.batches.list(limit=100)
     assert batch.id in [b.id for b in listed.data]
+    metrics = requests.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+    assert 'radixserve_batches{status="completed"}' in metrics
+    assert "radixserve_batch_sequences_in_flight 0.0" in metrics
     assert_kv_clean(server, headers=AUTH)
 
 

@@ -33,6 +33,7 @@ from radixserve.server import (
 from radixserve.server import openai_api as oai
 from radixserve.server.body import validation_error
 from radixserve.server.errors import APIError, EngineUnavailable
+from radixserve.server.metrics import BatchCollector
 from radixserve.server.responses_api import ResponseStore
 from radixserve.server.state import ServerState
 from radixserve.server.tokenizer_manager import TokenizerManager
@@ -52,6 +53,7 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.state.files = files.FileStore(config.server.file_storage_path)
     kept = config.server.file_storage_path  # batches are kept with the files given a folder
     app.state.batches = batches.BatchStore(folder=None if kept is None else Path(kept) / "batches")
+    manager.metrics.registry.register(BatchCollector(app.state.batches))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -8,6 +8,7 @@ gauges come from its periodic `SchedulerState`. The cache hit rate is
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -207,3 +208,33 @@ _MOVE_KEYS = {
         ("seconds", "disk_read_seconds"),
     ),
 }
+
+
+class BatchCollector:
+    """The Batch API's figures, read from its store when scraped: batches kept by status,
+    requests of unfinished batches still to answer, and those in flight now."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store  # batches.BatchStore
+
+    def collect(self) -> Iterator[Metric]:
+        batches = list(self.store.batches.values())
+        if not batches:
+            return
+        by_status = GaugeMetricFamily(
+            "radixserve_batches", "Batches kept, by status.", labels=["status"]
+        )
+        for status in sorted({b.status for b in batches}):
+            by_status.add_metric([status], sum(1 for b in batches if b.status == status))
+        yield by_status
+        yield GaugeMetricFamily(
+            "radixserve_batch_requests_pending",
+            "Requests of unfinished batches not answered yet.",
+            value=sum(b.total - b.completed - b.failed for b in batches if not b.ended),
+        )
+        window = self.store.window
+        yield GaugeMetricFamily(
+            "radixserve_batch_sequences_in_flight",
+            "Sequences of batch requests sent to the engine and not answered yet.",
+            value=0 if window is None else window.size - window.free,
+        )
