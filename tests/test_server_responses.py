@@ -363,6 +363,9 @@ def test_a_streamed_background_response_outlives_its_reader(client, server):
     # cancelled while a reader follows it: the reader's stream ends, the response says why
     slow = counting(client, 1000, 1500)
     seen = [e for _, e in zip(range(4), slow)]
+    ahead = f"{server.url}/v1/responses/{seen[0].response.id}?stream=true&starting_after=99999"
+    r = requests.get(ahead, timeout=TIMEOUT)  # past its events so far, while it runs: a 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
     assert client.responses.cancel(seen[0].response.id).status == "cancelled"
     after = list(slow)
     assert all(e.type != "response.completed" for e in after)

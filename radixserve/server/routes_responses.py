@@ -422,10 +422,10 @@ async def get_response(
             "stream",
         )
     start = 0 if starting_after is None else starting_after + 1
-    if start < 0 or (log.ended and start > len(log.frames)):
+    if start < 0 or start > len(log.frames):  # (running or not: no client saw an event to come)
         raise bad_request(
-            f"starting_after must be a sequence number of {response_id!r}'s events, from 0 "
-            f"to {len(log.frames) - 1 if log.ended else 'its last'}",
+            f"starting_after must be the sequence number of an event of {response_id!r} made "
+            f"so far, from 0 to {len(log.frames) - 1}",
             "starting_after",
         )
     return replay(log.follow(start))
