@@ -169,6 +169,7 @@ class Launcher:
         self.roles: dict[str, str] = {}  # child name → its role (CHILD_MAINS)
         self._loop: asyncio.AbstractEventLoop | None = None  # while run() runs
         self._loop_lock = threading.Lock()
+        self._stop_early = False  # request_stop came before run()
 
     def request_stop(self) -> None:
         """From another thread: drain and stop, as a first SIGTERM does; nothing if the
@@ -176,6 +177,8 @@ class Launcher:
         with self._loop_lock:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._stop_requested)
+            else:  # not running yet: it stops as soon as it runs
+                self._stop_early = True
 
     def _stop_requested(self) -> None:
         if not self.stopping:
@@ -184,6 +187,8 @@ class Launcher:
     async def run(self) -> int:
         with self._loop_lock:
             self._loop = asyncio.get_running_loop()
+            if self._stop_early:
+                self._loop.call_soon(self._stop_requested)
         try:
             return await self._run()
         finally:
