@@ -17,7 +17,6 @@ import secrets
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,11 +25,11 @@ import httpx2
 
 from radixserve.config import Config
 from radixserve.server import batches
+from radixserve.server import responses_api as rapi
 
 POLL_S = 1.0
 CLIENT_END_TIMEOUT_S = 30.0
 PROGRESS_S = 10.0  # how often the progress line is printed
-ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Line:
 
 def error_entry(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
     error = {"code": code, "message": message}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+    return {"id": rapi.new_id("batch_req"), "custom_id": custom_id, "response": None,
             "error": error}  # fmt: skip
 
 
@@ -176,7 +175,7 @@ class Client:
         last_said = time.monotonic()
         while True:
             batches_now = [_ok(self.http.get(f"/v1/batches/{b}")) for b in started]
-            if all(b["status"] in ENDED for b in batches_now):
+            if all(b["status"] in batches.ENDED for b in batches_now):
                 return batches_now
             if time.monotonic() - last_said >= PROGRESS_S:
                 last_said = time.monotonic()
@@ -213,8 +212,6 @@ def _account_for(part: list[Line], batch: dict[str, Any], results: list) -> None
 
 
 def run(config: Config, input_file: str, output_file: str, log_level: str) -> int:
-    from radixserve.server.launch import bind_socket, launch_server
-
     source, target = Path(input_file), Path(output_file)
     if not source.is_file():
         print(f"radixserve run-batch: error: no input file {source}", file=sys.stderr)
@@ -225,9 +222,7 @@ def run(config: Config, input_file: str, output_file: str, log_level: str) -> in
         return 2
     outcome: dict[str, Any] = {"problems": []}
     if lines:
-        outcome = serve_and_run(
-            config, chunks(lines), results, log_level, bind_socket, launch_server
-        )
+        outcome = serve_and_run(config, chunks(lines), results, log_level)
     missing = [i for i, entry in enumerate(results) if entry is None]
     for i in missing:  # (the run stopped before these came back)
         results[i] = error_entry(None, "no_result", "the run ended before this request's result")
@@ -245,11 +240,13 @@ def run(config: Config, input_file: str, output_file: str, log_level: str) -> in
 
 
 def serve_and_run(
-    config: Config, parts: list[list[Line]], results: list, log_level: str, bind, launch
+    config: Config, parts: list[list[Line]], results: list, log_level: str
 ) -> dict[str, Any]:
     """Serve the model on a private port and key in this thread while a client thread runs
     the batches, then stops the server (SIGTERM: it drains and exits)."""
-    with bind("127.0.0.1", 0) as probe:  # a free port for the private server
+    from radixserve.server.launch import bind_socket, launch_server
+
+    with bind_socket("127.0.0.1", 0) as probe:  # a free port for the private server
         port = probe.getsockname()[1]
     api_key = secrets.token_hex(16)
     server = replace(config.server, host="127.0.0.1", port=port, api_key=api_key)
@@ -277,7 +274,7 @@ def serve_and_run(
         client.start()
 
     try:
-        code = launch(replace(config, server=server), log_level, launched=on_launch)
+        code = launch_server(replace(config, server=server), log_level, launched=on_launch)
     finally:
         server_up.clear()
     if client.ident is not None:  # (its reads end once the server is gone)

@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse
 
 from radixserve import run_batch
 from radixserve.server import batches, files
+from radixserve.server import openai_api as oai
 from radixserve.server.errors import APIError
 
 
 def put(store: files.FileStore, data: bytes, lifetime_s: int | None = None) -> str:
-    file_id = store.new_id()
+    file_id = oai.new_id("file")
     store.path(file_id).write_bytes(data)
     store.add(file_id, "in.jsonl", "batch", lifetime_s)
     return file_id
@@ -295,7 +296,7 @@ def test_an_embeddings_batch_is_bounded_in_inputs(monkeypatch):
 def test_bytes_no_description_lists_are_removed(tmp_path):
     store = files.FileStore(str(tmp_path))
     kept = put(store, b"a")
-    stray = tmp_path / store.new_id()
+    stray = tmp_path / oai.new_id("file")
     stray.write_bytes(b"left by a crash")
     files.FileStore(str(tmp_path))
     assert not stray.exists() and store.path(kept).exists()

@@ -540,9 +540,14 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
     reason, an adapter past them (here at the start: --lora-paths)."""
     case, _, _ = llama
     paths = [f"{name}={path}" for name, path in case.adapters.items()]
-    with Engine(
-        str(case.folder), progress=False, dtype=FP32, lora_paths=paths, max_loras_per_batch=1
-    ) as engine:
+
+    def one_adapter_a_batch(policy: str = "fcfs") -> Engine:
+        return Engine(
+            str(case.folder), progress=False, dtype=FP32, lora_paths=paths,
+            max_loras_per_batch=1, schedule_policy=policy,
+        )  # fmt: skip
+
+    with one_adapter_a_batch() as engine:
         steps: list[set[int]] = []
         first_batch: list[int] = []
         forward = engine.runner.forward
@@ -567,14 +572,7 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
 
     # lpm puts the requests sharing the running adapter's cached prefix first: the one that
     # found no slot still goes next, not behind them
-    with Engine(
-        str(case.folder),
-        progress=False,
-        dtype=FP32,
-        lora_paths=paths,
-        max_loras_per_batch=1,
-        schedule_policy="lpm",
-    ) as engine:
+    with one_adapter_a_batch("lpm") as engine:
         prefills: list[set[int]] = []  # per step: the adapters of rows that prefill
         forward = engine.runner.forward
 
@@ -597,14 +595,7 @@ def test_adapters_per_batch_and_the_limits_of_what_loads(llama):
 
     # the priority policy: a request of the adapter in use that outranks the one waiting
     # for a slot still goes; one that does not waits behind it
-    with Engine(
-        str(case.folder),
-        progress=False,
-        dtype=FP32,
-        lora_paths=paths,
-        max_loras_per_batch=1,
-        schedule_policy="priority",
-    ) as engine:
+    with one_adapter_a_batch("priority") as engine:
         prefilled: list[list[tuple[int, int]]] = []  # per step: (adapter, length) prefilled
         streams = []
         forward = engine.runner.forward

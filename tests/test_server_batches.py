@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess, assert_kv_clean
+from tests.server_utils import ServerProcess, assert_kv_clean, served
 
 pytestmark = pytest.mark.smollm2
 
@@ -28,13 +28,8 @@ ENDED = ("completed", "failed", "cancelled", "expired")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("batches")
-    proc = ServerProcess(
-        "--api-key", KEY, "--file-storage-path", str(folder / "files"), log=folder / "server.log"
-    )
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    flags = ("--api-key", KEY, "--file-storage-path", str(folder / "files"))
+    yield from served(folder / "server.log", *flags)
 
 
 @pytest.fixture(scope="module")

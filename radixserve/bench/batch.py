@@ -7,7 +7,6 @@ and the batch / clients ratio, and checks that both gave the same texts."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import time
@@ -94,12 +93,12 @@ def _batch(http: httpx2.Client, bodies: list[dict]) -> list[dict]:
         for i, body in enumerate(bodies)
     ]
     data = "\n".join(json.dumps(line) for line in lines).encode()
-    upload = http.post(
-        "/v1/files", files={"file": ("in.jsonl", io.BytesIO(data))}, data={"purpose": "batch"}
-    )
+    upload = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
     made = {"input_file_id": upload.json()["id"], "endpoint": "/v1/completions"}
     batch = http.post("/v1/batches", json={**made, "completion_window": "24h"}).json()
-    while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
+    from radixserve.server.batches import ENDED  # (not at the top: `radixserve` loads fast)
+
+    while batch["status"] not in ENDED:
         time.sleep(POLL_S)
         batch = http.get(f"/v1/batches/{batch['id']}").json()
     if batch["status"] != "completed" or batch["error_file_id"]:

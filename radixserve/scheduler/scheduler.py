@@ -313,7 +313,8 @@ class Scheduler:
         """Requests to extend now and the tokens each extends by (see prefill.py)."""
         if not self.waiting and self.chunked is None:
             return None
-        held_for = self._lora_waiting()
+        first = self._lora_waiting()  # (the oldest request of the adapter waiting for a slot)
+        held_for = None if first is None else first.lora_id
         adder = PrefillAdder.for_step(
             self.config, self.info, self.kv, self.reserve, self.page_size, self.running,
             decode_tokens, self.adapters.per_batch, held_for,
@@ -323,12 +324,11 @@ class Scheduler:
         policy = self.config.schedule_policy
         order = order_waiting(policy, self.waiting, self.kv.tree, self.rng)
         adder.by_priority = policy == "priority"
-        if held_for is not None:  # its oldest request first (no budget runs out before it),
+        if first is not None:  # its oldest request first (no budget runs out before it),
             # or under the priority policy, after those that outrank it only
-            first = next(r for r in self.waiting if r.lora_id == held_for)
             order.remove(first)
-            ahead = [r for r in order if r.priority > first.priority] if adder.by_priority else []
-            order.insert(len(ahead), first)
+            ahead = sum(r.priority > first.priority for r in order) if adder.by_priority else 0
+            order.insert(ahead, first)
             adder.waiting_priority = first.priority if adder.by_priority else None
         for req in order:
             result = adder.try_add(req)
@@ -348,13 +348,16 @@ class Scheduler:
         self.lora_waiting = adder.waiting_adapter
         return adder.reqs, adder.extends
 
-    def _lora_waiting(self) -> int | None:
-        """The adapter of a request that found no slot in an earlier step, while one of its
-        requests still waits."""
+    def _lora_waiting(self) -> Req | None:
+        """The oldest waiting request of the adapter that found no slot in an earlier step
+        (None once none of its requests waits)."""
         waiter = self.lora_waiting
-        if waiter is not None and not any(r.lora_id == waiter for r in self.waiting):
-            self.lora_waiting = waiter = None
-        return waiter
+        first = (
+            None if waiter is None else next((r for r in self.waiting if r.lora_id == waiter), None)
+        )
+        if first is None:
+            self.lora_waiting = None
+        return first
 
     # -- running batches ------------------------------------------------------------------
     def _run_prefill(

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,8 +50,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
 from radixserve.server import files as files_api
+from radixserve.server import openai_api as oai
 from radixserve.server import responses_api as rapi
-from radixserve.server.body import THREAD_BODY_BYTES, JSONBodyRoute, StrictBody, load_body
+from radixserve.server.body import JSONBodyRoute, StrictBody, load_body, off_the_loop_if
 from radixserve.server.errors import ERROR_RESPONSES, APIError, EngineUnavailable, bad_request
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ MAX_ACTIVE = 100  # batches not ended at once; past it a new one is a 429
 RETRY_FOR_S = 600.0  # how long a request refused with 503 is sent again
 YIELD_EVERY = 256  # lines read between two yields to the event loop
 MAX_BATCHES = 10_000  # kept in memory; past it the oldest ended ones go
+ENDED = ("completed", "failed", "expired", "cancelled")  # a batch's last statuses
 DISCONNECTED = 499  # the status a route answers a request whose client left
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0  # waits before a request refused with 503 goes again
 
@@ -115,7 +116,7 @@ class Batch:
 
     @property
     def ended(self) -> bool:
-        return self.status in ("completed", "failed", "expired", "cancelled")
+        return self.status in ENDED
 
     def public(self) -> dict[str, Any]:
         times = {
@@ -201,11 +202,8 @@ class BatchStore:
     def save(self, batch: Batch) -> None:
         if self.folder is None:
             return
-        path = self.folder / f"{batch.id}.json"
-        partial = path.with_suffix(".json.partial")
         try:
-            partial.write_text(json.dumps(batch.fields()))
-            os.replace(partial, path)
+            files_api.write_json_whole(self.folder / f"{batch.id}.json", batch.fields())
         except OSError:  # (a full disk): the batch runs on, kept in memory
             logger.exception("batch %s could not be saved", batch.id)
 
@@ -275,13 +273,6 @@ class Window:
             self.waiting.popleft()
             self.free -= wanted
             turn.set_result(None)
-
-
-async def _off_the_loop_if_large(size: int, work: Callable[..., Any], *args: Any) -> Any:
-    """`work(*args)` on a worker thread when it handles more than THREAD_BODY_BYTES of JSON."""
-    if size > THREAD_BODY_BYTES:
-        return await asyncio.to_thread(work, *args)
-    return work(*args)
 
 
 # the batches' input checks, one at a time, on a thread of their own (not the default
@@ -519,9 +510,7 @@ class Runner:
         for i, (number, raw) in enumerate(lines):
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)  # a long input read on without a wait: let others run
-            line = await _off_the_loop_if_large(
-                len(raw), parse_line, number, raw, self.batch.endpoint
-            )
+            line = await off_the_loop_if(len(raw), parse_line, number, raw, self.batch.endpoint)
             weight = await self.take(sequences(line.body, self.batch.endpoint))
             stopped = self.stop_reason()
             if stopped is not None:
@@ -576,7 +565,7 @@ class Runner:
         if refused is not None:
             self.write(line, refused.status, refused.body())
             return
-        body = await _off_the_loop_if_large(size, lambda: json.dumps(line.body).encode())
+        body = await off_the_loop_if(size, lambda: json.dumps(line.body).encode())
         wait_s, deadline = RETRY_FIRST_S, time.monotonic() + RETRY_FOR_S
         while True:
             if stopped := self.stop_reason():
@@ -621,7 +610,7 @@ class Runner:
         request_id = body.get("id") if ok and isinstance(body.get("id"), str) else None
         response = {
             "status_code": status,
-            "request_id": request_id or f"req_{uuid.uuid4().hex}",
+            "request_id": request_id or rapi.new_id("req"),
             "body": body,
         }
         usage = dict(self.batch.usage)
@@ -652,10 +641,10 @@ class Runner:
 
     def put(self, kind: str, line: Line, response: dict | None, error: dict | None) -> None:
         if kind not in self.outputs:
-            file_id = self.files.new_id()
+            file_id = oai.new_id("file")
             self.outputs[kind] = (file_id, self.files.path(file_id).open("wb"))
         entry = {
-            "id": f"batch_req_{uuid.uuid4().hex}",
+            "id": rapi.new_id("batch_req"),
             "custom_id": line.custom_id,
             "response": response,
             "error": error,
@@ -758,7 +747,7 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
         )
     now = int(time.time())
     batch = Batch(
-        id=f"batch_{uuid.uuid4().hex}",
+        id=rapi.new_id("batch"),
         endpoint=body.endpoint,
         input_file_id=stored.id,
         completion_window=body.completion_window,

@@ -183,10 +183,7 @@ class JSONBodyRoute(APIRoute):
 
         async def parse_then_handle(request: Request) -> Response:
             raw = await read_bounded(request)
-            if len(raw) > THREAD_BODY_BYTES:
-                data = await asyncio.to_thread(load_body, raw)
-            else:
-                data = load_body(raw)
+            data = await off_the_loop_if(len(raw), load_body, raw)
             return await handler(_ParsedRequest(request, raw, data))
 
         return parse_then_handle
@@ -223,9 +220,14 @@ async def off_the_loop_if_large(request: Request, work: Callable[[], T], extra_b
     """`work()` (a body's expansion into requests), on a worker thread when the body (and
     `extra_bytes` of stored text it brings in: a conversation's earlier turns) is larger
     than THREAD_BODY_BYTES, so that other requests go on meanwhile."""
-    if len(await request.body()) + extra_bytes > THREAD_BODY_BYTES:
-        return await asyncio.to_thread(work)
-    return work()
+    return await off_the_loop_if(len(await request.body()) + extra_bytes, work)
+
+
+async def off_the_loop_if(size: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)`, on a worker thread when it handles more than THREAD_BODY_BYTES."""
+    if size > THREAD_BODY_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
 
 
 class _ParsedRequest(Request):

@@ -22,7 +22,6 @@ import re
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
+from radixserve.server import openai_api as oai
 from radixserve.server import responses_api as rapi
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 
@@ -93,6 +93,14 @@ def lifetime(expires_after: dict[str, Any] | None, param: str) -> int | None:
     return seconds
 
 
+def write_json_whole(path: Path, value: Any) -> None:
+    """`value` as JSON at `path`, whole or not at all (written beside it as
+    `<path>.partial`, then moved over it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)
+
+
 class FileStore:
     """Files on disk under one folder, their descriptions in memory (and beside each file,
     so that a folder given by the user serves them again after a restart)."""
@@ -148,21 +156,15 @@ class FileStore:
         items = [f.public() for f in chosen]
         return rapi.page(items, after, limit, order, "files", max_limit=MAX_LIST_LIMIT)
 
-    @staticmethod
-    def new_id() -> str:
-        return f"file-{uuid.uuid4().hex}"
-
-    def add(self, file_id: str, filename: str, purpose: str, lifetime_s: int | None) -> None:
+    def add(self, file_id: str, filename: str, purpose: str, lifetime_s: int | None) -> StoredFile:
         """List a file whose bytes are at `path(file_id)`."""
         created = int(time.time())
         expires = None if lifetime_s is None else created + lifetime_s
         size = self.path(file_id).stat().st_size
         stored = StoredFile(file_id, filename, purpose, size, created, expires)
-        described = self.path(file_id).with_suffix(".json")
-        partial = described.with_suffix(".json.partial")
-        partial.write_text(json.dumps(asdict(stored)))
-        os.replace(partial, described)  # whole or not at all
+        write_json_whole(self.path(file_id).with_suffix(".json"), asdict(stored))
         self.files[file_id] = stored
+        return stored
 
     def delete(self, file_id: str) -> None:
         self.get(file_id)
@@ -228,7 +230,7 @@ async def upload_file(request: Request) -> JSONResponse:
         if lifetime_s is None and purpose == "batch":
             lifetime_s = BATCH_FILE_LIFETIME_S
         filename = os.path.basename(upload.filename or "") or "upload"
-        file_id = store.new_id()
+        file_id = oai.new_id("file")
         path = store.path(file_id)
         try:
             with path.open("wb") as out:
@@ -236,8 +238,7 @@ async def upload_file(request: Request) -> JSONResponse:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-    store.add(file_id, filename, str(purpose), lifetime_s)
-    return JSONResponse(store.files[file_id].public())
+    return JSONResponse(store.add(file_id, filename, str(purpose), lifetime_s).public())
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ gauges come from its periodic `SchedulerState`. The cache hit rate is
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
@@ -224,8 +225,8 @@ class BatchCollector:
         by_status = GaugeMetricFamily(
             "radixserve_batches", "Batches kept, by status.", labels=["status"]
         )
-        for status in sorted({b.status for b in batches}):
-            by_status.add_metric([status], sum(1 for b in batches if b.status == status))
+        for status, count in sorted(collections.Counter(b.status for b in batches).items()):
+            by_status.add_metric([status], count)
         yield by_status
         yield GaugeMetricFamily(
             "radixserve_batch_requests_pending",
