@@ -165,11 +165,18 @@ class Engine:
         return app
 
 
-def a_batch(app: FastAPI, count: int, window: batches.Window) -> batches.Runner:
+def a_batch(
+    app: FastAPI, count: int, window: batches.Window, resumable: bool = False
+) -> batches.Runner:
     now = int(time.time())
-    batch = batches.Batch("batch_t", "/v1/completions", "file-t", "24h", now, now + 60, {}, None)
+    batch = batches.Batch(
+        oai.new_id("batch"), "/v1/completions", "file-t", "24h", now, now + 60, {}, None
+    )
     lines = [{**request(f"r{i}"), "body": {"prompt": str(i)}} for i in range(count)]
-    return batches.Runner(app, batch, source(*lines), window)
+    work = app.state.files.folder / "batches" / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    batches.work_path(work, batch.id, "input").write_bytes(source(*lines).getvalue())
+    return batches.Runner(app, batch, work, window, resumable)
 
 
 def test_a_full_queue_is_waited_out(tmp_path, monkeypatch):
@@ -393,7 +400,7 @@ def test_run_batch_checks_lines_first_and_sends_them_within_the_bounds(tmp_path,
 
 
 def test_batches_kept_in_a_folder_are_listed_again(tmp_path):
-    store = batches.BatchStore(capacity=2, folder=tmp_path)
+    store = batches.BatchStore(tmp_path, kept=True, capacity=3)
     now = int(time.time())
 
     def made(batch_id: str) -> batches.Batch:
@@ -405,16 +412,64 @@ def test_batches_kept_in_a_folder_are_listed_again(tmp_path):
     done.total, done.completed, done.output_file_id = 3, 3, "file-out"
     done.enter("completed")
     running.enter("in_progress")
-    again = batches.BatchStore(capacity=2, folder=tmp_path)
-    assert list(again.batches) == ["batch_done", "batch_running"]
+    cancelling = made("batch_cancelling")
+    cancelling.enter("cancelling")
+    again = batches.BatchStore(tmp_path, kept=True, capacity=3)
+    assert list(again.batches) == ["batch_done", "batch_running", "batch_cancelling"]
     assert again.get("batch_done").public() == done.public()
-    killed = again.get("batch_running")  # the server died under it: its files are gone
-    assert killed.status == "failed" and killed.errors[0]["code"] == "server_shutdown"
-    assert (killed.completed, killed.failed, killed.output_file_id) == (0, killed.total, None)
-    assert batches.BatchStore(folder=tmp_path).get("batch_running").status == "failed"
+    # the server stopped under the others: they resume, the cancel goes on
+    assert [b.id for b in again.unfinished] == ["batch_running", "batch_cancelling"]
+    assert again.get("batch_running").public() == running.public()
+    assert again.get("batch_cancelling").cancel.is_set()
+    assert not batches.BatchStore(tmp_path).batches  # (not kept: a temporary folder's)
 
     made("batch_new")  # past the capacity: the oldest ended one goes, from disk too
     assert "batch_done" not in store.batches and not (tmp_path / "batch_done.json").exists()
+
+
+def test_a_batch_stopped_with_its_server_resumes_and_answers_each_line_once(tmp_path):
+    """Stopped (the server draining), a resumable batch leaves its files as they are and
+    stays in progress; run again, it reads back what it answered (a line whose write the
+    stop cut off runs again) and runs the rest: each input line answered once."""
+    engine = Engine()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 6, batches.Window(1), resumable=True)
+    batch, work = runner.batch, runner.work
+
+    async def stop_after(answered: int) -> None:
+        run = asyncio.ensure_future(runner.run())
+        while batch.completed < answered:
+            await asyncio.sleep(0.005)
+        app.state.server.manager.draining = True
+        await run
+
+    asyncio.run(stop_after(3))
+    assert runner.left and batch.status == "in_progress" and batch.output_file_id is None
+    written = batches.work_path(work, batch.id, "output")
+    lines = written.read_bytes().split(b"\n")[:-1]
+    assert 3 <= len(lines) < 6 and engine.calls == len(lines)
+    written.write_bytes(b"\n".join(lines[:-1]) + b"\n" + lines[-1][:20])  # a cut-off write
+
+    app.state.server.manager.draining = False
+    again = batches.Runner(app, batch, work, batches.Window(1), resumable=True)
+    asyncio.run(again.run())
+    assert batch.status == "completed" and (batch.completed, batch.failed) == (6, 0)
+    assert engine.calls == 7  # the cut-off line once more
+    out = app.state.files.path(batch.output_file_id).read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == [f"r{i}" for i in range(6)]
+    assert batch.usage["input_tokens"] == 6  # (recounted from the lines kept)
+    assert not list(work.iterdir())  # its work files gone: the input link too
+
+
+def test_a_batch_that_cannot_resume_ends_failed_with_its_lines_written_off(tmp_path):
+    engine = Engine()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 4, batches.Window(1))  # (no folder kept: nothing to resume from)
+    app.state.server.manager.draining = True
+    asyncio.run(runner.run())
+    assert runner.batch.status == "failed" and runner.batch.failed == 4 and engine.calls == 0
+    errors = app.state.files.path(runner.batch.error_file_id).read_text().splitlines()
+    assert {json.loads(e)["error"]["code"] for e in errors} == {"server_shutdown"}
 
 
 def test_a_failed_batchs_lines_are_accounted_for_in_the_inputs_numbers():

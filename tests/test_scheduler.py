@@ -264,3 +264,61 @@ def test_recent_rate_follows_the_last_seconds():
     assert value == pytest.approx(50.0, rel=0.02)
     idle = [rate.update(100 + 50 * 28, now=29.0 + t) for t in range(1, int(RATE_WINDOW_S) + 3)]
     assert idle[0] > 0 and idle[-1] == 0.0  # nothing new: it falls to 0 within the window
+
+
+def _tokens(trace: list) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for step in trace:
+        for o in step:
+            tokens.setdefault(o.rid, []).extend(o.new_ids)
+    return tokens
+
+
+def test_flex_requests_go_after_the_others_and_give_up_their_rows(tiny_model_dirs):
+    """Deferred (OpenAI's flex tier, a batch's lines): a waiting request that is not deferred
+    is admitted first, under lpm too where the deferred one matches a longer cached prefix,
+    and with every running row taken a deferred request goes back to the queue for it. No
+    greedy output changes, and no KV slot is lost."""
+    prompts = {f"d{i}": SHARED[:40] + [i + 5, i + 9, i + 13] for i in range(3)}
+    prompts["n0"] = [(13 * j) % 300 + 20 for j in range(20)]
+    alone = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 12))
+    expected = _tokens(run_to_end(alone))
+
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, max_running_requests=2)
+    for rid in ("d0", "d1"):
+        sched.add_request(req(rid, prompts[rid], 12, deferred=True))
+    trace = [sched.step()]  # (one of the two: the other waits for the shared prefix)
+    while len(sched.running) < 2:
+        trace.append(sched.step())
+    trace += [sched.step() for _ in range(3)]
+    sched.add_request(req("d2", prompts["d2"], 12, deferred=True))  # cached prefix: lpm's pick
+    sched.add_request(req("n0", prompts["n0"], 12))
+    trace.append(sched.step())
+    assert sched.stats.preemptions == 1
+    assert "n0" in {r.rid for r in sched.running}
+    assert {r.rid for r in sched.waiting} == {"d2", "d1"}  # d1: fewer outputs than d0
+    sched.check_kv_accounting()
+    trace += run_to_end(sched)
+    assert _tokens(trace) == expected
+    assert sched.stats.retractions == 0  # (a preemption is not a retraction for memory)
+
+
+def test_under_memory_pressure_the_flex_requests_are_retracted_first(tiny_model_dirs):
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=120, init_new_token_ratio=0.05, min_new_token_ratio=0.01
+    )
+    for i in range(5):
+        ids = [(i * 7 + j) % 400 + 3 for j in range(15)]
+        sched.add_request(req(f"r{i}", ids, 20, deferred=i in (3, 4)))
+    retracted: list[str] = []
+    for _ in range(500):
+        if not sched.has_work:
+            break
+        before = {r.rid for r in sched.running}
+        sched.step()
+        back = {r.rid for r in sched.waiting if r.output_ids} & before
+        retracted += sorted(back)
+    assert sched.stats.retractions > 0 and retracted
+    assert retracted[0] in ("r3", "r4")

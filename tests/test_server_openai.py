@@ -347,6 +347,23 @@ def test_chat_greedy_and_streaming(client, model_id):
     assert finishes == [out.choices[0].finish_reason]
 
 
+def test_service_tiers(client, model_id, server):
+    """OpenAI's service_tier: "flex" runs deferred (after the other tiers' requests) with
+    the same greedy output, and the answer names the tier it ran in; the others run as
+    "default"; an unknown tier is a 400 naming the field."""
+    ask = {"model": model_id, "messages": CAPITAL_QUESTION, "max_tokens": 8, "temperature": 0}
+    plain = client.chat.completions.create(**ask)
+    flex = client.chat.completions.create(**ask, service_tier="flex")
+    assert flex.service_tier == "flex" and plain.service_tier is None
+    assert flex.choices[0].message.content == plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(**ask, service_tier="priority", stream=True))
+    assert {c.service_tier for c in chunks} == {"default"}
+    done = greedy(client, model_id, "The capital of", extra_body={"service_tier": "flex"})
+    assert done.to_dict()["service_tier"] == "flex"
+    r = requests.post(server.url + "/v1/chat/completions", json={**ask, "service_tier": "fast"})
+    assert assert_error_shape(r, 400)["param"] == "service_tier"
+
+
 def test_chat_stream_n2(client, model_id):
     chunks = list(
         client.chat.completions.create(

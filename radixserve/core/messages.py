@@ -32,6 +32,7 @@ class GenerateReq(Message):
     params: SamplingParams
     seed: int
     priority: int = 0
+    deferred: bool = False  # the flex tier (core/req.py)
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -53,6 +54,7 @@ class GenerateReq(Message):
             req.params,
             req.seed,
             req.priority,
+            req.deferred,
             req.return_logprob,
             req.logprob_start_len,
             req.top_logprobs_num,
@@ -72,6 +74,7 @@ class GenerateReq(Message):
             self.params,
             seed=self.seed,
             priority=self.priority,
+            deferred=self.deferred,
             return_logprob=self.return_logprob,
             logprob_start_len=self.logprob_start_len,
             top_logprobs_num=self.top_logprobs_num,

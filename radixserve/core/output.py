@@ -187,6 +187,7 @@ class SchedulerStats(msgspec.Struct):
     cached_tokens: int = 0
     generated_tokens: int = 0
     retractions: int = 0
+    preemptions: int = 0  # deferred (flex) requests taken back for requests that are not
     prefill_batches: int = 0
     decode_steps: int = 0
     mixed_steps: int = 0  # prefill chunks that carried the running requests' decode step

@@ -22,6 +22,9 @@ class Req:
     params: SamplingParams
     seed: int = -1  # the draw seed: params.sampling_seed, else a random one
     priority: int = 0  # larger runs first under the "priority" policy
+    # OpenAI's flex tier (a batch's lines by default): admitted after every waiting request
+    # that is not deferred, and the first taken back to the queue to make room for one
+    deferred: bool = False
     extra_key: Hashable = None  # namespaces the prefix cache (cache salt, adapter id)
     lora_id: int = 0  # the uid of the LoRA adapter it runs with (0: the base model)
     return_logprob: bool = False

@@ -299,8 +299,10 @@ class Scheduler:
             self._make_room_for_decode()
             mixed = bool(self.running)
         if mixed or not (self.last_step == "prefill" and self.running):
+            preempted = self._preempt_deferred()
+            mixed = mixed and bool(self.running)
             decode_tokens = sum(map(_pending, self.running)) if mixed else 0
-            prefill = self._schedule_prefill(decode_tokens)
+            prefill = self._schedule_prefill(decode_tokens, preempted)
             if prefill is not None:
                 decoding = self.running if mixed else []
                 run = lambda: self._run_prefill(*prefill, decoding)  # noqa: E731
@@ -309,8 +311,9 @@ class Scheduler:
             return "decode", self._run_decode
         return None, None
 
-    def _schedule_prefill(self, decode_tokens: int) -> Prefill | None:
-        """Requests to extend now and the tokens each extends by (see prefill.py)."""
+    def _schedule_prefill(self, decode_tokens: int, held: Sequence[Req] = ()) -> Prefill | None:
+        """Requests to extend now and the tokens each extends by (see prefill.py); those
+        `held` (just preempted) wait for a later step."""
         if not self.waiting and self.chunked is None:
             return None
         first = self._lora_waiting()  # (the oldest request of the adapter waiting for a slot)
@@ -330,7 +333,11 @@ class Scheduler:
             ahead = sum(r.priority > first.priority for r in order) if adder.by_priority else 0
             order.insert(ahead, first)
             adder.waiting_priority = first.priority if adder.by_priority else None
+        order.sort(key=lambda r: r.deferred)  # (stable) the flex tier after the others
+        held_ids = {id(r) for r in held}
         for req in order:
+            if id(req) in held_ids:
+                continue
             result = adder.try_add(req)
             if result is Admission.STOP:
                 break
@@ -520,17 +527,37 @@ class Scheduler:
 
     def _make_room_for_decode(self) -> None:
         """A slot per pending token: evict from the tree, then retract the requests that
-        lose least (fewest outputs, then longest prompt) back to the waiting queue with
-        their generated tokens; their KV goes to the tree, for whatever survives."""
+        lose least (deferred ones first, then fewest outputs, then longest prompt) back to
+        the waiting queue with their generated tokens; their KV goes to the tree, for
+        whatever survives."""
         while self.running and not self.kv.ensure_free(sum(map(_pending, self.running))):
-            req = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-            self.running.remove(req)
-            self.kv.release(req)
-            self.waiting.insert(0, req)
+            req = min(self.running, key=_least_lost)
+            self._take_back(req)
             self.reserve.bump()
             self.stats.retractions += 1
-            req.retractions += 1
             logger.info("retracted %s after %d output tokens", req.rid, len(req.output_ids))
+
+    def _preempt_deferred(self) -> list[Req]:
+        """With every running row taken, deferred (flex) requests give theirs to waiting
+        requests that are not: one each, those that lose least first, back to the queue
+        with their KV in the tree (their readmission reuses it). The ones taken back."""
+        urgent = sum(not r.deferred for r in self.waiting)
+        short = len(self.running) + urgent - self.info.max_running_requests
+        if urgent == 0 or short <= 0:
+            return []
+        deferred = sorted((r for r in self.running if r.deferred), key=_least_lost)
+        for req in deferred[:short]:
+            self._take_back(req)
+            self.stats.preemptions += 1
+            logger.info("preempted %s (flex) after %d output tokens", req.rid, len(req.output_ids))
+        return deferred[:short]
+
+    def _take_back(self, req: Req) -> None:
+        """A running request back to the front of the queue, its KV to the tree."""
+        self.running.remove(req)
+        self.kv.release(req)
+        self.waiting.insert(0, req)
+        req.retractions += 1
 
     def _requeue(self, req: Req) -> None:
         self.kv.unmatch(req)
@@ -592,6 +619,12 @@ def _all_rows_of(
             rows.extend(range(offset, offset + n))
         offset += n
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _least_lost(req: Req) -> tuple[bool, int, int]:
+    """The order in which running requests give up their KV: deferred ones first, then
+    those with fewest outputs, then the longest prompts (the most of their KV is cached)."""
+    return (not req.deferred, len(req.output_ids), -len(req.input_ids))
 
 
 def _pending(req: Req) -> int:

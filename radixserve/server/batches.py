@@ -17,18 +17,30 @@ lines' errors and runs nothing. Then each body goes through the app itself, as a
 request would (`call_route`: the same checks, errors and statuses), within a window
 (`Window`) of twice the engine's running requests counted in sequences, shared by all
 batches and at most half of --max-queued-requests, so the scheduler keeps full batches
-and orders them by their shared prefixes. A request refused with 503 (the queue full of
-other clients' requests) is sent again after a wait. An output line is OpenAI's:
+and orders them by their shared prefixes. Lines run in OpenAI's "flex" service tier unless
+they name another: the scheduler admits every other waiting request first, and takes a
+flex request back to the queue (its KV kept in the tree) to give its row to one. A request
+refused with 503 (the queue full of other clients' requests) is sent again after a wait. An
+output line is OpenAI's:
 
     {"id": "batch_req_…", "custom_id", "response": {"status_code", "request_id", "body"},
      "error": null}
 
 A request answered 2xx goes to the output file, any other to the error file. A request
-that never ran (the batch cancelled, expired or stopped with the server) goes to the error
-file with `response` null and `error` {code: batch_cancelled | batch_expired |
-server_shutdown, message}, so every line of the input is in one of the two files.
+that never ran (the batch cancelled or expired) goes to the error file with `response` null
+and `error` {code: batch_cancelled | batch_expired, message}, so every line of the input is
+in one of the two files.
 
-Batches are kept in this server's memory (the newest MAX_BATCHES); their files are on disk."""
+A batch works in `<work folder>/<id>.{input,output,error}.jsonl`: its input linked there at
+creation (a client deleting the file takes nothing from it), its answers appended line by
+line, listed as files when it ends. With --file-storage-path, batches are kept there with
+the files (`batches/<id>.json` and `batches/work/`), and a batch stopped with its server
+(SIGTERM, or killed) resumes when a server starts again on the folder: the lines with an
+answer in its files are not run again (a line cut off by the stop is), so each input line
+is answered once. Without a folder, a stop ends the batch `failed`, its unrun lines in the
+error file as `server_shutdown`.
+
+The newest MAX_BATCHES batches are kept (in memory, and in the folder given one)."""
 
 from __future__ import annotations
 
@@ -37,6 +49,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -161,21 +174,25 @@ UNSAVED = ("cancel", "saved")
 
 
 class BatchStore:
-    """The batches, oldest first; past MAX_BATCHES the oldest ended ones go. With a
-    `folder` (in --file-storage-path), each is also kept there as `<id>.json`, written at
-    each change of status, and a server started again on the folder lists them again: one
-    that had not ended (the server was killed) is failed, its requests not run."""
+    """The batches, oldest first; past MAX_BATCHES the oldest ended ones go. Each works in
+    `folder`/work (its input linked there, its answers written there until it ends). When
+    `kept` (the folder is in --file-storage-path), each batch is also kept in the folder as
+    `<id>.json`, written at each change of status, and a server started again on the folder
+    lists them again and resumes (`resume`) those that had not ended."""
 
-    def __init__(self, capacity: int = MAX_BATCHES, folder: Path | None = None) -> None:
-        self.capacity = capacity
+    def __init__(self, folder: Path, kept: bool = False, capacity: int = MAX_BATCHES) -> None:
         self.folder = folder
+        self.work = folder / "work"
+        self.kept = kept
+        self.capacity = capacity
         self.batches: OrderedDict[str, Batch] = OrderedDict()
+        self.unfinished: list[Batch] = []  # loaded, to resume once the server is ready
         self.tasks: set[asyncio.Task] = set()
-        self.window: Window | None = None  # made with the first batch (the engine's size)
-        if folder is None:
+        self.window: Window | None = None  # made with the first run (the engine's size)
+        self.work.mkdir(parents=True, exist_ok=True)
+        if not kept:
             return
-        folder.mkdir(parents=True, exist_ok=True)
-        kept = []
+        loaded = []
         for path in folder.glob("batch_*.json*"):
             if path.name.endswith(".partial"):  # a write the server did not finish
                 path.unlink(missing_ok=True)
@@ -186,21 +203,18 @@ class BatchStore:
                 logger.warning("skipping %s: not a batch (%s)", path, e)
                 continue
             if f"{batch.id}.json" == path.name:
-                kept.append(batch)
-        for batch in sorted(kept, key=lambda b: b.made_ns):
+                loaded.append(batch)
+        for batch in sorted(loaded, key=lambda b: b.made_ns):
             batch.saved = self.save
             self.batches[batch.id] = batch
-            if not batch.ended:  # killed under it: its files were never kept
-                batch.completed, batch.failed, batch.usage = 0, batch.total, {}
-                batch.output_file_id = batch.error_file_id = None
-                message = "the server was killed while the batch ran: it has no results"
-                batch.errors = [
-                    {"code": "server_shutdown", "message": message, "param": None, "line": None}
-                ]
-                batch.enter("cancelled" if batch.status == "cancelling" else "failed")
+            if batch.ended:
+                continue
+            if batch.status == "cancelling":
+                batch.cancel.set()
+            self.unfinished.append(batch)
 
     def save(self, batch: Batch) -> None:
-        if self.folder is None:
+        if not self.kept:
             return
         try:
             files_api.write_json_whole(self.folder / f"{batch.id}.json", batch.fields())
@@ -216,8 +230,40 @@ class BatchStore:
                 break
             if old.ended:
                 del self.batches[old.id]
-                if self.folder is not None:
+                if self.kept:
                     (self.folder / f"{old.id}.json").unlink(missing_ok=True)
+
+    async def take_input(self, source: Path, batch_id: str) -> None:
+        """The batch's own link to its input file (a copy where links cannot be made):
+        what it reads, whatever becomes of the file. FileNotFoundError if it is gone."""
+        target = work_path(self.work, batch_id, "input")
+        target.unlink(missing_ok=True)
+        try:
+            os.link(source, target)
+        except FileNotFoundError:
+            raise
+        except OSError:  # (a file system without hard links)
+            await asyncio.to_thread(shutil.copyfile, source, target)
+
+    def start(self, app: FastAPI, batch: Batch) -> None:
+        """Run the batch (again, if it resumes)."""
+        if self.window is None:
+            state = app.state.server
+            size = state.manager.info.max_running_requests * state.manager.to_scheduler.size
+            self.window = Window(
+                min(2 * size, max(state.config.server.max_queued_requests // 2, 1))
+            )
+        runner = Runner(app, batch, self.work, self.window, resumable=self.kept)
+        task = asyncio.create_task(runner.run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def resume(self, app: FastAPI) -> None:
+        """Run on the batches a stopped server left unfinished (once this one is ready)."""
+        for batch in self.unfinished:
+            logger.info("resuming batch %s (%s)", batch.id, batch.status)
+            self.start(app, batch)
+        self.unfinished.clear()
 
     def active(self) -> int:
         return sum(1 for batch in self.batches.values() if not batch.ended)
@@ -229,6 +275,11 @@ class BatchStore:
                 404, f"No batch found with id {batch_id!r}.", param="batch_id", code="not_found"
             )
         return batch
+
+
+def work_path(work: Path, batch_id: str, kind: str) -> Path:
+    """A batch's input (`kind` "input") or its output or error lines while it runs."""
+    return work / f"{batch_id}.{kind}.jsonl"
 
 
 class Window:
@@ -442,33 +493,46 @@ async def call_route(
 
 
 class Runner:
-    """One batch's run: check, dispatch through the app, write the two files, end."""
+    """One batch's run: check, dispatch through the app, write the two files, end. A
+    `resumable` batch stopped with the server is left as it is, to resume (`recover`)."""
 
-    def __init__(self, app: FastAPI, batch: Batch, source: IO[bytes], window: Window) -> None:
+    def __init__(
+        self, app: FastAPI, batch: Batch, work: Path, window: Window, resumable: bool = False
+    ) -> None:
         self.app = app
         self.batch = batch
-        # the input, open: a client that deletes the file meanwhile takes nothing from the run
-        self.source = source
+        self.work = work
+        self.resumable = resumable
         self.files: files_api.FileStore = app.state.files
-        self.outputs: dict[str, tuple[str, IO[bytes]]] = {}  # "output"/"error" -> id, file
+        self.outputs: dict[str, IO[bytes]] = {}  # "output"/"error" -> its lines so far
         self.manager = app.state.server.manager
         self.window = window
         self.running: set[asyncio.Task] = set()
+        self.left = False  # stopped with the server, to resume: its work files stay
         key = app.state.server.config.server.resolved_api_key
         self.headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
 
     async def run(self) -> None:
         batch = self.batch
+        source = None
         try:
+            source = work_path(self.work, batch.id, "input").open("rb")
             loop = asyncio.get_running_loop()
-            checked = await loop.run_in_executor(_CHECKS, check_input, self.source, batch.endpoint)
+            checked = await loop.run_in_executor(_CHECKS, check_input, source, batch.endpoint)
             batch.total, batch.model = checked.total, checked.model
             if checked.errors:
                 batch.errors = checked.errors
                 batch.enter("failed")
                 return
-            batch.enter("in_progress")
-            stopped = await self.dispatch()
+            answered = await asyncio.to_thread(self.recover)
+            if batch.status == "validating":
+                batch.enter("in_progress")
+            stopped = await self.dispatch(source, answered)
+            if stopped == "stopped":  # (its counts as they are: recovered again on resuming)
+                self.left = True
+                if batch.saved is not None:
+                    batch.saved(batch)
+                return
             batch.enter("finalizing")
             self.close_outputs()
             batch.enter(stopped or "completed")
@@ -487,30 +551,75 @@ class Runner:
         finally:
             for task in self.running:  # (the server stopping cancelled the run)
                 task.cancel()
-            self.source.close()
-            for file_id, out in self.outputs.values():  # not listed: dropped
+            if source is not None:
+                source.close()
+            for out in self.outputs.values():
                 out.close()
-                self.files.path(file_id).unlink(missing_ok=True)
+            if not self.left:  # ended: what is not listed goes
+                for kind in ("input", "output", "error"):
+                    work_path(self.work, batch.id, kind).unlink(missing_ok=True)
+
+    def recover(self) -> set[str]:
+        """The custom_ids answered in the batch's output and error files so far (a batch
+        that resumes), its counts and usage taken from them; a line the stop cut off is
+        dropped (the request runs again). Empty for a new batch."""
+        batch = self.batch
+        batch.completed = batch.failed = 0
+        batch.usage = {}
+        answered: set[str] = set()
+        for kind in ("output", "error"):
+            path = work_path(self.work, batch.id, kind)
+            if not path.exists():
+                continue
+            data = path.read_bytes()
+            kept = []
+            for raw in data.split(b"\n"):  # (not splitlines: U+2028 may be in an answer)
+                try:
+                    entry = json.loads(raw)
+                    custom_id = entry["custom_id"]
+                except (ValueError, TypeError, KeyError):
+                    continue  # (an empty tail, or a line the stop cut off)
+                if custom_id in answered:
+                    continue
+                answered.add(custom_id)
+                kept.append(raw + b"\n")
+                if kind == "output":
+                    batch.completed += 1
+                    _add_usage(
+                        batch.usage, ((entry.get("response") or {}).get("body") or {}).get("usage")
+                    )
+                else:
+                    batch.failed += 1
+            if b"".join(kept) != data:
+                files_api.write_bytes_whole(path, b"".join(kept))
+            self.outputs[kind] = path.open("ab")
+        if answered:
+            logger.info("batch %s resumes with %d requests answered", batch.id, len(answered))
+        return answered
 
     def stop_reason(self) -> str | None:
         if self.batch.cancel.is_set():
             return "cancelled"
         if time.time() >= self.batch.expires_at:
             return "expired"
-        if self.manager.draining:
-            return "failed"
+        if self.manager.draining:  # the server stopping: the batch resumes with the next
+            # one on the folder, or else fails
+            return "stopped" if self.resumable else "failed"
         return None
 
-    async def dispatch(self) -> str | None:
-        """Run every line within the shared window; the status the batch ends in if it
-        stopped early (cancelled, expired, failed: the server stopping), else None."""
+    async def dispatch(self, source: IO[bytes], answered: set[str]) -> str | None:
+        """Run every line not `answered` yet within the shared window; the status the batch
+        ends in if it stopped early (cancelled, expired, failed: the server stopping), or
+        "stopped" (to resume), else None."""
         window = self.window
         stopped = None
-        lines = read_lines(self.source)
+        lines = read_lines(source)
         for i, (number, raw) in enumerate(lines):
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)  # a long input read on without a wait: let others run
             line = await off_the_loop_if(len(raw), parse_line, number, raw, self.batch.endpoint)
+            if line.custom_id in answered:
+                continue
             weight = await self.take(sequences(line.body, self.batch.endpoint))
             stopped = self.stop_reason()
             if stopped is not None:
@@ -521,9 +630,10 @@ class Runner:
             self.running.add(task)
             task.add_done_callback(lambda t, w=weight: (self.running.discard(t), window.give(w)))
         await asyncio.gather(*self.running, return_exceptions=True)
-        if stopped is not None:  # the lines never sent, written off on a worker thread (a
-            # large input's rest would hold the loop): nothing else writes the files now
-            await asyncio.to_thread(self.unrun_rest, lines, stopped)
+        if stopped in ("cancelled", "expired", "failed"):  # the lines never sent, written
+            # off on a worker thread (a large input's rest would hold the loop): nothing
+            # else writes the files now
+            await asyncio.to_thread(self.unrun_rest, lines, answered, stopped)
         if stopped is None and self.batch.cancel.is_set():  # after the last was dispatched
             stopped = "cancelled"
         if stopped == "failed":
@@ -565,7 +675,9 @@ class Runner:
         if refused is not None:
             self.write(line, refused.status, refused.body())
             return
-        body = await off_the_loop_if(size, lambda: json.dumps(line.body).encode())
+        # in the flex tier unless the line names one: interactive clients' requests first
+        flex = line.body if "service_tier" in line.body else {**line.body, "service_tier": "flex"}
+        body = await off_the_loop_if(size, lambda: json.dumps(flex).encode())
         wait_s, deadline = RETRY_FIRST_S, time.monotonic() + RETRY_FOR_S
         while True:
             if stopped := self.stop_reason():
@@ -597,7 +709,8 @@ class Runner:
         except ValueError:
             parsed = APIError(status, answer.decode(errors="replace")).body()
         if self.manager.draining and _aborted(parsed):  # cut short by the server stopping:
-            # an error, its partial answer kept
+            if self.resumable:  # it runs again when the batch resumes
+                return
             response = {"status_code": status, "request_id": None, "body": parsed}
             message = "the server stopped while this request ran: its answer is cut short"
             self.put("error", line, response, {"code": "server_shutdown", "message": message})
@@ -623,11 +736,16 @@ class Runner:
         else:
             self.batch.failed += 1
 
-    def unrun_rest(self, lines: Iterator[tuple[int, bytes]], why: str) -> None:
+    def unrun_rest(self, lines: Iterator[tuple[int, bytes]], answered: set[str], why: str) -> None:
         for number, raw in lines:  # (checked already: each is a JSON object with its id)
-            self.unrun(Line(number, json.loads(raw)["custom_id"], {}), why)
+            custom_id = json.loads(raw)["custom_id"]
+            if custom_id not in answered:
+                self.unrun(Line(number, custom_id, {}), why)
 
     def unrun(self, line: Line, why: str) -> None:
+        """A line the batch will not run: written off, unless the batch resumes later."""
+        if why == "stopped":
+            return
         code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
             why, "server_shutdown"
         )
@@ -641,8 +759,7 @@ class Runner:
 
     def put(self, kind: str, line: Line, response: dict | None, error: dict | None) -> None:
         if kind not in self.outputs:
-            file_id = oai.new_id("file")
-            self.outputs[kind] = (file_id, self.files.path(file_id).open("wb"))
+            self.outputs[kind] = work_path(self.work, self.batch.id, kind).open("ab")
         entry = {
             "id": rapi.new_id("batch_req"),
             "custom_id": line.custom_id,
@@ -653,17 +770,24 @@ class Runner:
             text = json.dumps(entry, ensure_ascii=False).encode()
         except UnicodeEncodeError:  # a lone surrogate in an answer: escaped
             text = json.dumps(entry).encode()
-        self.outputs[kind][1].write(text + b"\n")
+        out = self.outputs[kind]
+        out.write(text + b"\n")
+        out.flush()  # (a server killed now loses no answer it wrote)
 
     def close_outputs(self) -> None:
         """List the output and error files written (each only if it has a line)."""
         while self.outputs:
             kind = next(iter(self.outputs))
-            file_id, out = self.outputs[kind]
+            out = self.outputs.pop(kind)
             out.close()
+            path = work_path(self.work, self.batch.id, kind)
+            if path.stat().st_size == 0:  # (a resumed batch's, opened for nothing)
+                path.unlink()
+                continue
+            file_id = oai.new_id("file")
+            os.replace(path, self.files.path(file_id))
             name = f"{self.batch.id}_{kind}.jsonl"
             self.files.add(file_id, name, "batch_output", self.batch.output_lifetime_s)
-            del self.outputs[kind]
             if kind == "output":
                 self.batch.output_file_id = file_id
             else:
@@ -766,15 +890,13 @@ async def create_batch(body: CreateBatch, request: Request) -> JSONResponse:
             type="rate_limit_error",
             code="too_many_batches",
         )
-    if store.window is None:
-        state = request.app.state.server
-        size = state.manager.info.max_running_requests * state.manager.to_scheduler.size
-        store.window = Window(min(2 * size, max(state.config.server.max_queued_requests // 2, 1)))
-    runner = Runner(request.app, batch, files.path(stored.id).open("rb"), store.window)
+    try:
+        await store.take_input(files.path(stored.id), batch.id)
+    except FileNotFoundError:  # deleted meanwhile
+        files.get(stored.id, "input_file_id")  # (the 404)
+        raise
     store.add(batch)
-    task = asyncio.create_task(runner.run())
-    store.tasks.add(task)
-    task.add_done_callback(store.tasks.discard)
+    store.start(request.app, batch)
     return JSONResponse(batch.public())
 
 

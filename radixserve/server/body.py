@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +42,15 @@ T = TypeVar("T")
 Path = Sequence[str | int]
 _JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
 _JSON_KINDS |= {float: "a decimal number", bool: "a boolean", type(None): "null"}
+
+
+# OpenAI's service tiers: "flex" requests run after the others' (core/req.py `deferred`);
+# every other tier is served as "default"
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
+def tier_served(given: str | None) -> str:
+    return "flex" if given == "flex" else "default"
 
 
 class StrictBody(BaseModel):

@@ -19,7 +19,7 @@ from radixserve.config import EmbeddingConfig
 from radixserve.core.embedding import EmbedParams
 from radixserve.core.req import Req
 from radixserve.native import Expanded, expand_embedding
-from radixserve.server.body import StrictBody
+from radixserve.server.body import ServiceTier, StrictBody
 from radixserve.server.checks import (
     MAX_SEQUENCES_PER_REQUEST,
     Fields,
@@ -54,6 +54,7 @@ class EmbeddingRequest(StrictBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    service_tier: ServiceTier | None = None  # (an extension: "flex" defers them, as chat's)
 
 
 def embed_params(config: EmbeddingConfig) -> EmbedParams:

@@ -94,10 +94,15 @@ def lifetime(expires_after: dict[str, Any] | None, param: str) -> int | None:
 
 
 def write_json_whole(path: Path, value: Any) -> None:
-    """`value` as JSON at `path`, whole or not at all (written beside it as
-    `<path>.partial`, then moved over it)."""
+    """`value` as JSON at `path`, whole or not at all."""
+    write_bytes_whole(path, json.dumps(value).encode())
+
+
+def write_bytes_whole(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (written beside it as `<path>.partial`, then
+    moved over it)."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value))
+    partial.write_bytes(data)
     os.replace(partial, path)
 
 

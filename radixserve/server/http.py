@@ -11,7 +11,6 @@ disconnects aborts its request.
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,8 +50,9 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app.state.conversations = conversations.ConversationStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
     app.state.files = files.FileStore(config.server.file_storage_path)
-    kept = config.server.file_storage_path  # batches are kept with the files given a folder
-    app.state.batches = batches.BatchStore(folder=None if kept is None else Path(kept) / "batches")
+    kept = config.server.file_storage_path is not None  # batches kept with the files, if
+    # the folder is the user's (and resumed by the next server on it)
+    app.state.batches = batches.BatchStore(app.state.files.folder / "batches", kept)
     manager.metrics.registry.register(BatchCollector(app.state.batches))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -301,6 +301,7 @@ class Launcher:
                     self.fail(f"the {name} process exited with code {child.exitcode}")
             if self.manager.ready and not announced and self.manager.dead is None:
                 announced = True
+                self.app.state.batches.resume(self.app)  # those a stopped server left
                 info = self.manager.info
                 assert info is not None
                 host, port = self.config.server.host, self.config.server.port
@@ -350,7 +351,8 @@ class Launcher:
             abort_deadline = time.monotonic() + 2.0
             while self.manager.pending and time.monotonic() < abort_deadline:
                 await asyncio.sleep(0.05)
-        batches = self.app.state.batches  # they write their files and end, failed
+        batches = self.app.state.batches  # they write their files, and stop to resume
+        # (a server on the same --file-storage-path) or end failed
         deadline = time.monotonic() + BATCH_END_TIMEOUT_S
         while batches.tasks and time.monotonic() < deadline:
             await asyncio.wait(set(batches.tasks), timeout=deadline - time.monotonic())

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_v
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import MAX_N
 from radixserve.native import expand_request
-from radixserve.server.body import StrictBody
+from radixserve.server.body import ServiceTier, StrictBody
 from radixserve.server.checks import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -160,6 +160,8 @@ class _SamplingFields(StrictBody):
     ebnf: str | None = None
     rid: str | None = None
     priority: int | None = None
+    # OpenAI's: "flex" runs after the other tiers' requests (core/req.py); the rest alike
+    service_tier: ServiceTier | None = None
     lora_path: str | None = None  # a loaded LoRA adapter's name (SGLang's; or `model`)
     # SGLang's extras that sglang-router forwards at their defaults on every request
     return_hidden_states: Literal[False] = False  # hidden states: not served by these routes

@@ -36,7 +36,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
-from radixserve.server.body import StrictBody, union_member
+from radixserve.server.body import ServiceTier, StrictBody, tier_served, union_member
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.reasoning import ReasoningPlan, ReasoningStream
 
@@ -153,7 +153,7 @@ class ResponsesRequest(StrictBody):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: ServiceTier | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # extras
     top_k: int | None = None
@@ -842,7 +842,7 @@ def response_object(
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": None, "summary": None} | reasoning,
-        "service_tier": body.service_tier or "default",
+        "service_tier": tier_served(body.service_tier),
         "store": body.stores,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": {"type": "text"}} | text,

@@ -27,6 +27,7 @@ from radixserve.native import InvalidRequest, expand_request
 from radixserve.scoring import ContextTooLong, check_fits, plan_scoring, token_texts
 from radixserve.server.body import (
     JSONBodyRoute,
+    ServiceTier,
     StrictBody,
     load_body,
     off_the_loop_if_large,
@@ -143,6 +144,7 @@ class LabelScoreRequest(StrictBody):
     apply_softmax: bool = False
     item_first: bool = False
     model: str | None = None  # the served model, or a loaded LoRA adapter's name
+    service_tier: ServiceTier | None = None  # (an extension: "flex" defers them, as chat's)
     # SGLang's fields for what this server does not do: accepted at their defaults
     return_pooled_hidden_states: bool = False
     embed_override_token_id: Any = None
@@ -656,7 +658,7 @@ async def score_labels(body: LabelScoreRequest, request: Request, state: State) 
         scoring = await off_the_loop_if_large(request, plan, extra_bytes=extra)
     except InvalidRequest as e:
         raise bad_request(str(e), e.param, code=e.code) from None
-    call = state.manager.submit(scoring.requests(lora_id=lora_id))
+    call = state.manager.submit(scoring.requests(lora_id=lora_id), service_tier=body.service_tier)
     results = await until_disconnect(request, call, call.results())
     try:
         scores = scoring.scores(results)

@@ -19,7 +19,7 @@ from radixserve.core.req import Req
 from radixserve.lora.registry import LoraRef
 from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
-from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large
+from radixserve.server.body import JSONBodyRoute, off_the_loop_if_large, tier_served
 from radixserve.server.checks import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -132,7 +132,7 @@ def chat_reasoning(
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request, state: State) -> Response:
     reqs = await off_the_loop_if_large(request, lambda: embedding_reqs(body, state))
-    call = state.manager.submit(reqs)
+    call = state.manager.submit(reqs, service_tier=body.service_tier)
     results = await until_disconnect(request, call, call.results())
     model = body.model or state.model_name
     return JSONResponse(embedding_response(results, body.encoding_format, model))
@@ -157,9 +157,13 @@ async def _serve(
     shape: _Shape,
     constraint_field: str | None,  # the field a refused grammar came from
 ) -> Response:
-    call = state.manager.submit(reqs, stream=body.stream, rid=body.rid)
+    call = state.manager.submit(
+        reqs, stream=body.stream, rid=body.rid, service_tier=body.service_tier
+    )
     head = {"id": oai.new_id(shape.id_prefix), "object": shape.object, "created": oai.now()}
     head["model"] = body.model or state.model_name
+    if body.service_tier is not None:  # the tier it ran in, as OpenAI's answers say
+        head["service_tier"] = tier_served(body.service_tier)
     if body.stream:
         head["object"] = shape.chunk_object
         chunks = _chunks(call, body, shape, head, constraint_field)

@@ -135,7 +135,9 @@ async def _respond(
         run.builder.skipped = frozenset(state.manager.tokenizer.all_special_ids)
     rid = run.response["id"]
     try:
-        call = state.manager.submit(run.chat.reqs, stream=body.streams, rid=rid)
+        call = state.manager.submit(
+            run.chat.reqs, stream=body.streams, rid=rid, service_tier=body.service_tier
+        )
     except APIError as e:
         raise run.named(e) from None
     if body.background:

@@ -191,13 +191,15 @@ class TokenizerManager:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        service_tier: str | None = None,
     ) -> Call:
         """Send the sequences to the scheduler; the caller must `close()` the call. `rid`:
         what the client named the request (n > 1 and a batch name their sequences
-        `{rid}_{i}`), for `abort_request`."""
+        `{rid}_{i}`), for `abort_request`. `service_tier` "flex" defers them (core/req.py)."""
         self.check_available()
         for req in reqs:
             self.check_context(req)
+            req.deferred = service_tier == "flex"
             track = self.pending.get(req.rid)
             if track is not None:
                 state = "still being aborted" if track.abandoned else "already running"
