@@ -499,3 +499,23 @@ def test_a_batch_cancelled_while_checked_accounts_for_every_line(tmp_path):
     assert (runner.batch.total, runner.batch.failed) == (3, 3)
     errors = app.state.files.path(runner.batch.error_file_id).read_text().splitlines()
     assert [json.loads(e)["error"]["code"] for e in errors] == ["batch_cancelled"] * 3
+
+
+def test_a_files_content_is_sent_whole_even_if_it_is_deleted_meanwhile(tmp_path):
+    store = files.FileStore(str(tmp_path))
+    data = b"x" * (files.READ_CHUNK + 5)
+    file_id = put(store, data)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(files=store)))
+
+    async def read() -> tuple[bytes, dict]:
+        response = await files.file_content(file_id, request)
+        store.delete(file_id)  # after the lookup, before the bytes are read
+        sent = b"".join([chunk async for chunk in response.body_iterator])
+        return sent, dict(response.headers)
+
+    sent, headers = asyncio.run(read())
+    assert sent == data and headers["content-length"] == str(len(data))
+    assert headers["content-disposition"] == 'attachment; filename="in.jsonl"'
+    with pytest.raises(APIError) as e:
+        asyncio.run(files.file_content(file_id, request))
+    assert e.value.status == 404

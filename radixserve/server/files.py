@@ -22,13 +22,14 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
@@ -46,6 +47,7 @@ PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals") 
 BATCH_FILE_LIFETIME_S = 30 * 86400  # OpenAI's default for purpose batch
 MIN_LIFETIME_S, MAX_LIFETIME_S = 3600, 30 * 86400  # OpenAI's bounds on expires_after
 MAX_LIST_LIMIT = 10_000
+READ_CHUNK = 1 << 20  # bytes of a file sent at a time
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 
 
@@ -287,12 +289,32 @@ async def get_file(file_id: str, request: Request) -> JSONResponse:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, request: Request) -> FileResponse:
+async def file_content(file_id: str, request: Request) -> StreamingResponse:
+    """The bytes, read from the file opened here: a delete while they are sent takes
+    nothing from them, and one just before is a 404."""
     store = store_of(request)
     stored = store.get(file_id)
-    return FileResponse(
-        store.path(file_id), media_type="application/octet-stream", filename=stored.filename
+    try:
+        handle = store.path(file_id).open("rb")
+    except FileNotFoundError:  # deleted since it was looked up
+        store.get(file_id)
+        raise
+    size = os.fstat(handle.fileno()).st_size
+    quoted = quote(stored.filename)
+    named = (
+        f'filename="{stored.filename}"'
+        if quoted == stored.filename
+        else f"filename*=utf-8''{quoted}"
     )
+    headers = {"content-length": str(size), "content-disposition": f"attachment; {named}"}
+    return StreamingResponse(_read(handle), media_type="application/octet-stream", headers=headers)
+
+
+def _read(handle: IO[bytes]) -> Iterator[bytes]:
+    """A file's bytes in chunks (read on a worker thread: the response iterates it so)."""
+    with handle:
+        while chunk := handle.read(READ_CHUNK):
+            yield chunk
 
 
 @router.delete("/v1/files/{file_id}")
