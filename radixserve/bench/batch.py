@@ -2,12 +2,19 @@
 shared-prefix completions (greedy, fixed output length) sent by `--concurrency` clients to
 /v1/completions, and as one batch (/v1/files, /v1/batches, polled until it ends); rounds
 alternate the two, each after a cache flush. Prints each side's output tok/s, their medians
-and the batch / clients ratio, and checks that both gave the same texts."""
+and the batch / clients ratio, and checks that both gave the same texts.
+
+With `--interactive N`, it measures instead what a batch costs interactive clients: while
+the batch runs, one client sends N streamed completions (unique prompts) one after the
+other, and rounds alternate the batch's lines in the "default" and the "flex" service tier.
+Prints the client's time to first token and latency (medians over the rounds' requests),
+the batch's output tok/s, and checks that both tiers gave the batch the same texts."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +32,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--concurrency", type=int, default=64, help="clients at once")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both, alternating")
+    parser.add_argument(
+        "--interactive",
+        type=int,
+        default=0,
+        help="N > 0: an interactive client's N requests while the batch runs, the batch's "
+        "lines in the default vs the flex service tier",
+    )
+    parser.add_argument("--interactive-output-len", type=int, default=16)
     add_config_args(parser, PARTS)
 
 
@@ -38,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = workload_prompts(args, AutoConfig.from_pretrained(folder).vocab_size)
     body = {"model": "m", "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     bodies = [{**body, "prompt": p} for p in prompts]
+    if args.interactive > 0:
+        return _tiers(args, config, bodies, AutoConfig.from_pretrained(folder).vocab_size)
     rates: dict[str, list[float]] = {"clients": [], "batch": []}
     texts: dict[str, list[str]] = {}
     with Server(server_flags(config)) as url, httpx2.Client(base_url=url, timeout=3600) as http:
@@ -85,6 +102,85 @@ def _clients(http: httpx2.Client, bodies: list[dict], concurrency: int) -> list[
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, bodies))
+
+
+def _tiers(args: argparse.Namespace, config, bodies: list[dict], vocab_size: int) -> int:
+    rng = random.Random(args.seed + 1)
+    tiers = ("default", "flex")
+    ttft: dict[str, list[float]] = {tier: [] for tier in tiers}
+    latency: dict[str, list[float]] = {tier: [] for tier in tiers}
+    rates: dict[str, list[float]] = {tier: [] for tier in tiers}
+    texts: dict[str, list[str]] = {}
+    with Server(server_flags(config)) as url, httpx2.Client(base_url=url, timeout=3600) as http:
+        http.post("/v1/completions", json={**bodies[0], "max_tokens": 1})  # warm-up
+        for round_ in range(args.rounds):
+            for tier in tiers:
+                http.post("/flush_cache")
+                lines = [{**body, "service_tier": tier} for body in bodies]
+                asked = [
+                    [rng.randrange(100, vocab_size - 100) for _ in range(args.question_len)]
+                    for _ in range(args.interactive)
+                ]
+                with ThreadPoolExecutor(1) as pool:
+                    start = time.perf_counter()
+                    running = pool.submit(_batch, http, lines)
+                    while not _batch_running(http) and not running.done():
+                        time.sleep(POLL_S)
+                    for prompt in asked:
+                        first, whole = _streamed(http, prompt, args.interactive_output_len)
+                        ttft[tier].append(first)
+                        latency[tier].append(whole)
+                    answers = running.result()
+                seconds = time.perf_counter() - start
+                rates[tier].append(sum(a["usage"]["completion_tokens"] for a in answers) / seconds)
+                texts.setdefault(tier, [a["choices"][0]["text"] for a in answers])
+            print(
+                f"round {round_ + 1}: TTFT p50 default {_ms(ttft['default'][-args.interactive :])}"
+                f", flex {_ms(ttft['flex'][-args.interactive :])} ms",
+                flush=True,
+            )
+    print(
+        f"\n{args.interactive} interactive completions ({args.question_len} prompt tokens, "
+        f"{args.interactive_output_len} out), one after the other, while a batch of "
+        f"{len(bodies)} shared-prefix completions runs ({args.output_len} out); medians over "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'batch tier':<12}{'TTFT p50 ms':>12}{'latency p50 ms':>16}{'batch out tok/s':>17}")
+    for tier in tiers:
+        rate = statistics.median(rates[tier])
+        print(f"{tier:<12}{_ms(ttft[tier]):>12}{_ms(latency[tier]):>16}{rate:>17.1f}")
+    gain = statistics.median(ttft["default"]) / statistics.median(ttft["flex"])
+    same = texts["default"] == texts["flex"]
+    print(f"TTFT default / flex: {gain:.2f}x; same batch texts: {same}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            summary = {"ttft": ttft, "latency": latency, "rates": rates, "same_texts": same}
+            json.dump(summary, f)
+    return 0 if same else 1
+
+
+def _batch_running(http: httpx2.Client) -> bool:
+    """The batch's lines are in the scheduler (some run)."""
+    states = http.get("/get_server_info").json()["internal_states"]
+    return sum(s["num_running"] for s in states) > 0
+
+
+def _streamed(http: httpx2.Client, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """A streamed greedy completion: seconds to its first token, and to its end."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    start = time.perf_counter()
+    first = None
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    assert first is not None, "the stream gave no token"
+    return first, time.perf_counter() - start
+
+
+def _ms(seconds: list[float]) -> str:
+    return f"{1000 * statistics.median(seconds):.0f}"
 
 
 def _batch(http: httpx2.Client, bodies: list[dict]) -> list[dict]:
