@@ -172,6 +172,17 @@ class SchedulerConfig:
         "priority (request field `priority`, larger first).",
         choices=SCHEDULE_POLICIES,
     )
+    priority_scheduling_preemption_threshold: int = _opt(
+        10,
+        "Under the priority policy, with every running row taken, a waiting request whose "
+        "priority exceeds a running one's by more than this takes its row: the running one "
+        "goes back to the queue, its KV kept in the radix cache (SGLang's flag).",
+    )
+    disable_priority_preemption: bool = _opt(
+        False,
+        "Never take a running request back to the queue for a more urgent one (a higher "
+        "priority, or a request outside the flex service tier for a flex one).",
+    )
     max_running_requests: int | None = _opt(
         None, "Most requests decoding at once. Default: min(256, KV pool tokens)."
     )
@@ -225,6 +236,8 @@ class SchedulerConfig:
                 f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                 f"got {self.schedule_policy!r}"
             )
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError("priority_scheduling_preemption_threshold must be >= 0")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:

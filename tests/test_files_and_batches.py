@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -47,6 +48,7 @@ def test_expired_files_are_deleted_and_bad_descriptions_skipped(tmp_path):
     description = json.loads(described.read_text())
     described.write_text(json.dumps({**description, "expires_at": int(time.time()) - 1}))
     (tmp_path / "file-broken.json").write_text("{")
+    store.close()
     again = files.FileStore(str(tmp_path))
     assert list(again.files) == [long]
     assert not again.path(short).exists() and not described.exists()
@@ -305,8 +307,17 @@ def test_bytes_no_description_lists_are_removed(tmp_path):
     kept = put(store, b"a")
     stray = tmp_path / oai.new_id("file")
     stray.write_bytes(b"left by a crash")
+    store.close()
     files.FileStore(str(tmp_path))
     assert not stray.exists() and store.path(kept).exists()
+
+
+def test_one_server_to_a_folder(tmp_path):
+    store = files.FileStore(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"in use by another server \(pid {os.getpid()}\)"):
+        files.FileStore(str(tmp_path))
+    store.close()
+    files.FileStore(str(tmp_path)).close()  # free again
 
 
 def test_an_upload_without_a_length_stops_at_the_limit(tmp_path, monkeypatch):

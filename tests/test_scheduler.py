@@ -322,3 +322,38 @@ def test_under_memory_pressure_the_flex_requests_are_retracted_first(tiny_model_
         retracted += sorted(back)
     assert sched.stats.retractions > 0 and retracted
     assert retracted[0] in ("r3", "r4")
+
+
+@pytest.mark.parametrize(
+    "urgency, preempts, flags",
+    [
+        (20, True, {}),  # more urgent by more than the threshold (10)
+        (10, False, {}),  # by no more than it
+        (20, False, {"disable_priority_preemption": True}),
+        (3, True, {"priority_scheduling_preemption_threshold": 2}),
+    ],
+)
+def test_under_the_priority_policy_an_urgent_request_takes_a_running_row(
+    tiny_model_dirs, urgency, preempts, flags
+):
+    prompts = {f"r{i}": [(7 * i + 3 * j) % 300 + 20 for j in range(24)] for i in range(3)}
+    alone = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 10))
+    expected = _tokens(run_to_end(alone))
+
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=2048, max_running_requests=2,
+        schedule_policy="priority", **flags,
+    )  # fmt: skip
+    sched.add_request(req("r0", prompts["r0"], 10, priority=0))
+    sched.add_request(req("r1", prompts["r1"], 10, priority=1))
+    trace = [sched.step(), sched.step(), sched.step()]
+    assert len(sched.running) == 2
+    sched.add_request(req("r2", prompts["r2"], 10, priority=urgency))
+    trace.append(sched.step())
+    running = {r.rid for r in sched.running}
+    assert sched.stats.preemptions == int(preempts)
+    assert running == ({"r1", "r2"} if preempts else {"r0", "r1"})  # r0: the lowest
+    trace += run_to_end(sched)
+    assert _tokens(trace) == expected

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess, assert_kv_clean, served, state
+from tests.server_utils import ServerProcess, assert_kv_clean, free_port, served, state
 
 pytestmark = pytest.mark.smollm2
 
@@ -26,10 +29,14 @@ ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("batches")
-    flags = ("--api-key", KEY, "--file-storage-path", str(folder / "files"))
-    yield from served(folder / "server.log", *flags)
+def storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("batches")
+
+
+@pytest.fixture(scope="module")
+def server(storage):
+    flags = ("--api-key", KEY, "--file-storage-path", str(storage / "files"))
+    yield from served(storage / "server.log", *flags)
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +323,21 @@ def test_files_upload_list_read_and_delete(client, server):
         r = requests.post(url, headers=AUTH, timeout=30, **kwargs)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_second_server_on_the_folder_is_refused(server, storage):
+    """One server to a --file-storage-path: a second would delete the first's uploads in
+    progress and resume its batches too."""
+    serve = [sys.executable, "-m", "radixserve", "serve", "--port", str(free_port())]
+    done = subprocess.run(
+        [*serve, "--file-storage-path", str(storage / "files")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "is in use by another server" in done.stderr
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
 
 def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):

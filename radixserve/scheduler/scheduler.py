@@ -299,7 +299,7 @@ class Scheduler:
             self._make_room_for_decode()
             mixed = bool(self.running)
         if mixed or not (self.last_step == "prefill" and self.running):
-            preempted = self._preempt_deferred()
+            preempted = self._preempt_for_waiting()
             mixed = mixed and bool(self.running)
             decode_tokens = sum(map(_pending, self.running)) if mixed else 0
             prefill = self._schedule_prefill(decode_tokens, preempted)
@@ -537,20 +537,39 @@ class Scheduler:
             self.stats.retractions += 1
             logger.info("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
-    def _preempt_deferred(self) -> list[Req]:
-        """With every running row taken, deferred (flex) requests give theirs to waiting
-        requests that are not: one each, those that lose least first, back to the queue
-        with their KV in the tree (their readmission reuses it). The ones taken back."""
-        urgent = sum(not r.deferred for r in self.waiting)
-        short = len(self.running) + urgent - self.info.max_running_requests
-        if urgent == 0 or short <= 0:
+    def _preempt_for_waiting(self) -> list[Req]:
+        """With every running row taken, running requests give theirs to waiting requests
+        that outrank them (`_outranks`), the most urgent first, each taking the row of the
+        running request that ranks lowest (then loses least): back to the queue with its
+        KV in the tree, which its readmission reuses. The ones taken back."""
+        config = self.config
+        if config.disable_priority_preemption or not self.waiting:
             return []
-        deferred = sorted((r for r in self.running if r.deferred), key=_least_lost)
-        for req in deferred[:short]:
-            self._take_back(req)
+        by_priority = config.schedule_policy == "priority"
+        threshold = config.priority_scheduling_preemption_threshold
+
+        def rank(req: Req) -> tuple[bool, int]:
+            return (not req.deferred, req.priority if by_priority else 0)
+
+        free = self.info.max_running_requests - len(self.running)
+        victims = sorted(self.running, key=lambda r: (rank(r), _least_lost(r)))
+        taken: list[Req] = []
+        for req in sorted(self.waiting, key=rank, reverse=True):
+            if free > 0:  # (a row it may get without anyone leaving)
+                free -= 1
+                continue
+            if not victims or not _outranks(req, victims[0], by_priority, threshold):
+                break
+            victim = victims.pop(0)
+            self._take_back(victim)
             self.stats.preemptions += 1
-            logger.info("preempted %s (flex) after %d output tokens", req.rid, len(req.output_ids))
-        return deferred[:short]
+            taken.append(victim)
+            logger.info(
+                "preempted %s (%s) after %d output tokens, for %s",
+                victim.rid, "flex" if victim.deferred else f"priority {victim.priority}",
+                len(victim.output_ids), req.rid,
+            )  # fmt: skip
+        return taken
 
     def _take_back(self, req: Req) -> None:
         """A running request back to the front of the queue, its KV to the tree."""
@@ -619,6 +638,15 @@ def _all_rows_of(
             rows.extend(range(offset, offset + n))
         offset += n
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _outranks(req: Req, running: Req, by_priority: bool, threshold: int) -> bool:
+    """`req` may take `running`'s row: it is not deferred and `running` is (the flex tier),
+    or, under the priority policy and in the same tier, its priority is higher by more
+    than the threshold."""
+    if req.deferred != running.deferred:
+        return running.deferred
+    return by_priority and req.priority - running.priority > threshold
 
 
 def _least_lost(req: Req) -> tuple[bool, int, int]:

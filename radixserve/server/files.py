@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -116,6 +117,7 @@ class FileStore:
         self.owned = folder is None  # a temporary folder, removed by close()
         self.folder = Path(folder or tempfile.mkdtemp(prefix="radixserve-files-"))
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.lock = None if self.owned else _hold(self.folder)
         self.files: dict[str, StoredFile] = {}
         for described in sorted(self.folder.glob("file-*.json")):
             try:
@@ -186,6 +188,31 @@ class FileStore:
     def close(self) -> None:
         if self.owned:
             shutil.rmtree(self.folder, ignore_errors=True)
+        if self.lock is not None:
+            self.lock.close()  # (the lock goes with it)
+            self.lock = None
+
+
+def _hold(folder: Path) -> IO[str]:
+    """The folder's lock, held by this process until the store closes (or the process
+    ends): a second server on the folder would delete the first's uploads in progress and
+    resume its batches too. A ValueError naming the holder if another process has it."""
+    handle = (folder / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(
+            f"--file-storage-path {folder} is in use by another server (pid {holder}): "
+            "give each server a folder of its own"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def store_of(request: Request) -> FileStore:
