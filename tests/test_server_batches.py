@@ -17,7 +17,14 @@ import openai
 import pytest
 import requests
 
-from tests.server_utils import ServerProcess, assert_kv_clean, free_port, served, state
+from tests.server_utils import (
+    ServerProcess,
+    assert_kv_clean,
+    free_port,
+    positive_metric,
+    served,
+    state,
+)
 
 pytestmark = pytest.mark.smollm2
 
@@ -370,6 +377,8 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
         interactive = client.completions.create(model="m", prompt="Hello", max_tokens=4)
         assert interactive.choices[0].finish_reason == "length"
         assert state(first)["preemptions"] >= 1  # (4 flex lines ran: one gave its row)
+        preempted, text = positive_metric(first.url, "radixserve_preemptions_total")
+        assert preempted is not None and preempted >= 1, text
         first.proc.kill()  # no drain: what it wrote is what the next server finds
         first.proc.wait()
     with ServerProcess(*flags, log=tmp_path / "second.log") as second:

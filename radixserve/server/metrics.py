@@ -75,6 +75,7 @@ class Metrics:
         self.tiers = TierCollector()
         r.register(self.tiers)
         self.replicas: dict[int, SchedulerStats] = {}  # dp rank → its latest state
+        r.register(RequeueCollector(self.replicas))
 
     def set_scheduler_state(self, state: SchedulerStats) -> None:
         """A replica's latest state; the gauges sum the replicas' (data parallelism)."""
@@ -89,6 +90,23 @@ class Metrics:
         total = sum(s.kv_total for s in states)
         used = sum(s.kv_total - s.kv_free for s in states)
         self.kv_usage.set(used / total if total else 0.0)
+
+
+class RequeueCollector:
+    """Running requests taken back to the queue, summed over the replicas: for memory
+    (retractions) and for a more urgent request (preemptions: the flex tier, priorities)."""
+
+    def __init__(self, replicas: dict[int, SchedulerStats]) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        states = list(self.replicas.values())
+        for name, help_text in (
+            ("retractions", "Running requests taken back to the queue to free KV memory."),
+            ("preemptions", "Running requests taken back to the queue for a more urgent one."),
+        ):
+            value = sum(getattr(s, name) for s in states)
+            yield CounterMetricFamily(f"radixserve_{name}", help_text, value=value)
 
 
 class SpeculativeCollector:
