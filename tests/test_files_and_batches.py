@@ -6,6 +6,7 @@ usage adds up from every endpoint's shape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -455,7 +456,7 @@ def test_a_batch_stopped_with_its_server_resumes_and_answers_each_line_once(tmp_
         await run
 
     asyncio.run(stop_after(3))
-    assert runner.left and batch.status == "in_progress" and batch.output_file_id is None
+    assert batch.status == "in_progress" and batch.output_file_id is None
     written = batches.work_path(work, batch.id, "output")
     lines = written.read_bytes().split(b"\n")[:-1]
     assert 3 <= len(lines) < 6 and engine.calls == len(lines)
@@ -530,3 +531,118 @@ def test_a_files_content_is_sent_whole_even_if_it_is_deleted_meanwhile(tmp_path)
     with pytest.raises(APIError) as e:
         asyncio.run(files.file_content(file_id, request))
     assert e.value.status == 404
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_a_stop_after_the_last_line_was_sent_leaves_no_line_unaccounted(
+    tmp_path, monkeypatch, resumable
+):
+    """Every line in flight when the server drains, then cut short by it: a resumable batch
+    stays in progress (the lines run again on resuming), another fails with each line
+    written off; neither ends "completed" with lines in neither file."""
+    engine = Engine()
+    engine.release.clear()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 3, batches.Window(8), resumable=resumable)
+    monkeypatch.setattr(batches, "_aborted", lambda body: True)  # the drain's aborts
+
+    async def main() -> None:
+        run = asyncio.ensure_future(runner.run())
+        while engine.running < 3:
+            await asyncio.sleep(0.005)
+        app.state.server.manager.draining = True
+        engine.release.set()
+        await run
+
+    asyncio.run(main())
+    batch = runner.batch
+    if resumable:
+        assert batch.status == "in_progress" and (batch.completed, batch.failed) == (0, 0)
+        assert batches.work_path(runner.work, batch.id, "input").exists()
+    else:
+        assert batch.status == "failed" and batch.failed == 3
+        assert batch.errors[0]["code"] == "server_shutdown"
+
+
+def test_a_resumable_batch_keeps_its_work_when_its_task_is_cancelled_or_the_engine_dies(
+    tmp_path,
+):
+    engine = Engine()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 6, batches.Window(2), resumable=True)
+
+    async def cancel_after(answered: int) -> None:  # (what the server's teardown does)
+        run = asyncio.ensure_future(runner.run())
+        while runner.batch.completed < answered:
+            await asyncio.sleep(0.005)
+        engine.release.clear()
+        await asyncio.sleep(0.05)
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+
+    asyncio.run(cancel_after(2))
+    kept = batches.work_path(runner.work, runner.batch.id, "output").read_text().splitlines()
+    assert 2 <= len(kept) < 6 and runner.batch.status == "in_progress"
+
+    engine.release.set()
+    app.state.server.manager.dead = "the scheduler0 process exited with code -9"
+    calls = engine.calls
+    again = batches.Runner(app, runner.batch, runner.work, batches.Window(2), resumable=True)
+    asyncio.run(again.run())  # nothing runs, nothing is written off: it waits to resume
+    assert runner.batch.status == "in_progress" and runner.batch.failed == 0
+    assert engine.calls == calls and runner.batch.completed == len(kept)
+
+
+def test_a_finalize_cut_short_is_undone_on_resuming(tmp_path):
+    """Killed while listing its files: the listings go, the batch resumes from its work
+    files and lists them once it ends."""
+    engine = Engine()
+    app = engine.app(tmp_path)
+    store = app.state.files
+    runner = a_batch(app, 3, batches.Window(2), resumable=True)
+    asyncio.run(runner.run())
+    batch = runner.batch
+    listed = batch.output_file_id
+    content = store.path(listed).read_bytes()
+    batch.status = "finalizing"  # as a kill after the listing left it
+    batches.work_path(runner.work, batch.id, "output").write_bytes(content)
+    batches.work_path(runner.work, batch.id, "input").write_bytes(
+        source(*[{**request(f"r{i}"), "body": {"prompt": str(i)}} for i in range(3)]).getvalue()
+    )
+    again = batches.Runner(app, batch, runner.work, batches.Window(2), resumable=True)
+    asyncio.run(again.run())
+    assert batch.status == "completed" and engine.calls == 3  # no line ran again
+    assert listed not in store.files and not store.path(listed).exists()
+    assert store.path(batch.output_file_id).read_bytes() == content
+    assert not list(runner.work.iterdir())
+
+
+def test_stale_work_files_go_and_a_lost_input_fails_the_batch(tmp_path):
+    store = batches.BatchStore(tmp_path, kept=True)
+    now = int(time.time())
+    batch = batches.Batch("batch_lost", "/v1/completions", "file-x", "24h", now, now + 60, {}, None)
+    store.add(batch)
+    batch.enter("in_progress")
+    batches.work_path(store.work, "batch_lost", "output").write_text(
+        json.dumps({"custom_id": "a", "response": {"status_code": 200, "body": {}}}) + "\n"
+    )
+    batches.work_path(store.work, "batch_gone", "input").write_text("left by a kill")
+    again = batches.BatchStore(tmp_path, kept=True)
+    assert [p.name for p in again.work.iterdir()] == ["batch_lost.output.jsonl"]
+
+    engine = Engine()
+    app = engine.app(tmp_path / "files")
+    lost = again.get("batch_lost")
+    asyncio.run(batches.Runner(app, lost, again.work, batches.Window(2), resumable=True).run())
+    assert lost.status == "failed" and lost.errors[0]["code"] == "input_lost"
+    assert lost.completed == 1 and lost.output_file_id in app.state.files.files  # kept
+
+
+def test_an_embedding_aborted_before_it_ran_is_a_503():
+    from radixserve.server.embeddings import embedding_response
+
+    aborted = {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "stop"}}}
+    with pytest.raises(APIError) as e:
+        embedding_response([aborted], "float", "m")
+    assert e.value.status == 503 and "aborted" in e.value.message

@@ -673,3 +673,39 @@ def test_lora_flags_are_checked(flags, message):
     assert set(LORA_MODULES) == set(SITE_OF)  # what the flags name is what adapters train
     with pytest.raises(ValueError, match=message):
         Config.from_flat(enable_lora=True, **flags)
+
+
+def test_the_flex_tier_under_one_adapter_a_batch(llama):
+    """--max-loras-per-batch 1 with flex requests: an interactive request of the running
+    adapter is not held behind a flex one waiting for its adapter's slot, and an interactive
+    request whose adapter finds no slot takes no flex request's row (nothing is preempted
+    step after step for it)."""
+    from radixserve.model.runner import ModelRunner
+    from radixserve.scheduler.scheduler import Scheduler
+    from tests.test_scheduler import req
+
+    case, _, _ = llama
+    paths = [f"{name}={path}" for name, path in case.adapters.items()]
+    cfg = Config.from_flat(
+        model_path=str(case.folder), dtype=FP32, lora_paths=paths, max_loras_per_batch=1,
+        max_running_requests=3, max_total_tokens=4096,
+    )  # fmt: skip
+    sched = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+    a, b = sorted(sched.runner.lora.adapters)[:2]
+    sched.add_request(req("a0", [20 + i for i in range(10)], 40, lora_id=a))
+    sched.step()
+    sched.add_request(req("flex-b", [40 + i for i in range(10)], 40, deferred=True, lora_id=b))
+    sched.step()
+    sched.add_request(req("a1", [60 + i for i in range(10)], 4, lora_id=a))
+    sched.step()
+    assert {"a0", "a1"} <= {r.rid for r in sched.running}  # not behind flex-b's claim
+    assert "flex-b" in {r.rid for r in sched.waiting}
+
+    sched.add_request(req("flex-base", [80 + i for i in range(10)], 40, deferred=True))
+    sched.step()
+    assert len(sched.running) == 3
+    sched.add_request(req("b1", [90 + i for i in range(10)], 4, lora_id=b))
+    for _ in range(20):
+        sched.step()
+        sched.check_kv_accounting()
+    assert sched.stats.preemptions == 0

@@ -357,3 +357,29 @@ def test_under_the_priority_policy_an_urgent_request_takes_a_running_row(
     assert running == ({"r1", "r2"} if preempts else {"r0", "r1"})  # r0: the lowest
     trace += run_to_end(sched)
     assert _tokens(trace) == expected
+
+
+def test_a_flex_prompt_being_chunked_gives_its_row_to_a_request_that_is_not(tiny_model_dirs):
+    prompts = {
+        "f0": [20 + i % 200 for i in range(8)],
+        "long": [30 + i % 250 for i in range(320)],
+        "n0": [7 + i for i in range(8)],
+    }
+    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=16)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 8))
+    expected = _tokens(run_to_end(alone))
+
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=16, max_running_requests=2
+    )
+    sched.add_request(req("f0", prompts["f0"], 8, deferred=True))
+    trace = [sched.step()]
+    sched.add_request(req("long", prompts["long"], 8, deferred=True))
+    trace.append(sched.step())
+    assert sched.chunked is not None and sched.chunked.rid == "long"
+    sched.add_request(req("n0", prompts["n0"], 8))
+    trace.append(sched.step())
+    assert "n0" in {r.rid for r in sched.running} and sched.stats.preemptions == 1
+    trace += run_to_end(sched)  # the long prompt goes on from the chunks it computed
+    assert _tokens(trace) == expected

@@ -92,6 +92,7 @@ class PrefillAdder:
     # the priority policy: `by_priority`) it outranks the waiting request (`waiting_priority`)
     waiting_adapter: int | None = None
     waiting_priority: int | None = None
+    waiting_deferred: bool = False  # the waiting request is in the flex tier
     by_priority: bool = False
 
     @classmethod
@@ -191,28 +192,37 @@ class PrefillAdder:
             self.adapters.add(req.lora_id)
             if req.lora_id == self.waiting_adapter:  # it has its slot: the others may join
                 self.waiting_adapter = self.waiting_priority = None
+                self.waiting_deferred = False
 
     def _adapter_fits(self, req: Req) -> bool:
         """Its adapter is one the batch uses already, or there is room for one more. Once a
         request found no room, requests of other adapters wait (the base model's still go),
         in this step and the next ones, until it has a slot: else a steady stream of the
         adapters in use (which the lpm and priority orders put first) would keep it waiting
-        for good. Under the priority policy, a request of higher priority than the waiting
-        one still goes."""
+        for good. A request that outranks the waiting one still goes (`_outranks_waiting`)."""
         if not req.lora_id or self.max_adapters is None:
             return True
         if self.waiting_adapter is not None and req.lora_id != self.waiting_adapter:
-            outranks = self.waiting_priority is not None and req.priority > self.waiting_priority
-            if not outranks:
+            if not self._outranks_waiting(req):
                 return False
         if req.lora_id in self.adapters or len(self.adapters) < self.max_adapters:
             return True
-        outranks = self.waiting_priority is not None and req.priority > self.waiting_priority
-        if self.waiting_adapter is None or outranks:  # the first without a slot waits, or
-            # under the priority policy, the most urgent
+        if self.waiting_adapter is None or self._outranks_waiting(req):  # the first without
+            # a slot waits, or the most urgent
             self.waiting_adapter = req.lora_id
             self.waiting_priority = req.priority if self.by_priority else None
+            self.waiting_deferred = req.deferred
         return False
+
+    def _outranks_waiting(self, req: Req) -> bool:
+        """`req` goes before the request waiting for an adapter slot: it is not in the flex
+        tier and that one is, or (the same tier) under the priority policy its priority is
+        higher."""
+        if self.waiting_adapter is None:
+            return False
+        if req.deferred != self.waiting_deferred:
+            return self.waiting_deferred
+        return self.waiting_priority is not None and req.priority > self.waiting_priority
 
     def _take(self, req: Req) -> list[int]:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which

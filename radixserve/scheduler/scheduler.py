@@ -333,6 +333,7 @@ class Scheduler:
             ahead = sum(r.priority > first.priority for r in order) if adder.by_priority else 0
             order.insert(ahead, first)
             adder.waiting_priority = first.priority if adder.by_priority else None
+            adder.waiting_deferred = first.deferred
         order.sort(key=lambda r: r.deferred)  # (stable) the flex tier after the others
         held_ids = {id(r) for r in held}
         for req in order:
@@ -538,10 +539,12 @@ class Scheduler:
             logger.info("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
     def _preempt_for_waiting(self) -> list[Req]:
-        """With every running row taken, running requests give theirs to waiting requests
-        that outrank them (`_outranks`), the most urgent first, each taking the row of the
-        running request that ranks lowest (then loses least): back to the queue with its
-        KV in the tree, which its readmission reuses. The ones taken back."""
+        """With every running row taken, running requests (and a prompt being chunked)
+        give theirs to waiting requests that outrank them (`_outranks`), the most urgent
+        first, each taking the row of the one that ranks lowest (then loses least): back to
+        the queue with its KV in the tree, which its readmission reuses. A waiting request
+        whose LoRA adapter finds no slot takes no row (it would not start). The ones taken
+        back."""
         config = self.config
         if config.disable_priority_preemption or not self.waiting:
             return []
@@ -551,10 +554,16 @@ class Scheduler:
         def rank(req: Req) -> tuple[bool, int]:
             return (not req.deferred, req.priority if by_priority else 0)
 
-        free = self.info.max_running_requests - len(self.running)
-        victims = sorted(self.running, key=lambda r: (rank(r), _least_lost(r)))
+        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        free = self.info.max_running_requests - len(holding)
+        victims = sorted(holding, key=lambda r: (rank(r), _least_lost(r)))
+        in_use = {r.lora_id for r in holding if r.lora_id}
+        per_batch = self.adapters.per_batch
         taken: list[Req] = []
         for req in sorted(self.waiting, key=rank, reverse=True):
+            if req.lora_id and per_batch is not None:
+                if req.lora_id not in in_use and len(in_use) >= per_batch:
+                    continue
             if free > 0:  # (a row it may get without anyone leaving)
                 free -= 1
                 continue
@@ -572,8 +581,12 @@ class Scheduler:
         return taken
 
     def _take_back(self, req: Req) -> None:
-        """A running request back to the front of the queue, its KV to the tree."""
-        self.running.remove(req)
+        """A running request (or the one being chunked) back to the front of the queue, its
+        KV to the tree."""
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
         self.kv.release(req)
         self.waiting.insert(0, req)
         req.retractions += 1

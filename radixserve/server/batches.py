@@ -212,6 +212,10 @@ class BatchStore:
             if batch.status == "cancelling":
                 batch.cancel.set()
             self.unfinished.append(batch)
+        resuming = {batch.id for batch in self.unfinished}
+        for path in self.work.iterdir():  # what a kill left of batches that ended
+            if path.name.split(".", 1)[0] not in resuming:
+                path.unlink(missing_ok=True)
 
     def save(self, batch: Batch) -> None:
         if not self.kept:
@@ -238,12 +242,7 @@ class BatchStore:
         what it reads, whatever becomes of the file. FileNotFoundError if it is gone."""
         target = work_path(self.work, batch_id, "input")
         target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-        except FileNotFoundError:
-            raise
-        except OSError:  # (a file system without hard links)
-            await asyncio.to_thread(shutil.copyfile, source, target)
+        await asyncio.to_thread(_link_or_copy, source, target)
 
     def start(self, app: FastAPI, batch: Batch) -> None:
         """Run the batch (again, if it resumes)."""
@@ -508,7 +507,7 @@ class Runner:
         self.manager = app.state.server.manager
         self.window = window
         self.running: set[asyncio.Task] = set()
-        self.left = False  # stopped with the server, to resume: its work files stay
+        self.cut_short = False  # a line was written off, or left to resume, by a stop
         key = app.state.server.config.server.resolved_api_key
         self.headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
 
@@ -516,7 +515,16 @@ class Runner:
         batch = self.batch
         source = None
         try:
-            source = work_path(self.work, batch.id, "input").open("rb")
+            try:
+                source = work_path(self.work, batch.id, "input").open("rb")
+            except FileNotFoundError:  # (its work folder emptied under it)
+                await asyncio.to_thread(self.recover)
+                self.close_outputs()  # what it answered stays
+                message = f"its link to its input is gone from {self.work}: it cannot go on"
+                batch.errors = [{"code": "input_lost", "message": message, "param": None}]
+                batch.errors[0]["line"] = None
+                batch.enter("failed")
+                return
             loop = asyncio.get_running_loop()
             checked = await loop.run_in_executor(_CHECKS, check_input, source, batch.endpoint)
             batch.total, batch.model = checked.total, checked.model
@@ -528,8 +536,8 @@ class Runner:
             if batch.status == "validating":
                 batch.enter("in_progress")
             stopped = await self.dispatch(source, answered)
-            if stopped == "stopped":  # (its counts as they are: recovered again on resuming)
-                self.left = True
+            if stopped == "stopped":  # it resumes from its work files (its counts kept as
+                # they are: they are read back from the files then)
                 if batch.saved is not None:
                     batch.saved(batch)
                 return
@@ -555,7 +563,8 @@ class Runner:
                 source.close()
             for out in self.outputs.values():
                 out.close()
-            if not self.left:  # ended: what is not listed goes
+            if batch.ended or not self.resumable:  # else (stopped, or the task cancelled as
+                # the server went down) it resumes from them
                 for kind in ("input", "output", "error"):
                     work_path(self.work, batch.id, kind).unlink(missing_ok=True)
 
@@ -564,6 +573,12 @@ class Runner:
         that resumes), its counts and usage taken from them; a line the stop cut off is
         dropped (the request runs again). Empty for a new batch."""
         batch = self.batch
+        for key in ("output_file_id", "error_file_id"):  # listed by a finalize a kill cut
+            # short: the work files hold the lines, listed again when the batch ends
+            file_id = getattr(batch, key)
+            if file_id is not None:
+                self.files.discard(file_id)
+                setattr(batch, key, None)
         batch.completed = batch.failed = 0
         batch.usage = {}
         answered: set[str] = set()
@@ -602,8 +617,8 @@ class Runner:
             return "cancelled"
         if time.time() >= self.batch.expires_at:
             return "expired"
-        if self.manager.draining:  # the server stopping: the batch resumes with the next
-            # one on the folder, or else fails
+        if self.manager.draining or self.manager.dead is not None:  # the server stopping
+            # (or its engine gone): the batch resumes with the next one on the folder, or fails
             return "stopped" if self.resumable else "failed"
         return None
 
@@ -630,6 +645,8 @@ class Runner:
             self.running.add(task)
             task.add_done_callback(lambda t, w=weight: (self.running.discard(t), window.give(w)))
         await asyncio.gather(*self.running, return_exceptions=True)
+        if stopped is None and self.cut_short:  # every line sent, then the stop came
+            stopped = self.stop_reason() or ("stopped" if self.resumable else "failed")
         if stopped in ("cancelled", "expired", "failed"):  # the lines never sent, written
             # off on a worker thread (a large input's rest would hold the loop): nothing
             # else writes the files now
@@ -708,7 +725,9 @@ class Runner:
             parsed = json.loads(answer)
         except ValueError:
             parsed = APIError(status, answer.decode(errors="replace")).body()
-        if self.manager.draining and _aborted(parsed):  # cut short by the server stopping:
+        stopping = self.manager.draining or self.manager.dead is not None
+        if stopping and (_aborted(parsed) or status >= 500):  # cut short by the stop
+            self.cut_short = True
             if self.resumable:  # it runs again when the batch resumes
                 return
             response = {"status_code": status, "request_id": None, "body": parsed}
@@ -744,6 +763,8 @@ class Runner:
 
     def unrun(self, line: Line, why: str) -> None:
         """A line the batch will not run: written off, unless the batch resumes later."""
+        if why in ("stopped", "failed"):
+            self.cut_short = True
         if why == "stopped":
             return
         code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(
@@ -775,23 +796,35 @@ class Runner:
         out.flush()  # (a server killed now loses no answer it wrote)
 
     def close_outputs(self) -> None:
-        """List the output and error files written (each only if it has a line)."""
-        while self.outputs:
-            kind = next(iter(self.outputs))
-            out = self.outputs.pop(kind)
+        """List the output and error files written (each only if it has a line): their ids
+        saved with the batch first, then each linked into the file store. The work files go
+        once the batch has ended; a kill before that resumes from them (`recover` drops
+        what this listed)."""
+        batch = self.batch
+        for out in self.outputs.values():
             out.close()
-            path = work_path(self.work, self.batch.id, kind)
-            if path.stat().st_size == 0:  # (a resumed batch's, opened for nothing)
-                path.unlink()
-                continue
-            file_id = oai.new_id("file")
-            os.replace(path, self.files.path(file_id))
-            name = f"{self.batch.id}_{kind}.jsonl"
-            self.files.add(file_id, name, "batch_output", self.batch.output_lifetime_s)
-            if kind == "output":
-                self.batch.output_file_id = file_id
-            else:
-                self.batch.error_file_id = file_id
+        self.outputs.clear()
+        made = {}
+        for kind in ("output", "error"):
+            path = work_path(self.work, batch.id, kind)
+            if path.exists() and path.stat().st_size > 0:
+                made[kind] = oai.new_id("file")
+        batch.output_file_id, batch.error_file_id = made.get("output"), made.get("error")
+        if batch.saved is not None:
+            batch.saved(batch)
+        for kind, file_id in made.items():
+            _link_or_copy(work_path(self.work, batch.id, kind), self.files.path(file_id))
+            name = f"{batch.id}_{kind}.jsonl"
+            self.files.add(file_id, name, "batch_output", batch.output_lifetime_s)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except (FileExistsError, FileNotFoundError):
+        raise
+    except OSError:  # (a file system without hard links)
+        shutil.copyfile(source, target)
 
 
 def _aborted(body: dict[str, Any]) -> bool:

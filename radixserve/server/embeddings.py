@@ -27,7 +27,7 @@ from radixserve.server.checks import (
     check_sequences,
     native_fields,
 )
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import APIError, bad_request
 from radixserve.server.state import ServerState
 
 EMBEDDING_FIELDS = Fields("input")
@@ -151,7 +151,13 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 def embedding_response(results: list[dict[str, Any]], fmt: str, model: str) -> dict[str, Any]:
-    """OpenAI's answer: one embedding per input in order, vectors in `fmt` (float/base64)."""
+    """OpenAI's answer: one embedding per input in order, vectors in `fmt` (float/base64);
+    a 503 if one was aborted before its prompt ran (a pause, a weight update, a stop)."""
+    for r in results:
+        if "embedding" not in r:
+            reason = r["meta_info"].get("finish_reason") or {}
+            message = f"an embedding request was aborted before it ran: {reason.get('message')}"
+            raise APIError(503, message)
     prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
     data = [
         {"object": "embedding", "index": i, "embedding": encode_vector(r["embedding"], fmt)}

@@ -147,7 +147,7 @@ class FileStore:
         now = time.time()
         for stored in list(self.files.values()):
             if stored.expires_at is not None and stored.expires_at <= now:
-                self._remove(stored.id)
+                self.discard(stored.id)
 
     def get(self, file_id: str, param: str = "file_id") -> StoredFile:
         self.purge()
@@ -177,11 +177,14 @@ class FileStore:
 
     def delete(self, file_id: str) -> None:
         self.get(file_id)
-        self._remove(file_id)
+        self.discard(file_id)
 
-    def _remove(self, file_id: str) -> None:
-        del self.files[file_id]
-        # an open reader (a running batch's input) keeps reading what it opened
+    def discard(self, file_id: str) -> None:
+        """A file gone, listed or not (its bytes and its description); an open reader (a
+        response sending its content) keeps reading what it opened."""
+        if not FILE_ID.fullmatch(file_id):
+            return
+        self.files.pop(file_id, None)
         self.path(file_id).unlink(missing_ok=True)
         self.path(file_id).with_suffix(".json").unlink(missing_ok=True)
 

@@ -228,7 +228,11 @@ class Launcher:
         finally:
             for task in tasks:
                 task.cancel()
-            app.state.files.close()
+            running = app.state.batches.tasks  # (a resumable batch keeps its work files)
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            app.state.files.close()  # (and the folder's lock)
             ctx.destroy(linger=0)
             sync_ctx.destroy(linger=0)
         return self.exit_code
