@@ -561,3 +561,36 @@ def test_a_conversations_items_are_found_by_id_whoever_holds_them():
     assert store.find_item("msg_1")["content"] == "A"
     first.items.clear()
     assert store.find_item("msg_1") is None and "msg_1" not in store.holders
+
+
+def test_conversations_kept_in_a_folder_outlive_the_store(tmp_path):
+    """With a folder (--file-storage-path), a conversation is read back by a store on the
+    folder: created, its items added, its metadata changed, one item deleted; one dropped
+    from memory is read back too; a line a stop cut off is dropped; a delete removes it."""
+    store = ConversationStore(capacity=1, folder=tmp_path)
+    kept = Conversation(rapi.new_id("conv"), 123, {"k": "v"}, rapi.input_items("one"))
+    store.put(kept)
+    store.add(kept, rapi.input_items("two") + rapi.input_items("three"))
+    kept.metadata = {"k": "w"}
+    store.put(kept)  # (what the update route does)
+    kept.items.remove(kept.items[1])
+    store.put(kept)
+    store.add(kept, rapi.input_items("four"))
+    other = Conversation(rapi.new_id("conv"), 124, {})
+    store.put(other)  # past the capacity: `kept` leaves memory, stays on disk
+    assert list(store.entries) == [other.id]
+    assert store.get(kept.id).items == kept.items  # read back
+
+    again = ConversationStore(capacity=10, folder=tmp_path)
+    read = again.get(kept.id)
+    assert read.public() == kept.public() and read.items == kept.items
+    assert [i["content"][0]["text"] for i in read.items] == ["one", "three", "four"]
+    with (tmp_path / f"{kept.id}.jsonl").open("ab") as out:
+        out.write(b'{"id": "msg_cut", "type": "mess')  # a write a kill cut off
+    assert ConversationStore(capacity=10, folder=tmp_path).get(kept.id).items == kept.items
+
+    again.delete(kept.id)
+    assert not (tmp_path / f"{kept.id}.jsonl").exists()
+    with pytest.raises(APIError) as e:
+        ConversationStore(capacity=10, folder=tmp_path).get(kept.id)
+    assert e.value.status == 404

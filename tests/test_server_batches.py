@@ -352,7 +352,8 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
     interactive request still starts at once (a flex one goes back to the queue). A batch
     whose server is killed, then one whose server is stopped (SIGTERM), resumes when a
     server starts again on the folder: every line is answered once, all alike (greedy,
-    whether preempted, cut off or resumed)."""
+    whether preempted, cut off or resumed). A conversation made on the first is there on
+    the last."""
     flags = (
         "--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "8192",
         "--file-storage-path", str(tmp_path / "files"), "--shutdown-timeout", "1",
@@ -374,6 +375,9 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
             input_file_id=upload(client, lines), endpoint="/v1/completions", completion_window="24h"
         )
         answered_past(client, 0)
+        hello = {"type": "message", "role": "user", "content": "Hello"}
+        conversation = client.conversations.create(items=[hello], metadata={"k": "v"})
+        client.conversations.update(conversation.id, metadata={"k": "w"})
         interactive = client.completions.create(model="m", prompt="Hello", max_tokens=4)
         assert interactive.choices[0].finish_reason == "length"
         assert state(first)["preemptions"] >= 1  # (4 flex lines ran: one gave its row)
@@ -402,4 +406,8 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
         assert len({c["text"] for c in choices}) == 1
         assert {entry["response"]["body"]["service_tier"] for entry in done.values()} == {"flex"}
         assert made.id in [b.id for b in client.batches.list()]
+        kept = client.conversations.retrieve(conversation.id)  # (kept in the folder too)
+        assert kept.metadata == {"k": "w"} and kept.created_at == conversation.created_at
+        (item,) = client.conversations.items.list(conversation.id).data
+        assert item.content[0].text == "Hello"
         assert_kv_clean(third)

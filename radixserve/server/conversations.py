@@ -14,22 +14,27 @@ and output items are added to it once it ends), and which a client can read and 
 
 Conversations live in this server's memory (`ConversationStore`), the least recently used
 dropped past --responses-store-size of them or past 1 GiB of their items' JSON, as stored
-responses are."""
+responses are. With --file-storage-path they are also kept on disk there
+(`conversations/<id>.jsonl`) until deleted: one dropped from memory, or made before the
+server restarted, is read back when it is next asked for."""
 
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
+from radixserve.server import files as files_api
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, StrictBody
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
@@ -37,6 +42,7 @@ from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
 MAX_ITEMS_AT_ONCE = 20  # OpenAI's bound on the items one call adds
+CONVERSATION_ID = re.compile(r"conv_[0-9a-f]{32}")  # (rapi.new_id's)
 
 
 @dataclass
@@ -90,20 +96,34 @@ class Conversation:
 class ConversationStore:
     """Conversations in memory, the least recently used dropped past `capacity` or past
     `max_bytes` of their items' JSON (never the one just used, nor one a response is
-    running in)."""
+    running in). With a `folder` (in --file-storage-path), each is also kept there as
+    `<id>.jsonl` (its description, then an item a line: added items are appended, other
+    changes write it whole), so one dropped from memory, or from a server since restarted
+    on the folder, is read back when it is next asked for."""
 
-    def __init__(self, capacity: int, max_bytes: int = rapi.MAX_STORED_BYTES) -> None:
+    def __init__(
+        self, capacity: int, max_bytes: int = rapi.MAX_STORED_BYTES, folder: Path | None = None
+    ) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
+        self.folder = folder
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.sizes: dict[str, int] = {}
         self.holders: dict[str, str] = {}  # item id -> the conversation holding it
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            for partial in folder.glob("*.partial"):  # a write the server did not finish
+                partial.unlink()
 
     def put(self, conversation: Conversation, added: list[dict[str, Any]] | None = None) -> None:
-        """Keep a conversation, the most recently used now: measured whole, or (`added`:
-        the items just added to it) by what grew."""
+        """Keep a conversation, the most recently used now: measured (and kept on disk)
+        whole, or (`added`: the items just added to it) by what grew."""
         if self.capacity == 0:
             return
+        self._write(conversation, added)
+        self._hold(conversation, added)
+
+    def _hold(self, conversation: Conversation, added: list[dict[str, Any]] | None) -> None:
         self.entries[conversation.id] = conversation
         self.entries.move_to_end(conversation.id)
         if added is not None and conversation.id in self.sizes:
@@ -120,6 +140,44 @@ class ConversationStore:
                 total -= self.sizes[oldest]
                 self._drop(oldest)
 
+    def _path(self, conversation_id: str) -> Path | None:
+        if self.folder is None or not CONVERSATION_ID.fullmatch(conversation_id):
+            return None
+        return self.folder / f"{conversation_id}.jsonl"
+
+    def _write(self, conversation: Conversation, added: list[dict[str, Any]] | None) -> None:
+        path = self._path(conversation.id)
+        if path is None:
+            return
+        try:
+            if added is not None and path.exists():
+                with path.open("ab") as out:
+                    out.write(b"".join(_line(item) for item in added))
+            else:
+                head = {"id": conversation.id, "created_at": conversation.created_at}
+                head["metadata"] = conversation.metadata
+                lines = [_line(head)] + [_line(item) for item in conversation.items]
+                files_api.write_bytes_whole(path, b"".join(lines))
+        except OSError:  # (a full disk): it is served on from memory
+            logger.exception("conversation %s could not be kept on disk", conversation.id)
+
+    def _read(self, conversation_id: str) -> Conversation | None:
+        """A conversation kept on disk (the lines a stop cut off dropped)."""
+        path = self._path(conversation_id)
+        if path is None or not path.is_file():
+            return None
+        lines = []
+        for raw in path.read_bytes().split(b"\n"):
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:
+                continue  # (an empty tail, or a line a stop cut off)
+        if not lines or lines[0].get("id") != conversation_id:
+            logger.warning("%s: not a conversation", path)
+            return None
+        head, items = lines[0], lines[1:]
+        return Conversation(conversation_id, head["created_at"], head["metadata"], items)
+
     def _drop(self, conversation_id: str) -> None:
         for item in self.entries.pop(conversation_id).items:
             if self.holders.get(item["id"]) == conversation_id:
@@ -127,9 +185,10 @@ class ConversationStore:
         del self.sizes[conversation_id]
 
     def find_item(self, item_id: str) -> dict[str, Any] | None:
-        """An item of any conversation kept (a copy), by its id: what an `item_reference`
-        names. The index names the conversation that last took that id; where it no longer
-        holds it (two conversations may hold items of one id), every one is looked in."""
+        """An item of any conversation in memory (a copy), by its id: what an
+        `item_reference` names. The index names the conversation that last took that id;
+        where it no longer holds it (two conversations may hold items of one id), every one
+        is looked in."""
         holder = self.entries.get(self.holders.get(item_id, ""))
         for conversation in ([holder] if holder else []) + list(self.entries.values()):
             found = next((i for i in conversation.items if i["id"] == item_id), None)
@@ -141,6 +200,10 @@ class ConversationStore:
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
         conversation = self.entries.get(conversation_id)
+        if conversation is None and self.capacity > 0:
+            conversation = self._read(conversation_id)
+            if conversation is not None:
+                self._hold(conversation, None)
         if conversation is None:
             raise APIError(
                 404,
@@ -163,6 +226,13 @@ class ConversationStore:
     def delete(self, conversation_id: str) -> None:
         self.get(conversation_id)
         self._drop(conversation_id)
+        path = self._path(conversation_id)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def _line(value: Any) -> bytes:
+    return json.dumps(value).encode() + b"\n"
 
 
 def _store(request: Request) -> ConversationStore:
@@ -224,6 +294,7 @@ async def update_conversation(
     conversation = _store(request).get(conversation_id)
     rapi.check_metadata(body.metadata)
     conversation.metadata = body.metadata or {}
+    _store(request).put(conversation)
     return JSONResponse(conversation.public())
 
 

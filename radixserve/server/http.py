@@ -47,12 +47,15 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     loras = LoraRegistry(config.lora, reserved=(model_name,))
     app.state.server = ServerState(manager, config, model_name, STARTED, loras)
     app.state.responses = ResponseStore(config.server.responses_store_size)
-    app.state.conversations = conversations.ConversationStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
     app.state.files = files.FileStore(config.server.file_storage_path)
     kept = config.server.file_storage_path is not None  # batches kept with the files, if
     # the folder is the user's (and resumed by the next server on it)
     app.state.batches = batches.BatchStore(app.state.files.folder / "batches", kept)
+    app.state.conversations = conversations.ConversationStore(
+        config.server.responses_store_size,
+        folder=app.state.files.folder / "conversations" if kept else None,
+    )
     manager.metrics.registry.register(BatchCollector(app.state.batches))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
