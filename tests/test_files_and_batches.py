@@ -646,3 +646,79 @@ def test_an_embedding_aborted_before_it_ran_is_a_503():
     with pytest.raises(APIError) as e:
         embedding_response([aborted], "float", "m")
     assert e.value.status == 503 and "aborted" in e.value.message
+
+
+class Killed(BaseException):
+    """The process killed (nothing after it runs)."""
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "expired"])
+def test_a_batch_killed_while_it_finalizes_ends_as_it_was_ending(tmp_path, monkeypatch, ending):
+    engine = Engine()
+    app = engine.app(tmp_path / "files")
+    store = batches.BatchStore(app.state.files.folder / "batches", kept=True)
+    now = int(time.time())
+    expires = now + 60 if ending == "cancelled" else now - 1
+    batch = batches.Batch(
+        f"batch_{ending}", "/v1/completions", "file-t", "24h", now, expires, {}, None
+    )
+    store.add(batch)
+    lines = [{**request(f"r{i}"), "body": {"prompt": str(i)}} for i in range(3)]
+    batches.work_path(store.work, batch.id, "input").write_bytes(source(*lines).getvalue())
+    if ending == "cancelled":
+        batch.cancel.set()
+        batch.enter("cancelling")
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise Killed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(files.FileStore, "add", killed)
+        runner = batches.Runner(app, batch, store.work, batches.Window(2), resumable=True)
+        with pytest.raises(Killed):
+            asyncio.run(runner.run())
+    app.state.files.close()
+    app = engine.app(tmp_path / "files")  # a server again on the folder
+    again = batches.BatchStore(app.state.files.folder / "batches", kept=True)
+    resumed = again.get(batch.id)
+    assert resumed.status == "finalizing"
+    asyncio.run(batches.Runner(app, resumed, again.work, batches.Window(2), True).run())
+    assert resumed.status == ending and (resumed.completed, resumed.failed) == (0, 3)
+
+
+def test_a_cancel_during_the_drain_leaves_the_lines_it_cut_short_to_the_resume(
+    tmp_path, monkeypatch
+):
+    engine = Engine()
+    engine.release.clear()
+    app = engine.app(tmp_path)
+    runner = a_batch(app, 3, batches.Window(8), resumable=True)
+    batch = runner.batch
+
+    def aborted(body: dict) -> bool:  # the drain's abort, then a cancel right after
+        if not batch.cancel.is_set():
+            batch.cancel.set()
+            batch.enter("cancelling")
+        return True
+
+    monkeypatch.setattr(batches, "_aborted", aborted)
+
+    async def main() -> None:
+        run = asyncio.ensure_future(runner.run())
+        while engine.running < 3:
+            await asyncio.sleep(0.005)
+        app.state.server.manager.draining = True
+        engine.release.set()
+        await run
+
+    asyncio.run(main())
+    assert batch.status == "cancelling"  # not ended: the next server writes the rest off
+    app.state.server.manager.draining = False
+    asyncio.run(batches.Runner(app, batch, runner.work, batches.Window(8), True).run())
+    assert batch.status == "cancelled" and batch.completed + batch.failed == 3
+    written = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            text = app.state.files.path(file_id).read_text()
+            written += [json.loads(x)["custom_id"] for x in text.splitlines()]
+    assert sorted(written) == ["r0", "r1", "r2"]  # each once

@@ -709,3 +709,34 @@ def test_the_flex_tier_under_one_adapter_a_batch(llama):
         sched.step()
         sched.check_kv_accounting()
     assert sched.stats.preemptions == 0
+
+
+def test_no_preemption_for_a_request_another_adapters_claim_holds_back(llama):
+    """One adapter a batch: with b1 waiting for adapter b's slot (its claim), a request of
+    the running adapter a cannot start either (the claim holds it back), so it takes no
+    flex request's row, step after step."""
+    from radixserve.model.runner import ModelRunner
+    from radixserve.scheduler.scheduler import Scheduler
+    from tests.test_scheduler import req
+
+    case, _, _ = llama
+    paths = [f"{name}={path}" for name, path in case.adapters.items()]
+    cfg = Config.from_flat(
+        model_path=str(case.folder), dtype=FP32, lora_paths=paths, max_loras_per_batch=1,
+        max_running_requests=3, max_total_tokens=4096,
+    )  # fmt: skip
+    sched = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+    a, b = sorted(sched.runner.lora.adapters)[:2]
+    sched.add_request(req("a0", [20 + i for i in range(10)], 60, lora_id=a))
+    sched.step()
+    sched.add_request(req("flex1", [40 + i for i in range(10)], 60, deferred=True))
+    sched.step()
+    sched.add_request(req("b1", [60 + i for i in range(10)], 4, lora_id=b))
+    sched.step()
+    sched.add_request(req("flex2", [80 + i for i in range(10)], 60, deferred=True))
+    sched.step()
+    sched.add_request(req("a2", [100 + i for i in range(10)], 4, lora_id=a))
+    for _ in range(12):
+        sched.step()
+        sched.check_kv_accounting()
+    assert sched.stats.preemptions == 0

@@ -6,6 +6,7 @@ store of chained responses."""
 from __future__ import annotations
 
 import codecs
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -594,3 +595,29 @@ def test_conversations_kept_in_a_folder_outlive_the_store(tmp_path):
     with pytest.raises(APIError) as e:
         ConversationStore(capacity=10, folder=tmp_path).get(kept.id)
     assert e.value.status == 404
+
+
+def test_a_conversation_file_a_write_left_short_is_written_whole_next(tmp_path, monkeypatch):
+    """After a line a kill cut off, or an append the disk refused, the next change writes
+    the file whole: what is read back is what was served."""
+    store = ConversationStore(capacity=10, folder=tmp_path)
+    conversation = Conversation(rapi.new_id("conv"), 1, {}, rapi.input_items("one"))
+    store.put(conversation)
+    with (tmp_path / f"{conversation.id}.jsonl").open("ab") as out:
+        out.write(b'{"id": "msg_cut", "type": "mess')  # a kill mid-append
+    again = ConversationStore(capacity=10, folder=tmp_path)
+    read = again.get(conversation.id)
+    again.add(read, rapi.input_items("two"))
+    real_open = Path.open
+
+    def full(self, mode="r", *args, **kwargs):
+        if mode == "ab":
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full)
+    again.add(read, rapi.input_items("three"))  # served from memory
+    monkeypatch.setattr(Path, "open", real_open)
+    again.add(read, rapi.input_items("four"))
+    back = ConversationStore(capacity=10, folder=tmp_path).get(conversation.id)
+    assert [i["content"][0]["text"] for i in back.items] == ["one", "two", "three", "four"]

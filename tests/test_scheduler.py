@@ -383,3 +383,27 @@ def test_a_flex_prompt_being_chunked_gives_its_row_to_a_request_that_is_not(tiny
     assert "n0" in {r.rid for r in sched.running} and sched.stats.preemptions == 1
     trace += run_to_end(sched)  # the long prompt goes on from the chunks it computed
     assert _tokens(trace) == expected
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_a_flex_prompt_whose_work_cannot_be_reused_is_not_preempted(tiny_model_dirs, hidden):
+    """A chunked flex prompt with return_hidden_states would compute its whole prompt again
+    after each preemption (the cache keeps no hidden states): it keeps its row, and ends
+    while interactive requests keep coming; another gives its row and ends too."""
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=16, max_running_requests=2
+    )
+    sched.add_request(req("f0", [20 + i for i in range(8)], 400, deferred=True))
+    sched.step()
+    long = [30 + i % 250 for i in range(320)]
+    sched.add_request(req("long", long, 4, deferred=True, return_hidden_states=hidden))
+    for step in range(300):
+        if step % 12 == 5:
+            sched.add_request(req(f"i{step}", [7 + step % 50 + i for i in range(8)], 2))
+        sched.step()
+        sched.check_kv_accounting()
+        if not any(r.rid == "long" for r in sched.live()):
+            break
+    else:
+        raise AssertionError("the long flex prompt never ended")
+    assert sched.stats.preemptions >= 1  # (f0, or the long prompt when it can resume)

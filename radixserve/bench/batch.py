@@ -37,8 +37,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--interactive",
         type=int,
         default=0,
-        help="N > 0: an interactive client's N requests while the batch runs, the batch's "
-        "lines in the default vs the flex service tier",
+        help="N > 0: up to N interactive requests while the batch runs (one every "
+        "--interactive-interval s), the batch's lines in the default vs the flex tier",
     )
     parser.add_argument("--interactive-output-len", type=int, default=16)
     parser.add_argument(

@@ -59,6 +59,15 @@ class OutputReserve:
         self.ratio = min(1.0, self.ratio + RATIO_BUMP)
 
 
+def outranks_claim(req: Req, deferred: bool, priority: int | None) -> bool:
+    """`req` goes before the request waiting for an adapter slot (in the flex tier or not;
+    its priority under the priority policy, else None): it is not in the flex tier and that
+    one is, or (the same tier) its priority is higher."""
+    if req.deferred != deferred:
+        return deferred
+    return priority is not None and req.priority > priority
+
+
 class Admission(enum.Enum):
     ADDED = "added"
     SKIPPED = "skipped"  # not now, but later requests may still fit
@@ -215,14 +224,9 @@ class PrefillAdder:
         return False
 
     def _outranks_waiting(self, req: Req) -> bool:
-        """`req` goes before the request waiting for an adapter slot: it is not in the flex
-        tier and that one is, or (the same tier) under the priority policy its priority is
-        higher."""
         if self.waiting_adapter is None:
             return False
-        if req.deferred != self.waiting_deferred:
-            return self.waiting_deferred
-        return self.waiting_priority is not None and req.priority > self.waiting_priority
+        return outranks_claim(req, self.waiting_deferred, self.waiting_priority)
 
     def _take(self, req: Req) -> list[int]:
         """The tokens `req` extends by now: the rest of its prompt, or a chunk of it (which

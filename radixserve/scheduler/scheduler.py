@@ -52,7 +52,7 @@ from radixserve.scheduler.postprocess import (
     make_output,
     record_hidden,
 )
-from radixserve.scheduler.prefill import Admission, OutputReserve, PrefillAdder
+from radixserve.scheduler.prefill import Admission, OutputReserve, PrefillAdder, outranks_claim
 from radixserve.scheduler.speculative import Speculator
 from radixserve.scheduler.stop import StopChecker
 
@@ -556,14 +556,23 @@ class Scheduler:
 
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
         free = self.info.max_running_requests - len(holding)
-        victims = sorted(holding, key=lambda r: (rank(r), _least_lost(r)))
+        # (not one whose work so far its readmission could not reuse: its whole prompt
+        # again, each time, might never end)
+        reusable = (r for r in holding if r.kv_len <= r.max_cacheable_prefix)
+        victims = sorted(reusable, key=lambda r: (rank(r), _least_lost(r)))
         in_use = {r.lora_id for r in holding if r.lora_id}
+        claim = self._lora_waiting()  # (a request waiting for an adapter slot)
         per_batch = self.adapters.per_batch
         taken: list[Req] = []
         for req in sorted(self.waiting, key=rank, reverse=True):
-            if req.lora_id and per_batch is not None:
-                if req.lora_id not in in_use and len(in_use) >= per_batch:
+            if req.lora_id and per_batch is not None:  # as the adder will see it
+                claimed = claim is not None and req.lora_id != claim.lora_id
+                held = claimed and not outranks_claim(
+                    req, claim.deferred, claim.priority if by_priority else None
+                )
+                if held or (req.lora_id not in in_use and len(in_use) >= per_batch):
                     continue
+                in_use.add(req.lora_id)
             if free > 0:  # (a row it may get without anyone leaving)
                 free -= 1
                 continue

@@ -113,6 +113,7 @@ class Batch:
     model: str | None = None
     output_file_id: str | None = None
     error_file_id: str | None = None
+    ending: str | None = None  # the status it ends in, once it finalizes (kept for a resume)
     made_ns: int = field(default_factory=time.time_ns)  # (orders those made in one second)
     cancel: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     saved: Callable[[Batch], None] | None = field(default=None, repr=False)  # (the store's)
@@ -193,6 +194,7 @@ class BatchStore:
         if not kept:
             return
         loaded = []
+        unreadable: set[str] = set()  # (their work files stay: nothing says they ended)
         for path in folder.glob("batch_*.json*"):
             if path.name.endswith(".partial"):  # a write the server did not finish
                 path.unlink(missing_ok=True)
@@ -201,6 +203,7 @@ class BatchStore:
                 batch = Batch(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError) as e:
                 logger.warning("skipping %s: not a batch (%s)", path, e)
+                unreadable.add(path.name.removesuffix(".json"))
                 continue
             if f"{batch.id}.json" == path.name:
                 loaded.append(batch)
@@ -212,7 +215,7 @@ class BatchStore:
             if batch.status == "cancelling":
                 batch.cancel.set()
             self.unfinished.append(batch)
-        resuming = {batch.id for batch in self.unfinished}
+        resuming = {batch.id for batch in self.unfinished} | unreadable
         for path in self.work.iterdir():  # what a kill left of batches that ended
             if path.name.split(".", 1)[0] not in resuming:
                 path.unlink(missing_ok=True)
@@ -518,8 +521,8 @@ class Runner:
             try:
                 source = work_path(self.work, batch.id, "input").open("rb")
             except FileNotFoundError:  # (its work folder emptied under it)
-                await asyncio.to_thread(self.recover)
-                self.close_outputs()  # what it answered stays
+                await self.recover()
+                await self.close_outputs()  # what it answered stays
                 message = f"its link to its input is gone from {self.work}: it cannot go on"
                 batch.errors = [{"code": "input_lost", "message": message, "param": None}]
                 batch.errors[0]["line"] = None
@@ -532,7 +535,7 @@ class Runner:
                 batch.errors = checked.errors
                 batch.enter("failed")
                 return
-            answered = await asyncio.to_thread(self.recover)
+            answered = await self.recover()
             if batch.status == "validating":
                 batch.enter("in_progress")
             stopped = await self.dispatch(source, answered)
@@ -541,16 +544,18 @@ class Runner:
                 if batch.saved is not None:
                     batch.saved(batch)
                 return
+            ending = stopped or batch.ending or "completed"  # (a resumed finalize's own)
+            batch.ending = ending  # saved with "finalizing": a kill now resumes to it
             batch.enter("finalizing")
-            self.close_outputs()
-            batch.enter(stopped or "completed")
+            await self.close_outputs()
+            batch.enter(ending)
         except Exception as e:  # a bug, or the disk full: the batch fails, the server goes on
             logger.exception("batch %s failed", batch.id)
             for task in self.running:  # nothing changes once the batch has ended
                 task.cancel()
             await asyncio.gather(*self.running, return_exceptions=True)
             try:
-                self.close_outputs()
+                await self.close_outputs()
             except OSError:
                 logger.exception("batch %s: its outputs could not be kept", batch.id)
             error = {"code": "internal_error", "message": repr(e), "param": None, "line": None}
@@ -568,10 +573,11 @@ class Runner:
                 for kind in ("input", "output", "error"):
                     work_path(self.work, batch.id, kind).unlink(missing_ok=True)
 
-    def recover(self) -> set[str]:
+    async def recover(self) -> set[str]:
         """The custom_ids answered in the batch's output and error files so far (a batch
         that resumes), its counts and usage taken from them; a line the stop cut off is
-        dropped (the request runs again). Empty for a new batch."""
+        dropped (the request runs again). Empty for a new batch. The files are read on a
+        worker thread; the batch changes here, on the loop."""
         batch = self.batch
         for key in ("output_file_id", "error_file_id"):  # listed by a finalize a kill cut
             # short: the work files hold the lines, listed again when the batch ends
@@ -579,35 +585,18 @@ class Runner:
             if file_id is not None:
                 self.files.discard(file_id)
                 setattr(batch, key, None)
-        batch.completed = batch.failed = 0
-        batch.usage = {}
         answered: set[str] = set()
+        counts = {"output": 0, "error": 0}
+        usage: dict[str, int] = {}
         for kind in ("output", "error"):
             path = work_path(self.work, batch.id, kind)
-            if not path.exists():
-                continue
-            data = path.read_bytes()
-            kept = []
-            for raw in data.split(b"\n"):  # (not splitlines: U+2028 may be in an answer)
-                try:
-                    entry = json.loads(raw)
-                    custom_id = entry["custom_id"]
-                except (ValueError, TypeError, KeyError):
-                    continue  # (an empty tail, or a line the stop cut off)
-                if custom_id in answered:
-                    continue
-                answered.add(custom_id)
-                kept.append(raw + b"\n")
-                if kind == "output":
-                    batch.completed += 1
-                    _add_usage(
-                        batch.usage, ((entry.get("response") or {}).get("body") or {}).get("usage")
-                    )
-                else:
-                    batch.failed += 1
-            if b"".join(kept) != data:
-                files_api.write_bytes_whole(path, b"".join(kept))
-            self.outputs[kind] = path.open("ab")
+            if path.exists():
+                read = asyncio.to_thread(
+                    _answers_in, path, answered, usage if kind == "output" else None
+                )
+                counts[kind] = await read
+                self.outputs[kind] = path.open("ab")
+        batch.completed, batch.failed, batch.usage = counts["output"], counts["error"], usage
         if answered:
             logger.info("batch %s resumes with %d requests answered", batch.id, len(answered))
         return answered
@@ -645,8 +634,11 @@ class Runner:
             self.running.add(task)
             task.add_done_callback(lambda t, w=weight: (self.running.discard(t), window.give(w)))
         await asyncio.gather(*self.running, return_exceptions=True)
+        if self.cut_short and self.resumable:  # lines left for the next server, even if a
+            # cancel or the expiry came meanwhile (the resumed run writes them off then)
+            return "stopped"
         if stopped is None and self.cut_short:  # every line sent, then the stop came
-            stopped = self.stop_reason() or ("stopped" if self.resumable else "failed")
+            stopped = self.stop_reason() or "failed"
         if stopped in ("cancelled", "expired", "failed"):  # the lines never sent, written
             # off on a worker thread (a large input's rest would hold the loop): nothing
             # else writes the files now
@@ -795,7 +787,7 @@ class Runner:
         out.write(text + b"\n")
         out.flush()  # (a server killed now loses no answer it wrote)
 
-    def close_outputs(self) -> None:
+    async def close_outputs(self) -> None:
         """List the output and error files written (each only if it has a line): their ids
         saved with the batch first, then each linked into the file store. The work files go
         once the batch has ended; a kill before that resumes from them (`recover` drops
@@ -804,6 +796,9 @@ class Runner:
         for out in self.outputs.values():
             out.close()
         self.outputs.clear()
+        for file_id in (batch.output_file_id, batch.error_file_id):  # (a failed try's)
+            if file_id is not None:
+                self.files.discard(file_id)
         made = {}
         for kind in ("output", "error"):
             path = work_path(self.work, batch.id, kind)
@@ -813,9 +808,33 @@ class Runner:
         if batch.saved is not None:
             batch.saved(batch)
         for kind, file_id in made.items():
-            _link_or_copy(work_path(self.work, batch.id, kind), self.files.path(file_id))
+            source = work_path(self.work, batch.id, kind)
+            await asyncio.to_thread(_link_or_copy, source, self.files.path(file_id))
             name = f"{batch.id}_{kind}.jsonl"
             self.files.add(file_id, name, "batch_output", batch.output_lifetime_s)
+
+
+def _answers_in(path: Path, answered: set[str], usage: dict[str, int] | None) -> int:
+    """The lines of a batch's output (with `usage` to add to) or error work file not cut
+    off and not repeating a custom_id in `answered` (which they are added to): how many.
+    The file is written again without the others."""
+    data = path.read_bytes()
+    kept = []
+    for raw in data.split(b"\n"):  # (not splitlines: U+2028 may be in an answer)
+        try:
+            entry = json.loads(raw)
+            custom_id = entry["custom_id"]
+        except (ValueError, TypeError, KeyError):
+            continue  # (an empty tail, or a line the stop cut off)
+        if custom_id in answered:
+            continue
+        answered.add(custom_id)
+        kept.append(raw + b"\n")
+        if usage is not None:
+            _add_usage(usage, ((entry.get("response") or {}).get("body") or {}).get("usage"))
+    if b"".join(kept) != data:
+        files_api.write_bytes_whole(path, b"".join(kept))
+    return len(kept)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -52,6 +52,7 @@ class Conversation:
     metadata: dict[str, str]
     items: list[dict[str, Any]] = field(default_factory=list)
     running: str | None = None  # the lock of the response running in it, if one is
+    synced: bool = False  # its file on disk holds all of it, whole lines: added items append
 
     def lock(self, token: str) -> None:
         """Hold it for one response (its items are added when it ends); a second one
@@ -150,7 +151,7 @@ class ConversationStore:
         if path is None:
             return
         try:
-            if added is not None and path.exists():
+            if added is not None and conversation.synced:
                 with path.open("ab") as out:
                     out.write(b"".join(_line(item) for item in added))
             else:
@@ -158,7 +159,9 @@ class ConversationStore:
                 head["metadata"] = conversation.metadata
                 lines = [_line(head)] + [_line(item) for item in conversation.items]
                 files_api.write_bytes_whole(path, b"".join(lines))
-        except OSError:  # (a full disk): it is served on from memory
+            conversation.synced = True
+        except OSError:  # (a full disk): it is served on from memory, written whole next
+            conversation.synced = False
             logger.exception("conversation %s could not be kept on disk", conversation.id)
 
     def _read(self, conversation_id: str) -> Conversation | None:
@@ -166,17 +169,28 @@ class ConversationStore:
         path = self._path(conversation_id)
         if path is None or not path.is_file():
             return None
+        data = path.read_bytes()
         lines = []
-        for raw in path.read_bytes().split(b"\n"):
+        whole = data.endswith(b"\n")
+        for raw in data.split(b"\n")[:-1] if whole else data.split(b"\n"):
             try:
-                lines.append(json.loads(raw))
+                line = json.loads(raw)
             except ValueError:
-                continue  # (an empty tail, or a line a stop cut off)
-        if not lines or lines[0].get("id") != conversation_id:
+                line = None  # (a line a kill cut off)
+            if isinstance(line, dict):
+                lines.append(line)
+            else:
+                whole = False
+        head = lines[0] if lines else {}
+        created, metadata = head.get("created_at"), head.get("metadata")
+        if head.get("id") != conversation_id or not isinstance(created, int):
             logger.warning("%s: not a conversation", path)
             return None
-        head, items = lines[0], lines[1:]
-        return Conversation(conversation_id, head["created_at"], head["metadata"], items)
+        metadata = metadata if isinstance(metadata, dict) else {}
+        items = [item for item in lines[1:] if isinstance(item.get("id"), str)]
+        conversation = Conversation(conversation_id, created, metadata, items)
+        conversation.synced = whole and len(items) == len(lines) - 1  # else written whole next
+        return conversation
 
     def _drop(self, conversation_id: str) -> None:
         for item in self.entries.pop(conversation_id).items:
