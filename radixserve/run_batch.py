@@ -7,11 +7,17 @@ one per url and within the Batch API's bounds (requests, bytes, embedding inputs
 Every line's result is written in the input's order, as the Batch API's output lines:
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
+With --file-storage-path, a run stopped before its end (Ctrl-C, a kill) resumes when the
+same command runs again: the server on the folder resumes its batches (server/batches.py),
+and the run takes them up again instead of sending the input anew (they are named in
+`<folder>/run-batch/<the input's sha256>.json` until the run ends well).
+
 Exit code: 0 when every batch ran (a request's own error is in its line), 1 when one did
 not (the reason is printed), 2 for a bad command line or an input with no requests."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import sys
@@ -25,6 +31,7 @@ import httpx2
 
 from radixserve.config import Config
 from radixserve.server import batches
+from radixserve.server import files as files_api
 from radixserve.server import responses_api as rapi
 
 POLL_S = 1.0
@@ -122,10 +129,14 @@ def chunks(lines: list[Line]) -> list[list[Line]]:
 
 
 class Client:
-    """The run's side of the server: waits for it, then runs the batches."""
+    """The run's side of the server: waits for it, then runs the batches (those of a run
+    of the same input stopped earlier, named in `record`, taken up again)."""
 
-    def __init__(self, url: str, api_key: str, server_up: threading.Event) -> None:
+    def __init__(
+        self, url: str, api_key: str, server_up: threading.Event, record: Path | None = None
+    ) -> None:
         self.server_up = server_up
+        self.record = record
         self.http = httpx2.Client(
             base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=600
         )
@@ -145,8 +156,13 @@ class Client:
     def run(self, parts: list[list[Line]], results: list[dict | None]) -> list[str]:
         """Every batch run together, their results put in `results`; what went wrong with
         the batches that did not complete."""
-        started = []
+        earlier = self.earlier_batches()
+        started: list[str] = []
         for part in parts:
+            again = earlier[len(started)] if len(started) < len(earlier) else None
+            if again is not None and self.resumable(again):
+                started.append(again)
+                continue
             upload = self.http.post(
                 "/v1/files",
                 files={"file": ("input.jsonl", b"\n".join(line.raw for line in part))},
@@ -156,6 +172,8 @@ class Client:
             started.append(
                 _ok(self.http.post("/v1/batches", json=body | {"completion_window": "24h"}))["id"]
             )
+            if self.record is not None:  # (whole or not at all)
+                files_api.write_json_whole(self.record, {"batches": started})
         problems = []
         for part, batch in zip(parts, self.wait(started)):
             by_id = {line.custom_id: line for line in part}
@@ -169,7 +187,31 @@ class Client:
             if batch["status"] != "completed":
                 problems.append(f"a batch of {part[0].url} ended {batch['status']}")
                 _account_for(part, batch, results)
+        if not problems and self.record is not None:  # done: a run again runs anew
+            self.record.unlink(missing_ok=True)
         return problems
+
+    def earlier_batches(self) -> list[str]:
+        """The batches a run of this input stopped earlier made (none without a record)."""
+        if self.record is None or not self.record.is_file():
+            return []
+        try:
+            named = json.loads(self.record.read_text())["batches"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        return [b for b in named if isinstance(b, str)] if isinstance(named, list) else []
+
+    def resumable(self, batch_id: str) -> bool:
+        """The server knows the batch, and it runs on or completed (one that failed, was
+        cancelled or expired is made anew)."""
+        response = self.http.get(f"/v1/batches/{batch_id}")
+        if response.status_code != 200:
+            return False
+        status = response.json()["status"]
+        if status in batches.ENDED and status != "completed":
+            return False
+        print(f"run-batch: taking up batch {batch_id} ({status}) again", file=sys.stderr)
+        return True
 
     def wait(self, started: list[str]) -> list[dict]:
         last_said = time.monotonic()
@@ -222,7 +264,8 @@ def run(config: Config, input_file: str, output_file: str, log_level: str) -> in
         return 2
     outcome: dict[str, Any] = {"problems": []}
     if lines:
-        outcome = serve_and_run(config, chunks(lines), results, log_level)
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        outcome = serve_and_run(config, chunks(lines), results, log_level, digest)
     missing = [i for i, entry in enumerate(results) if entry is None]
     for i in missing:  # (the run stopped before these came back)
         results[i] = error_entry(None, "no_result", "the run ended before this request's result")
@@ -240,7 +283,7 @@ def run(config: Config, input_file: str, output_file: str, log_level: str) -> in
 
 
 def serve_and_run(
-    config: Config, parts: list[list[Line]], results: list, log_level: str
+    config: Config, parts: list[list[Line]], results: list, log_level: str, source_hash: str = ""
 ) -> dict[str, Any]:
     """Serve the model on a private port and key in this thread while a client thread runs
     the batches, then stops the server (SIGTERM: it drains and exits)."""
@@ -254,9 +297,11 @@ def serve_and_run(
     launched: list[Any] = []  # the launcher, to stop it from the client's thread
     outcome: dict[str, Any] = {"problems": []}
 
+    record = _record_of(config, source_hash)
+
     def client_side() -> None:
         try:
-            client = Client(f"http://127.0.0.1:{port}", api_key, server_up)
+            client = Client(f"http://127.0.0.1:{port}", api_key, server_up, record)
             client.wait_ready()
             outcome["problems"] = client.run(parts, results)
         except Exception as e:
@@ -282,6 +327,15 @@ def serve_and_run(
     if code != 0 and not outcome["problems"]:
         outcome["problems"] = [f"the server stopped with exit code {code}"]
     return outcome
+
+
+def _record_of(config: Config, source_hash: str) -> Path | None:
+    """Where the batches of a run of this input are named while it runs (with a folder)."""
+    folder = config.server.file_storage_path
+    if folder is None or not source_hash:
+        return None
+    (Path(folder) / "run-batch").mkdir(parents=True, exist_ok=True)
+    return Path(folder) / "run-batch" / f"{source_hash}.json"
 
 
 def _status(entry: dict[str, Any]) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 
 def radixserve(*args: str) -> subprocess.CompletedProcess:
@@ -92,3 +94,44 @@ def test_run_batch_writes_every_result_in_the_inputs_order(tiny_model_dirs, tmp_
     assert entries[1]["response"]["body"]["data"][0]["embedding"]
     assert entries[6]["response"]["body"]["error"]["param"] == "max_tokens"
     assert "8 requests" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_batch_stopped_midway_resumes_when_run_again(tiny_model_dirs, tmp_path):
+    """With --file-storage-path, a run-batch stopped (SIGTERM) before its end resumes when
+    the same command runs again: its batch is taken up, not sent anew, and every line gets
+    one result, all alike (greedy)."""
+    body = {"model": "m", "prompt": "The quick", "max_tokens": 100, "temperature": 0}
+    lines = [
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                    "body": {**body, "ignore_eos": True}})
+        for i in range(16)
+    ]  # fmt: skip
+    given, results, folder = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "files"
+    given.write_text("\n".join(lines) + "\n")
+    command = [
+        sys.executable, "-m", "radixserve", "run-batch", "-i", str(given), "-o", str(results),
+        "--model-path", str(tiny_model_dirs["llama"]), "--max-running-requests", "2",
+        "--file-storage-path", str(folder), "--dtype", "float32",
+    ]  # fmt: skip
+    first = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    work = folder / "batches" / "work"
+    deadline = time.monotonic() + 300
+    while not any(p.name.endswith(".output.jsonl") and p.stat().st_size for p in _files(work)):
+        assert first.poll() is None and time.monotonic() < deadline, "no answer came"
+        time.sleep(0.1)
+    first.send_signal(signal.SIGTERM)
+    _, said = first.communicate(timeout=120)
+    assert first.returncode == 1, said  # stopped: some results missing
+    assert list((folder / "run-batch").iterdir())  # the run's batch, named for a resume
+
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "taking up batch" in again.stderr
+    entries = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [e["custom_id"] for e in entries] == [f"r{i}" for i in range(16)]
+    texts = {e["response"]["body"]["choices"][0]["text"] for e in entries}
+    assert len(texts) == 1 and not list((folder / "run-batch").iterdir())
+
+
+def _files(folder) -> list:
+    return list(folder.iterdir()) if folder.is_dir() else []
