@@ -524,10 +524,12 @@ class Runner:
                 await self.recover()
                 await self.close_outputs()  # what it answered stays
                 message = f"its link to its input is gone from {self.work}: it cannot go on"
-                batch.errors = [{"code": "input_lost", "message": message, "param": None}]
-                batch.errors[0]["line"] = None
+                error = {"code": "input_lost", "message": message, "param": None, "line": None}
+                batch.errors = [error]
                 batch.enter("failed")
                 return
+            answered = await self.recover()  # (first: a resumed batch's counts are its
+            # files', not those last saved, before its input is checked again)
             loop = asyncio.get_running_loop()
             checked = await loop.run_in_executor(_CHECKS, check_input, source, batch.endpoint)
             batch.total, batch.model = checked.total, checked.model
@@ -535,7 +537,6 @@ class Runner:
                 batch.errors = checked.errors
                 batch.enter("failed")
                 return
-            answered = await self.recover()
             if batch.status == "validating":
                 batch.enter("in_progress")
             stopped = await self.dispatch(source, answered)
