@@ -556,6 +556,8 @@ class Scheduler:
 
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
         free = self.info.max_running_requests - len(holding)
+        if free >= len(self.waiting) or not (by_priority or any(r.deferred for r in holding)):
+            return []  # (a row for each, or none that any could outrank: the common steps)
         # (not one whose work so far its readmission could not reuse: its whole prompt
         # again, each time, might never end)
         reusable = (r for r in holding if r.kv_len <= r.max_cacheable_prefix)
