@@ -382,7 +382,9 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
             # lines end together, so a try may land as a wave ends, with rows free)
             while state(first)["num_running"] < 4:
                 time.sleep(0.02)
-            interactive = client.completions.create(model="m", prompt="Hello", max_tokens=4)
+            interactive = client.completions.create(
+                model="m", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+            )
             assert interactive.choices[0].finish_reason == "length"
             if state(first)["preemptions"] >= 1:
                 break
