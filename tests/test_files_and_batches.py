@@ -533,6 +533,16 @@ def test_a_files_content_is_sent_whole_even_if_it_is_deleted_meanwhile(tmp_path)
     assert e.value.status == 404
 
 
+async def drain_with_all_in_flight(engine: Engine, app: FastAPI, runner: batches.Runner) -> None:
+    """Run the batch; once its 3 lines are all in flight, the server drains, then they end."""
+    run = asyncio.ensure_future(runner.run())
+    while engine.running < 3:
+        await asyncio.sleep(0.005)
+    app.state.server.manager.draining = True
+    engine.release.set()
+    await run
+
+
 @pytest.mark.parametrize("resumable", [True, False])
 def test_a_stop_after_the_last_line_was_sent_leaves_no_line_unaccounted(
     tmp_path, monkeypatch, resumable
@@ -546,15 +556,7 @@ def test_a_stop_after_the_last_line_was_sent_leaves_no_line_unaccounted(
     runner = a_batch(app, 3, batches.Window(8), resumable=resumable)
     monkeypatch.setattr(batches, "_aborted", lambda body: True)  # the drain's aborts
 
-    async def main() -> None:
-        run = asyncio.ensure_future(runner.run())
-        while engine.running < 3:
-            await asyncio.sleep(0.005)
-        app.state.server.manager.draining = True
-        engine.release.set()
-        await run
-
-    asyncio.run(main())
+    asyncio.run(drain_with_all_in_flight(engine, app, runner))
     batch = runner.batch
     if resumable:
         assert batch.status == "in_progress" and (batch.completed, batch.failed) == (0, 0)
@@ -703,15 +705,7 @@ def test_a_cancel_during_the_drain_leaves_the_lines_it_cut_short_to_the_resume(
 
     monkeypatch.setattr(batches, "_aborted", aborted)
 
-    async def main() -> None:
-        run = asyncio.ensure_future(runner.run())
-        while engine.running < 3:
-            await asyncio.sleep(0.005)
-        app.state.server.manager.draining = True
-        engine.release.set()
-        await run
-
-    asyncio.run(main())
+    asyncio.run(drain_with_all_in_flight(engine, app, runner))
     assert batch.status == "cancelling"  # not ended: the next server writes the rest off
     app.state.server.manager.draining = False
     asyncio.run(batches.Runner(app, batch, runner.work, batches.Window(8), True).run())

@@ -675,22 +675,27 @@ def test_lora_flags_are_checked(flags, message):
         Config.from_flat(enable_lora=True, **flags)
 
 
-def test_the_flex_tier_under_one_adapter_a_batch(llama):
-    """--max-loras-per-batch 1 with flex requests: an interactive request of the running
-    adapter is not held behind a flex one waiting for its adapter's slot, and an interactive
-    request whose adapter finds no slot takes no flex request's row (nothing is preempted
-    step after step for it)."""
+def _one_adapter_a_batch_scheduler(case: Case):
+    """A scheduler over the tiny llama with its adapters, one adapter a batch, 3 rows."""
     from radixserve.model.runner import ModelRunner
     from radixserve.scheduler.scheduler import Scheduler
-    from tests.test_scheduler import req
 
-    case, _, _ = llama
     paths = [f"{name}={path}" for name, path in case.adapters.items()]
     cfg = Config.from_flat(
         model_path=str(case.folder), dtype=FP32, lora_paths=paths, max_loras_per_batch=1,
         max_running_requests=3, max_total_tokens=4096,
     )  # fmt: skip
-    sched = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+    return Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+
+
+def test_the_flex_tier_under_one_adapter_a_batch(llama):
+    """--max-loras-per-batch 1 with flex requests: an interactive request of the running
+    adapter is not held behind a flex one waiting for its adapter's slot, and an interactive
+    request whose adapter finds no slot takes no flex request's row (nothing is preempted
+    step after step for it)."""
+    from tests.test_scheduler import req
+
+    sched = _one_adapter_a_batch_scheduler(llama[0])
     a, b = sorted(sched.runner.lora.adapters)[:2]
     sched.add_request(req("a0", [20 + i for i in range(10)], 40, lora_id=a))
     sched.step()
@@ -715,17 +720,9 @@ def test_no_preemption_for_a_request_another_adapters_claim_holds_back(llama):
     """One adapter a batch: with b1 waiting for adapter b's slot (its claim), a request of
     the running adapter a cannot start either (the claim holds it back), so it takes no
     flex request's row, step after step."""
-    from radixserve.model.runner import ModelRunner
-    from radixserve.scheduler.scheduler import Scheduler
     from tests.test_scheduler import req
 
-    case, _, _ = llama
-    paths = [f"{name}={path}" for name, path in case.adapters.items()]
-    cfg = Config.from_flat(
-        model_path=str(case.folder), dtype=FP32, lora_paths=paths, max_loras_per_batch=1,
-        max_running_requests=3, max_total_tokens=4096,
-    )  # fmt: skip
-    sched = Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
+    sched = _one_adapter_a_batch_scheduler(llama[0])
     a, b = sorted(sched.runner.lora.adapters)[:2]
     sched.add_request(req("a0", [20 + i for i in range(10)], 60, lora_id=a))
     sched.step()

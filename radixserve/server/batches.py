@@ -580,12 +580,7 @@ class Runner:
         dropped (the request runs again). Empty for a new batch. The files are read on a
         worker thread; the batch changes here, on the loop."""
         batch = self.batch
-        for key in ("output_file_id", "error_file_id"):  # listed by a finalize a kill cut
-            # short: the work files hold the lines, listed again when the batch ends
-            file_id = getattr(batch, key)
-            if file_id is not None:
-                self.files.discard(file_id)
-                setattr(batch, key, None)
+        self.unlist()  # (a finalize a kill cut short: the work files hold the lines)
         answered: set[str] = set()
         counts = {"output": 0, "error": 0}
         usage: dict[str, int] = {}
@@ -788,6 +783,14 @@ class Runner:
         out.write(text + b"\n")
         out.flush()  # (a server killed now loses no answer it wrote)
 
+    def unlist(self) -> None:
+        """Drop the output and error files the batch listed: their lines are still in its
+        work files, listed again when it ends."""
+        for file_id in (self.batch.output_file_id, self.batch.error_file_id):
+            if file_id is not None:
+                self.files.discard(file_id)
+        self.batch.output_file_id = self.batch.error_file_id = None
+
     async def close_outputs(self) -> None:
         """List the output and error files written (each only if it has a line): their ids
         saved with the batch first, then each linked into the file store. The work files go
@@ -797,9 +800,7 @@ class Runner:
         for out in self.outputs.values():
             out.close()
         self.outputs.clear()
-        for file_id in (batch.output_file_id, batch.error_file_id):  # (a failed try's)
-            if file_id is not None:
-                self.files.discard(file_id)
+        self.unlist()  # (a failed try's)
         made = {}
         for kind in ("output", "error"):
             path = work_path(self.work, batch.id, kind)
