@@ -159,6 +159,7 @@ class CacheConfig:
 
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
+FLEX_MAX_RUNNING_REQUESTS = 32  # (see flex_max_running_requests; measured in benchmarks/)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 
@@ -185,6 +186,13 @@ class SchedulerConfig:
     )
     max_running_requests: int | None = _opt(
         None, "Most requests decoding at once. Default: min(256, KV pool tokens)."
+    )
+    flex_max_running_requests: int = _opt(
+        FLEX_MAX_RUNNING_REQUESTS,
+        "While requests outside the flex service tier run or wait, at most this many flex "
+        "requests keep running rows (the others go back to the queue, their KV kept in the "
+        "radix cache, and resume once only flex requests are left), so a batch's hundreds "
+        "of rows do not slow every interactive decode step. -1: no limit.",
     )
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _opt(
@@ -240,6 +248,11 @@ class SchedulerConfig:
             raise ValueError("priority_scheduling_preemption_threshold must be >= 0")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.flex_max_running_requests < -1:
+            raise ValueError(
+                f"flex_max_running_requests must be >= 0 or -1, "
+                f"got {self.flex_max_running_requests}"
+            )
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:

@@ -325,6 +325,67 @@ def test_under_memory_pressure_the_flex_requests_are_retracted_first(tiny_model_
 
 
 @pytest.mark.parametrize(
+    "flags, capped",
+    [({}, True), ({"flex_max_running_requests": -1}, False)],
+)
+def test_beside_an_interactive_request_at_most_the_flex_cap_keeps_running(
+    tiny_model_dirs, flags, capped
+):
+    """--flex-max-running-requests: while a request outside the flex tier runs, the flex
+    requests past the cap go back to the queue (their KV to the tree) and none is admitted
+    past it; once it has ended they all run again. No greedy output changes, no KV slot is
+    lost. -1: no cap."""
+    prompts = {f"f{i}": [(5 * i + 3 * j) % 300 + 20 for j in range(16)] for i in range(5)}
+    prompts["n0"] = [(13 * j) % 300 + 7 for j in range(12)]
+    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 24 if rid == "n0" else 40))
+    expected = _tokens(run_to_end(alone))
+
+    flags = {"flex_max_running_requests": 2} | flags
+    sched = make_scheduler(tiny_model_dirs, max_total_tokens=4096, **flags)
+    for rid in ("f0", "f1", "f2"):
+        sched.add_request(req(rid, prompts[rid], 40, deferred=True))
+    trace = [sched.step() for _ in range(3)]
+    assert len(sched.running) == 3  # (only flex requests: no cap)
+    sched.add_request(req("n0", prompts["n0"], 24))
+    sched.add_request(req("f3", prompts["f3"], 40, deferred=True))
+    sched.add_request(req("f4", prompts["f4"], 40, deferred=True))
+    flex_rows = []
+    while any(r.rid == "n0" for r in sched.live()):
+        trace.append(sched.step())
+        sched.check_kv_accounting()
+        flex_rows.append(sum(r.deferred for r in sched.running))
+    assert max(flex_rows) == (2 if capped else 5)
+    assert sched.stats.preemptions == (1 if capped else 0)
+    trace.append(sched.step())
+    assert sum(r.deferred for r in sched.running) == 5  # (all again, once n0 has ended)
+    trace += run_to_end(sched)
+    assert _tokens(trace) == expected
+
+
+def test_with_preemption_disabled_the_flex_cap_only_holds_back_admissions(tiny_model_dirs):
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=4096, flex_max_running_requests=1,
+        disable_priority_preemption=True,
+    )  # fmt: skip
+    for i in range(3):
+        sched.add_request(req(f"f{i}", [(5 * i + 3 * j) % 300 + 20 for j in range(16)], 30,
+                              deferred=True))  # fmt: skip
+    while len(sched.running) < 3:
+        sched.step()
+    sched.add_request(req("n0", [7 + j for j in range(12)], 20))
+    sched.add_request(req("f3", [9 + j for j in range(12)], 30, deferred=True))
+    while any(r.rid == "n0" for r in sched.live()):
+        sched.step()
+        sched.check_kv_accounting()
+        assert "f3" in {r.rid for r in sched.waiting}  # (three flex rows: more than one)
+        assert sum(r.deferred for r in sched.running) == 3
+    assert sched.stats.preemptions == 0
+    run_to_end(sched)
+
+
+@pytest.mark.parametrize(
     "urgency, preempts, flags",
     [
         (20, True, {}),  # more urgent by more than the threshold (10)

@@ -9,16 +9,20 @@ the batch runs, up to N streamed completions (unique prompts) are sent, one ever
 `--interactive-interval` seconds, each on its own, and rounds alternate the batch's lines
 in the "default" and the "flex" service tier. Prints the interactive requests' time to
 first token and latency, the batch's output tok/s, and how many batch texts differ between
-the tiers (none in fp32; bf16 rounding may flip a greedy choice where the batches differ)."""
+the tiers (none in fp32; bf16 rounding may flip a greedy choice where the batches differ).
+`--flex-caps 32,-1` runs the flex tier on one server per --flex-max-running-requests value,
+all started at once and taken in turn."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx2
 
@@ -43,6 +47,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interactive-output-len", type=int, default=16)
     parser.add_argument(
         "--interactive-interval", type=float, default=1.0, help="seconds between them"
+    )
+    parser.add_argument(
+        "--flex-caps",
+        default=None,
+        help="with --interactive: comma-separated --flex-max-running-requests values, one "
+        "server each, the batch run in the flex tier on each (e.g. 32,-1)",
     )
     add_config_args(parser, PARTS)
 
@@ -110,38 +120,39 @@ def _clients(http: httpx2.Client, bodies: list[dict], concurrency: int) -> list[
 
 def _tiers(args: argparse.Namespace, config, bodies: list[dict], vocab_size: int) -> int:
     rng = random.Random(args.seed + 1)
-    tiers = ("default", "flex")
-    ttft: dict[str, list[float]] = {tier: [] for tier in tiers}
-    latency: dict[str, list[float]] = {tier: [] for tier in tiers}
-    rates: dict[str, list[float]] = {tier: [] for tier in tiers}
+    scheduler = config.scheduler
+    caps = [scheduler.flex_max_running_requests]
+    if args.flex_caps:
+        caps = [int(c) for c in args.flex_caps.split(",")]
+    # sides: the batch's tier on a server with that flex cap
+    sides = [("default", caps[0])] + [("flex", cap) for cap in caps]
+    names = ["default"] + (["flex"] if len(caps) == 1 else [f"flex cap {c}" for c in caps])
+    ttft: dict[str, list[float]] = {name: [] for name in names}
+    latency: dict[str, list[float]] = {name: [] for name in names}
+    rates: dict[str, list[float]] = {name: [] for name in names}
     texts: dict[str, list[str]] = {}
-    with Server(server_flags(config)) as url, httpx2.Client(base_url=url, timeout=3600) as http:
-        http.post("/v1/completions", json={**bodies[0], "max_tokens": 1})  # warm-up
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for cap in caps:
+            capped = replace(scheduler, flex_max_running_requests=cap)
+            urls[cap] = stack.enter_context(Server(server_flags(replace(config, scheduler=capped))))
+        http = {
+            cap: stack.enter_context(httpx2.Client(base_url=url, timeout=3600))
+            for cap, url in urls.items()
+        }
+        for client in http.values():
+            client.post("/v1/completions", json={**bodies[0], "max_tokens": 1})  # warm-up
         for round_ in range(args.rounds):
-            for tier in tiers:
-                http.post("/flush_cache")
-                lines = [{**body, "service_tier": tier} for body in bodies]
-                start = time.perf_counter()
-                with ThreadPoolExecutor(1 + args.interactive) as pool:
-                    running = pool.submit(_batch, http, lines)
-                    while not _batch_running(http) and not running.done():
-                        time.sleep(POLL_S)
-                    asked = []  # one every interval while the batch runs, each on its own
-                    while len(asked) < args.interactive and not running.done():
-                        prompt = [rng.randrange(100, vocab_size - 100) for _ in range(32)]
-                        max_tokens = args.interactive_output_len
-                        asked.append(pool.submit(_streamed, http, prompt, max_tokens))
-                        time.sleep(args.interactive_interval)
-                    answers = running.result()
-                    seconds = time.perf_counter() - start
-                    timed = [a.result() for a in asked]
-                ttft[tier] += [first for first, _ in timed]
-                latency[tier] += [whole for _, whole in timed]
-                rates[tier].append(sum(a["usage"]["completion_tokens"] for a in answers) / seconds)
-                texts.setdefault(tier, [a["choices"][0]["text"] for a in answers])
+            for name, (tier, cap) in zip(names, sides):
+                timed, answers, rate = _tier_round(args, http[cap], bodies, tier, vocab_size, rng)
+                ttft[name] += [first for first, _ in timed]
+                latency[name] += [whole for _, whole in timed]
+                rates[name].append(rate)
+                texts.setdefault(name, [a["choices"][0]["text"] for a in answers])
                 print(
-                    f"round {round_ + 1} {tier}: {len(timed)} interactive requests, TTFT p50 "
-                    f"{_ms([f for f, _ in timed])} ms; batch {rates[tier][-1]:.1f} out tok/s",
+                    f"round {round_ + 1} {name}: {len(timed)} interactive requests, TTFT p50 "
+                    f"{_ms([f for f, _ in timed])} ms, latency p50 "
+                    f"{_ms([w for _, w in timed])} ms; batch {rate:.1f} out tok/s",
                     flush=True,
                 )
     print(
@@ -149,21 +160,50 @@ def _tiers(args: argparse.Namespace, config, bodies: list[dict], vocab_size: int
         f"sent every {args.interactive_interval} s while a batch of {len(bodies)} shared-prefix "
         f"completions runs ({args.output_len} out); all of {args.rounds} rounds"
     )
-    header = f"{'batch tier':<12}{'sent':>6}{'TTFT p50 ms':>12}{'TTFT max ms':>12}"
+    width = max(12, *(len(n) + 2 for n in names))
+    header = f"{'batch tier':<{width}}{'sent':>6}{'TTFT p50 ms':>12}{'TTFT max ms':>12}"
     print(header + f"{'latency p50 ms':>16}{'batch out tok/s':>17}")
-    for tier in tiers:
-        worst = f"{1000 * max(ttft[tier]):.0f}" if ttft[tier] else "-"
+    for name in names:
+        worst = f"{1000 * max(ttft[name]):.0f}" if ttft[name] else "-"
         print(
-            f"{tier:<12}{len(ttft[tier]):>6}{_ms(ttft[tier]):>12}{worst:>12}"
-            f"{_ms(latency[tier]):>16}{statistics.median(rates[tier]):>17.1f}"
+            f"{name:<{width}}{len(ttft[name]):>6}{_ms(ttft[name]):>12}{worst:>12}"
+            f"{_ms(latency[name]):>16}{statistics.median(rates[name]):>17.1f}"
         )
-    differ = sum(a != b for a, b in zip(texts["default"], texts["flex"]))
-    print(f"batch texts that differ between the tiers: {differ} of {len(bodies)}")
+    for name in names[1:]:
+        differ = sum(a != b for a, b in zip(texts["default"], texts[name]))
+        print(f"batch texts that differ between default and {name}: {differ} of {len(bodies)}")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            summary = {"ttft": ttft, "latency": latency, "rates": rates, "differ": differ}
-            json.dump(summary, f)
+            json.dump({"ttft": ttft, "latency": latency, "rates": rates}, f)
     return 0
+
+
+def _tier_round(
+    args: argparse.Namespace,
+    http: httpx2.Client,
+    bodies: list[dict],
+    tier: str,
+    vocab_size: int,
+    rng: random.Random,
+) -> tuple[list[tuple[float, float]], list[dict], float]:
+    """One round: the batch's lines in `tier`, interactive requests sent while it runs.
+    Their (TTFT, latency) pairs, the batch's answers, and its output tok/s."""
+    http.post("/flush_cache")
+    lines = [{**body, "service_tier": tier} for body in bodies]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(1 + args.interactive) as pool:
+        running = pool.submit(_batch, http, lines)
+        while not _batch_running(http) and not running.done():
+            time.sleep(POLL_S)
+        asked = []  # one every interval while the batch runs, each on its own
+        while len(asked) < args.interactive and not running.done():
+            prompt = [rng.randrange(100, vocab_size - 100) for _ in range(32)]
+            asked.append(pool.submit(_streamed, http, prompt, args.interactive_output_len))
+            time.sleep(args.interactive_interval)
+        answers = running.result()
+        seconds = time.perf_counter() - start
+        timed = [a.result() for a in asked]
+    return timed, answers, sum(a["usage"]["completion_tokens"] for a in answers) / seconds
 
 
 def _batch_running(http: httpx2.Client) -> bool:

@@ -103,6 +103,9 @@ class PrefillAdder:
     waiting_priority: int | None = None
     waiting_deferred: bool = False  # the waiting request is in the flex tier
     by_priority: bool = False
+    # flex requests that may still start running (None: any number; see
+    # --flex-max-running-requests)
+    flex_rows_left: int | None = None
 
     @classmethod
     def for_step(
@@ -157,6 +160,8 @@ class PrefillAdder:
         allow; else leave it untouched."""
         if self.chunked is not None or self.token_budget <= 0 or self.rows_left <= 0:
             return Admission.STOP
+        if req.deferred and self.flex_rows_left is not None and self.flex_rows_left <= 0:
+            return Admission.SKIPPED  # (before its adapter may claim a slot)
         if self._shares_uncached_prefix(req) or not self._adapter_fits(req):
             return Admission.SKIPPED
         if not self.kv.has_free_row:
@@ -197,6 +202,8 @@ class PrefillAdder:
         if self.window_budget is not None:
             self.window_budget -= self._window_charge(req)
         self.rows_left -= 1
+        if req.deferred and self.flex_rows_left is not None:
+            self.flex_rows_left -= 1
         if req.lora_id:
             self.adapters.add(req.lora_id)
             if req.lora_id == self.waiting_adapter:  # it has its slot: the others may join

@@ -299,7 +299,7 @@ class Scheduler:
             self._make_room_for_decode()
             mixed = bool(self.running)
         if mixed or not (self.last_step == "prefill" and self.running):
-            preempted = self._preempt_for_waiting()
+            preempted = self._preempt_for_waiting() + self._cap_flex()
             mixed = mixed and bool(self.running)
             decode_tokens = sum(map(_pending, self.running)) if mixed else 0
             prefill = self._schedule_prefill(decode_tokens, preempted)
@@ -324,6 +324,7 @@ class Scheduler:
         )  # fmt: skip
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
+        adder.flex_rows_left = self._flex_rows_left()
         policy = self.config.schedule_policy
         order = order_waiting(policy, self.waiting, self.kv.tree, self.rng)
         adder.by_priority = policy == "priority"
@@ -588,6 +589,39 @@ class Scheduler:
                 "preempted %s (%s) after %d output tokens, for %s",
                 victim.rid, "flex" if victim.deferred else f"priority {victim.priority}",
                 len(victim.output_ids), req.rid,
+            )  # fmt: skip
+        return taken
+
+    def _flex_rows_left(self) -> int | None:
+        """How many more flex requests may hold running rows: None (any number) unless
+        requests outside the flex tier run or wait and --flex-max-running-requests is set;
+        negative when more hold rows than it allows."""
+        cap = self.config.flex_max_running_requests
+        if cap < 0:
+            return None
+        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        if all(r.deferred for r in holding) and all(r.deferred for r in self.waiting):
+            return None
+        return cap - sum(r.deferred for r in holding)
+
+    def _cap_flex(self) -> list[Req]:
+        """Flex requests past --flex-max-running-requests, while requests outside the flex
+        tier run or wait, go back to the queue (those that lose least first; only those
+        whose work so far their readmission reuses), their KV to the tree. The ones taken
+        back."""
+        over = self._flex_rows_left()
+        if over is None or over >= 0 or self.config.disable_priority_preemption:
+            return []
+        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        flex = [r for r in holding if r.deferred and r.kv_len <= r.max_cacheable_prefix]
+        taken = sorted(flex, key=_least_lost)[:-over]
+        for req in taken:
+            self._take_back(req)
+            self.stats.preemptions += 1
+        if taken:
+            logger.info(
+                "preempted %d flex requests: at most %d run beside other tiers",
+                len(taken), self.config.flex_max_running_requests,
             )  # fmt: skip
         return taken
 
