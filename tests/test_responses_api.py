@@ -6,6 +6,8 @@ store of chained responses."""
 from __future__ import annotations
 
 import codecs
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -562,6 +564,83 @@ def test_a_conversations_items_are_found_by_id_whoever_holds_them():
     assert store.find_item("msg_1")["content"] == "A"
     first.items.clear()
     assert store.find_item("msg_1") is None and "msg_1" not in store.holders
+
+
+def test_stored_responses_kept_in_a_folder_outlive_the_store(tmp_path):
+    """With a folder (--file-storage-path), a stored response dropped from memory, or
+    stored by a store since gone, is read back: fetched, continued (its chain), its items
+    referenced; a delete removes it from disk too."""
+    store = rapi.ResponseStore(capacity=1, folder=tmp_path)
+    first, second = rapi.new_id("resp"), rapi.new_id("resp")
+    store.put(_stored(first, None, "A"))
+    store.put(_stored(second, first, "B"))  # past the capacity: the first leaves memory
+    assert list(store.entries) == [second]
+    texts = [m["content"] for m in rapi.chat_messages(store.context(second))]
+    assert texts == [f"question {first}", "A", f"question {second}", "B"]
+
+    again = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    assert again.get(second).response == store.get(second).response
+    assert [m["content"] for m in rapi.chat_messages(again.context(second))] == texts
+    referenced = rapi.ResponseStore(capacity=10, folder=tmp_path)  # (nothing in memory)
+    given = [{"type": "item_reference", "id": f"out-{first}"}]
+    (item,) = referenced.resolve(given)
+    assert item["content"][0]["text"] == "A"
+    question = referenced.get(second).inputs[0]["id"]
+    fresh = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    assert fresh.resolve([{"type": "item_reference", "id": question}])[0]["id"] == question
+    fresh.delete(first)
+    assert not (tmp_path / f"{first}.json").exists()
+    gone = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    for ask in (lambda: gone.get(first), lambda: gone.resolve(given), lambda: gone.context(second)):
+        with pytest.raises(APIError) as e:
+            ask()
+        assert e.value.status == 404
+    assert rapi.ResponseStore(capacity=0, folder=tmp_path / "none").files is None
+
+
+def test_a_background_response_its_server_left_unfinished_reads_back_failed(tmp_path):
+    """A response stored while queued (the server stopped before it ended) reads back
+    failed, and stays so; a streamed background one's events read back whole and ended.
+    Files past the 30 days OpenAI keeps a stored response go; a cut-off index line and a
+    file that is not a response are skipped."""
+    store = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    queued = rapi.new_id("resp")
+    store.put(_stored(queued, None, "", status="queued"))
+    streamed = _stored(rapi.new_id("resp"), None, "S")
+    streamed.events = rapi.EventLog()
+    for n in range(3):
+        streamed.events.append(f'event: e\ndata: {{"sequence_number": {n}}}\n\n'.encode())
+    store.put(streamed)
+    old = _stored(rapi.new_id("resp"), None, "O")
+    store.put(old)
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(tmp_path / f"{old.response['id']}.json", (month_ago, month_ago))
+    (tmp_path / f"{rapi.new_id('resp')}.json").write_text("[1, 2]")
+    with (tmp_path / "items.jsonl").open("ab") as out:
+        out.write(b'["msg_cut", "resp_')  # a line a kill cut off
+
+    again = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    failed = again.get(queued).response
+    assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
+    assert rapi.ResponseStore(capacity=10, folder=tmp_path).get(queued).response == failed
+    log = again.get(streamed.response["id"]).events
+    assert log is not None and log.ended and log.frames == streamed.events.frames
+    assert not (tmp_path / f"{old.response['id']}.json").exists()
+    with pytest.raises(APIError):
+        again.get(old.response["id"])
+    assert (tmp_path / "items.jsonl").read_bytes().endswith(b"\n")  # written whole again
+    assert again.files.items.get(f"out-{queued}") == queued
+
+
+def test_conversation_items_on_disk_are_found_by_reference(tmp_path):
+    store = ConversationStore(capacity=10, folder=tmp_path)
+    kept = Conversation(rapi.new_id("conv"), 1, {}, rapi.input_items("one"))
+    store.put(kept)
+    store.add(kept, rapi.input_items("two"))
+    again = ConversationStore(capacity=10, folder=tmp_path)
+    assert again.find_item(kept.items[1]["id"]) == kept.items[1]
+    again.delete(kept.id)
+    assert ConversationStore(capacity=10, folder=tmp_path).find_item(kept.items[0]["id"]) is None
 
 
 def test_conversations_kept_in_a_folder_outlive_the_store(tmp_path):

@@ -347,13 +347,22 @@ def test_a_second_server_on_the_folder_is_refused(server, storage):
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
 
+def long_background(client: openai.OpenAI):
+    return client.responses.create(
+        model="m", input="Count.", max_output_tokens=2000, background=True, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
 def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
     """A batch's lines run in the flex tier: with every running row taken by them, an
     interactive request still starts at once (a flex one goes back to the queue). A batch
     whose server is killed, then one whose server is stopped (SIGTERM), resumes when a
     server starts again on the folder: every line is answered once, all alike (greedy,
-    whether preempted, cut off or resumed). A conversation made on the first is there on
-    the last."""
+    whether preempted, cut off or resumed). A conversation and a stored response made on
+    the first are there on the last: the response is continued, and items of both are
+    referenced; background responses still running when the first is killed and the
+    second stopped read back failed."""
     flags = (
         "--model-path", str(tiny_model_dirs["llama"]), "--max-total-tokens", "8192",
         "--file-storage-path", str(tmp_path / "files"), "--shutdown-timeout", "1",
@@ -378,6 +387,10 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
         hello = {"type": "message", "role": "user", "content": "Hello"}
         conversation = client.conversations.create(items=[hello], metadata={"k": "v"})
         client.conversations.update(conversation.id, metadata={"k": "w"})
+        stored = client.responses.create(
+            model="m", input="Hi", max_output_tokens=4, temperature=0, store=True
+        )
+        killed = long_background(client)  # (still running when its server is killed)
         for _ in range(5):  # sent while the 4 rows run flex lines: one gives its row (the
             # lines end together, so a try may land as a wave ends, with rows free)
             while state(first)["num_running"] < 4:
@@ -397,6 +410,7 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
         client = openai.OpenAI(base_url=second.url + "/v1", api_key="x", max_retries=0)
         answered_past(client, 0)  # (its counts read back from its files as it resumes)
         resumed = client.batches.retrieve(made.id).request_counts.completed
+        stopped = long_background(client)  # (still running when its server stops)
         answered_past(client, resumed)  # then SIGTERM: it drains, the batch stays unfinished
     with ServerProcess(*flags, log=tmp_path / "third.log") as third:
         client = openai.OpenAI(base_url=third.url + "/v1", api_key="x", max_retries=0)
@@ -418,4 +432,19 @@ def test_a_batch_outlives_its_server(tiny_model_dirs, tmp_path):
         assert kept.metadata == {"k": "w"} and kept.created_at == conversation.created_at
         (item,) = client.conversations.items.list(conversation.id).data
         assert item.content[0].text == "Hello"
+        assert client.responses.retrieve(stored.id).output_text == stored.output_text
+        for unfinished, why in ((killed, "server stopped"), (stopped, "shutting down")):
+            failed = client.responses.retrieve(unfinished.id)
+            assert failed.status == "failed" and why in failed.error.message, failed
+        following = client.responses.create(
+            model="m", previous_response_id=stored.id, max_output_tokens=4, temperature=0,
+            input=[{"type": "item_reference", "id": item.id}],  # (the conversation's)
+        )  # fmt: skip
+        texts = [i.content[0].text for i in client.responses.input_items.list(following.id).data]
+        assert texts == ["Hello", stored.output_text, "Hi"]  # (newest first)
+        reference = {"type": "item_reference", "id": stored.output[0].id}  # (a stored item)
+        other = client.responses.create(
+            model="m", input=[reference], max_output_tokens=4, temperature=0
+        )
+        assert other.status in ("completed", "incomplete")
         assert_kv_clean(third)

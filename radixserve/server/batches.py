@@ -67,6 +67,7 @@ from radixserve.server import openai_api as oai
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, StrictBody, load_body, off_the_loop_if
 from radixserve.server.errors import ERROR_RESPONSES, APIError, EngineUnavailable, bad_request
+from radixserve.server.kept import write_bytes_whole
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
@@ -835,7 +836,7 @@ def _answers_in(path: Path, answered: set[str], usage: dict[str, int] | None) ->
         if usage is not None:
             _add_usage(usage, ((entry.get("response") or {}).get("body") or {}).get("usage"))
     if b"".join(kept) != data:
-        files_api.write_bytes_whole(path, b"".join(kept))
+        write_bytes_whole(path, b"".join(kept))
     return len(kept)
 
 

@@ -16,7 +16,8 @@ Conversations live in this server's memory (`ConversationStore`), the least rece
 dropped past --responses-store-size of them or past 1 GiB of their items' JSON, as stored
 responses are. With --file-storage-path they are also kept on disk there
 (`conversations/<id>.jsonl`) until deleted: one dropped from memory, or made before the
-server restarted, is read back when it is next asked for."""
+server restarted, is read back when it is next asked for, or when an `item_reference` names
+one of its items (`conversations/items.jsonl` says which holds it)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
-from radixserve.server import files as files_api
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, StrictBody
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.kept import ItemIndex, write_bytes_whole
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
@@ -111,10 +112,13 @@ class ConversationStore:
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.sizes: dict[str, int] = {}
         self.holders: dict[str, str] = {}  # item id -> the conversation holding it
+        self.items: ItemIndex | None = None  # which conversation on disk holds an item
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             for partial in folder.glob("*.partial"):  # a write the server did not finish
                 partial.unlink()
+            if capacity > 0:
+                self.items = ItemIndex(folder / "items.jsonl")
 
     def put(self, conversation: Conversation, added: list[dict[str, Any]] | None = None) -> None:
         """Keep a conversation, the most recently used now: measured (and kept on disk)
@@ -158,8 +162,11 @@ class ConversationStore:
                 head = {"id": conversation.id, "created_at": conversation.created_at}
                 head["metadata"] = conversation.metadata
                 lines = [_line(head)] + [_line(item) for item in conversation.items]
-                files_api.write_bytes_whole(path, b"".join(lines))
+                write_bytes_whole(path, b"".join(lines))
             conversation.synced = True
+            if self.items is not None:
+                written = conversation.items if added is None else added
+                self.items.add([item["id"] for item in written], conversation.id)
         except OSError:  # (a full disk): it is served on from memory, written whole next
             conversation.synced = False
             logger.exception("conversation %s could not be kept on disk", conversation.id)
@@ -199,10 +206,10 @@ class ConversationStore:
         del self.sizes[conversation_id]
 
     def find_item(self, item_id: str) -> dict[str, Any] | None:
-        """An item of any conversation in memory (a copy), by its id: what an
-        `item_reference` names. The index names the conversation that last took that id;
-        where it no longer holds it (two conversations may hold items of one id), every one
-        is looked in."""
+        """An item of any conversation (a copy), by its id: what an `item_reference` names.
+        The index names the conversation in memory that last took that id; where it no
+        longer holds it (two conversations may hold items of one id), every one in memory is
+        looked in, then the one on disk that the folder's index names."""
         holder = self.entries.get(self.holders.get(item_id, ""))
         for conversation in ([holder] if holder else []) + list(self.entries.values()):
             found = next((i for i in conversation.items if i["id"] == item_id), None)
@@ -210,7 +217,15 @@ class ConversationStore:
                 self.holders[item_id] = conversation.id
                 return copy.deepcopy(found)
         self.holders.pop(item_id, None)
-        return None
+        kept = self.items.get(item_id) if self.items is not None else None
+        if kept is None or kept in self.entries:
+            return None
+        try:
+            conversation = self.get(kept)
+        except APIError:  # (deleted since)
+            return None
+        found = next((i for i in conversation.items if i["id"] == item_id), None)
+        return copy.deepcopy(found) if found is not None else None
 
     def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
         conversation = self.entries.get(conversation_id)

@@ -39,6 +39,7 @@ from starlette.types import Message
 from radixserve.server import openai_api as oai
 from radixserve.server import responses_api as rapi
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
+from radixserve.server.kept import write_bytes_whole
 
 logger = logging.getLogger(__name__)
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -99,14 +100,6 @@ def lifetime(expires_after: dict[str, Any] | None, param: str) -> int | None:
 def write_json_whole(path: Path, value: Any) -> None:
     """`value` as JSON at `path`, whole or not at all."""
     write_bytes_whole(path, json.dumps(value).encode())
-
-
-def write_bytes_whole(path: Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all (written beside it as `<path>.partial`, then
-    moved over it)."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
 
 
 class FileStore:

@@ -46,11 +46,15 @@ def build_app(manager: TokenizerManager, config: Config, model_name: str) -> Fas
     app = FastAPI(title="radixserve", version=__version__, docs_url=None, redoc_url=None)
     loras = LoraRegistry(config.lora, reserved=(model_name,))
     app.state.server = ServerState(manager, config, model_name, STARTED, loras)
-    app.state.responses = ResponseStore(config.server.responses_store_size)
     app.state.background = set()  # the tasks of /v1/responses made in the background
     app.state.files = files.FileStore(config.server.file_storage_path)
-    kept = config.server.file_storage_path is not None  # batches kept with the files, if
-    # the folder is the user's (and resumed by the next server on it)
+    kept = config.server.file_storage_path is not None  # batches, conversations and stored
+    # responses kept with the files, if the folder is the user's (and the next server on it
+    # serves them again)
+    app.state.responses = ResponseStore(
+        config.server.responses_store_size,
+        folder=app.state.files.folder / "responses" if kept else None,
+    )
     app.state.batches = batches.BatchStore(app.state.files.folder / "batches", kept)
     app.state.conversations = conversations.ConversationStore(
         config.server.responses_store_size,

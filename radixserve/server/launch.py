@@ -32,6 +32,7 @@ import zmq.asyncio
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config, rank_addr
 from radixserve.lora.registry import check_names
+from radixserve.server import routes_responses
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
@@ -232,6 +233,7 @@ class Launcher:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+            await routes_responses.stop_background(app)
             app.state.files.close()  # (and the folder's lock)
             ctx.destroy(linger=0)
             sync_ctx.destroy(linger=0)

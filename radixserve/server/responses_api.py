@@ -14,7 +14,8 @@ streamed response and a whole one are the same items:
 
 Stored responses (`store`, the default) are kept in memory by `ResponseStore`, each with its
 own input items and a link to the response it continues (`previous_response_id`), so a
-conversation is the chain of its turns and each turn is stored once."""
+conversation is the chain of its turns and each turn is stored once; with
+--file-storage-path on disk too (radixserve/server/kept.py)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ import codecs
 import copy
 import itertools
 import json
+import logging
 import math
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -38,6 +41,7 @@ from radixserve.server import openai_api as oai
 from radixserve.server import tool_calls
 from radixserve.server.body import ServiceTier, StrictBody, tier_served, union_member
 from radixserve.server.errors import APIError, bad_request
+from radixserve.server.kept import ResponseFiles
 from radixserve.server.reasoning import ReasoningPlan, ReasoningStream
 
 # What `include` may ask for (OpenAI's list). Only the output text's logprobs change the
@@ -57,6 +61,9 @@ LOGPROBS = "message.output_text.logprobs"
 # the most stored responses may hold, as JSON, whatever --responses-store-size says: a body
 # can be 64 MiB (reasoning items and ids are stored whole, though never replayed)
 MAX_STORED_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
+# the error of a background response its server stopped before it ended
+STOPPED = {"code": "server_error", "message": "the server stopped before the response ended"}
 MAX_METADATA_KEYS = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 
@@ -920,6 +927,7 @@ class Stored:
     previous: str | None
     task: asyncio.Task | None = None  # a background response's, while it runs
     events: EventLog | None = None  # a streamed background response's events
+    stopped: bool = False  # its server stopped it (a background one): it failed
 
     def size(self) -> int:
         """Its bytes as JSON, and its events'."""
@@ -971,9 +979,15 @@ class ResponseStore:
     """Stored responses in memory, the least recently used dropped past `capacity` or past
     `max_bytes` of their JSON, but never one still running in the background nor the
     newest (so those may go past the bounds for a while). A conversation is a chain: each
-    response keeps only its own input and the id of the one it continues."""
+    response keeps only its own input and the id of the one it continues. With a `folder`
+    (in --file-storage-path) each is also kept on disk (`kept.ResponseFiles`), so one
+    dropped from memory, or stored by a server since restarted on the folder, is read back
+    when it is next asked for (continued, fetched, listed, deleted, or an item of it
+    referenced)."""
 
-    def __init__(self, capacity: int, max_bytes: int = MAX_STORED_BYTES) -> None:
+    def __init__(
+        self, capacity: int, max_bytes: int = MAX_STORED_BYTES, folder: Path | None = None
+    ) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, Stored] = OrderedDict()
@@ -981,6 +995,7 @@ class ResponseStore:
         # an item's id → the stored response that holds it (its input or output; the latest
         # where several do), for `item_reference` inputs
         self.holders: dict[str, str] = {}
+        self.files = ResponseFiles(folder) if folder is not None and capacity > 0 else None
 
     @property
     def bytes(self) -> int:
@@ -989,6 +1004,12 @@ class ResponseStore:
     def put(self, stored: Stored) -> None:
         if self.capacity == 0:
             return
+        if self.files is not None:
+            ids = [item["id"] for item in _held_items(stored)]
+            self.files.write(_record(stored), ids)
+        self._hold(stored)
+
+    def _hold(self, stored: Stored) -> None:
         response_id = stored.response["id"]
         self.entries[response_id] = stored
         self.entries.move_to_end(response_id)
@@ -1010,12 +1031,37 @@ class ResponseStore:
             self.put(stored)
 
     def get(self, response_id: str, param: str = "response_id") -> Stored:
-        stored = self.entries.get(response_id)
+        stored = self.entries.get(response_id) or self._read(response_id)
         if stored is None:
             raise APIError(
                 404, f"Response with id {response_id!r} not found.", param=param, code="not_found"
             )
         self.entries.move_to_end(response_id)
+        return stored
+
+    def _read(self, response_id: str) -> Stored | None:
+        """A response kept on disk, back in memory (None: not kept there). One a stopped
+        server left queued or running in the background has failed."""
+        record = self.files.read(response_id) if self.files is not None else None
+        if record is None:
+            return None
+        response = record["response"]
+        inputs, previous = record.get("inputs"), record.get("previous")
+        if not isinstance(inputs, list) or not isinstance(response.get("output"), list):
+            logger.warning("response %s on disk lacks its items", response_id)
+            return None
+        stored = Stored(response, inputs, previous if isinstance(previous, str) else None)
+        frames = record.get("events")
+        if isinstance(frames, list):
+            stored.events = EventLog()
+            for frame in frames:
+                stored.events.append(str(frame).encode())
+            stored.events.closed = stored.events.ended = True
+        if response.get("status") in ("queued", "in_progress"):
+            stored.response = response | {"status": "failed", "error": STOPPED}
+            self.put(stored)  # (so it reads back failed from now on)
+        else:
+            self._hold(stored)
         return stored
 
     def delete(self, response_id: str) -> None:
@@ -1025,6 +1071,8 @@ class ResponseStore:
         del self.entries[response_id]
         del self.sizes[response_id]
         self._forget(stored)
+        if self.files is not None:
+            self.files.remove(response_id)
 
     def _forget(self, stored: Stored) -> None:
         """Drop a response's items from the index (those it is the holder of)."""
@@ -1055,8 +1103,7 @@ class ResponseStore:
                     f"input[{i}].id: an item_reference needs the id of an item",
                     f"input[{i}].id",
                 )
-            holder = self.entries.get(self.holders.get(item_id, ""))
-            item = next((x for x in _held_items(holder) if x["id"] == item_id), None)
+            item = self._item(item_id)
             if item is None and elsewhere is not None:
                 item = elsewhere(item_id)
             if item is None:
@@ -1068,6 +1115,14 @@ class ResponseStore:
                 )
             resolved.append(copy.deepcopy(item))
         return resolved
+
+    def _item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of a stored response (in memory, else on disk)."""
+        holder = self.entries.get(self.holders.get(item_id, ""))
+        if holder is None and self.files is not None:
+            kept = self.files.items.get(item_id)
+            holder = None if kept is None else self.entries.get(kept) or self._read(kept)
+        return next((x for x in _held_items(holder) if x["id"] == item_id), None)
 
     def chain_bytes(self, response_id: str | None) -> int:
         """The stored bytes of a response and of those it continues (as far as they are
@@ -1105,3 +1160,11 @@ class ResponseStore:
         for stored in reversed(chain):
             items += stored.inputs + stored.response["output"]
         return items
+
+
+def _record(stored: Stored) -> dict[str, Any]:
+    """A stored response as `kept.ResponseFiles` writes it."""
+    record = {"response": stored.response, "inputs": stored.inputs, "previous": stored.previous}
+    if stored.events is not None:
+        record["events"] = [frame.decode() for frame in stored.events.frames]
+    return record

@@ -387,23 +387,38 @@ def _background_done(run: _Run, call: Call, store: ResponseStore, task: asyncio.
 
 def _settle(run: _Run, store: ResponseStore, task: asyncio.Task) -> None:
     stored = run.stored
+    log = stored.events
     try:
         if stored.response["status"] in ("queued", "in_progress"):
-            if task.cancelled():
+            if task.cancelled() and stored.stopped:
+                stored.response = run.response | {"status": "failed", "error": rapi.STOPPED}
+            elif task.cancelled():
                 stored.response = run.response | {"status": "cancelled"}
             else:
                 logger.error("a background response failed", exc_info=task.exception())
                 message = f"internal error: {task.exception()!r}"
                 error = {"code": "server_error", "message": message}
                 stored.response = run.response | {"status": "failed", "error": error}
-        store.refresh(stored)
+        if log is not None and not log.closed and stored.response["status"] == "failed":
+            event = {"type": "response.failed", "sequence_number": len(log.frames)}  # a bug's
+            log.append(event_frame(event | {"response": stored.response}, typed=True))  # end
+        store.refresh(stored)  # (kept on disk with its events, the last one in)
     finally:
-        log = stored.events
         if log is not None:  # its readers stop (a cancelled one's with no last event)
-            if not log.closed and stored.response["status"] == "failed":  # a bug's end
-                event = {"type": "response.failed", "sequence_number": len(log.frames)}
-                log.append(event_frame(event | {"response": stored.response}, typed=True))
             log.end()
+
+
+async def stop_background(app: Any) -> None:
+    """At the server's stop: the background responses still running fail (as a server
+    started again on the folder reads them back), each written while the folder is still
+    this server's."""
+    for stored in app.state.responses.entries.values():
+        if stored.task is not None:
+            stored.stopped = True
+    running = list(app.state.background)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
 
 
 # -- stored responses -----------------------------------------------------------------------
