@@ -716,6 +716,32 @@ def test_the_flex_tier_under_one_adapter_a_batch(llama):
     assert sched.stats.preemptions == 0
 
 
+def test_an_interactive_request_takes_the_slot_of_an_adapter_only_flex_requests_hold(llama):
+    """One adapter a batch, rows to spare: flex requests of adapter a hold its slot; an
+    interactive request of adapter b takes them back (their KV kept) and starts at once,
+    and they resume after it. No greedy output changes, no KV slot is lost."""
+    from tests.test_scheduler import _tokens, req, run_to_end
+
+    case = llama[0]
+    prompts = {f"fa{i}": [20 + 3 * i + j for j in range(10)] for i in range(2)}
+    prompts["b1"] = [90 + j for j in range(10)]
+    sched = _one_adapter_a_batch_scheduler(case)
+    a, b = sorted(sched.runner.lora.adapters)[:2]
+    adapter = {"fa0": a, "fa1": a, "b1": b}
+    for rid in ("fa0", "fa1"):
+        sched.add_request(req(rid, prompts[rid], 30, deferred=True, lora_id=a))
+    trace = [sched.step() for _ in range(3)]
+    assert {r.rid for r in sched.running} == {"fa0", "fa1"}
+    sched.add_request(req("b1", prompts["b1"], 6, lora_id=b))
+    trace.append(sched.step())
+    assert {r.rid for r in sched.running} == {"b1"} and sched.stats.preemptions == 2
+    trace += run_to_end(sched)
+    alone = _one_adapter_a_batch_scheduler(case)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 6 if rid == "b1" else 30, lora_id=adapter[rid]))
+    assert _tokens(trace) == _tokens(run_to_end(alone))
+
+
 def test_no_preemption_for_a_request_another_adapters_claim_holds_back(llama):
     """One adapter a batch: with b1 waiting for adapter b's slot (its claim), a request of
     the running adapter a cannot start either (the claim holds it back), so it takes no

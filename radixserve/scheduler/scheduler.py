@@ -544,8 +544,9 @@ class Scheduler:
         give theirs to waiting requests that outrank them (`_outranks`), the most urgent
         first, each taking the row of the one that ranks lowest (then loses least): back to
         the queue with its KV in the tree, which its readmission reuses. A waiting request
-        whose LoRA adapter finds no slot takes no row (it would not start). The ones taken
-        back."""
+        whose LoRA adapter finds no slot (--max-loras-per-batch) first takes back every
+        holder of an adapter whose holders it all outranks (`_slot_for`), freeing that slot;
+        with none such it takes no row (it would not start). The ones taken back."""
         config = self.config
         if config.disable_priority_preemption or not self.waiting:
             return []
@@ -557,31 +558,22 @@ class Scheduler:
 
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
         free = self.info.max_running_requests - len(holding)
-        if free >= len(self.waiting) or not (by_priority or any(r.deferred for r in holding)):
-            return []  # (a row for each, or none that any could outrank: the common steps)
+        in_use = {r.lora_id for r in holding if r.lora_id}
+        per_batch = self.adapters.per_batch
+        slots_full = per_batch is not None and len(in_use) >= per_batch
+        if not (by_priority or any(r.deferred for r in holding)):
+            return []  # (none that any could outrank: the common steps)
+        if free >= len(self.waiting) and not slots_full:
+            return []  # (a row and an adapter slot for each)
         # (not one whose work so far its readmission could not reuse: its whole prompt
         # again, each time, might never end)
-        reusable = (r for r in holding if r.kv_len <= r.max_cacheable_prefix)
+        reusable = [r for r in holding if r.kv_len <= r.max_cacheable_prefix]
         victims = sorted(reusable, key=lambda r: (rank(r), _least_lost(r)))
-        in_use = {r.lora_id for r in holding if r.lora_id}
         claim = self._lora_waiting()  # (a request waiting for an adapter slot)
-        per_batch = self.adapters.per_batch
         taken: list[Req] = []
-        for req in sorted(self.waiting, key=rank, reverse=True):
-            if req.lora_id and per_batch is not None:  # as the adder will see it
-                claimed = claim is not None and req.lora_id != claim.lora_id
-                held = claimed and not outranks_claim(
-                    req, claim.deferred, claim.priority if by_priority else None
-                )
-                if held or (req.lora_id not in in_use and len(in_use) >= per_batch):
-                    continue
-                in_use.add(req.lora_id)
-            if free > 0:  # (a row it may get without anyone leaving)
-                free -= 1
-                continue
-            if not victims or not _outranks(req, victims[0], by_priority, threshold):
-                break
-            victim = victims.pop(0)
+
+        def take_back(victim: Req, req: Req) -> None:
+            victims[:] = [v for v in victims if v is not victim]
             self._take_back(victim)
             self.stats.preemptions += 1
             taken.append(victim)
@@ -590,7 +582,50 @@ class Scheduler:
                 victim.rid, "flex" if victim.deferred else f"priority {victim.priority}",
                 len(victim.output_ids), req.rid,
             )  # fmt: skip
+
+        for req in sorted(self.waiting, key=rank, reverse=True):
+            if req.lora_id and per_batch is not None:  # as the adder will see it
+                claimed = claim is not None and req.lora_id != claim.lora_id
+                held = claimed and not outranks_claim(
+                    req, claim.deferred, claim.priority if by_priority else None
+                )
+                if held:
+                    continue
+                if req.lora_id not in in_use and len(in_use) >= per_batch:
+                    holders = self._slot_for(req, in_use, victims, by_priority, threshold)
+                    if holders is None:
+                        continue
+                    for victim in holders:  # (an adapter's every holder: its slot is free)
+                        take_back(victim, req)
+                    in_use.discard(holders[0].lora_id)
+                    free += len(holders)
+                in_use.add(req.lora_id)
+            if free > 0:  # (a row it may get without anyone leaving)
+                free -= 1
+                continue
+            if not victims or not _outranks(req, victims[0], by_priority, threshold):
+                break
+            take_back(victims[0], req)
         return taken
+
+    def _slot_for(
+        self, req: Req, in_use: set[int], victims: list[Req], by_priority: bool, threshold: int
+    ) -> list[Req] | None:
+        """The requests to take back so that `req`'s adapter gets a slot: every holder of
+        the adapter in use whose holders `req` all outrank (and can be taken back), the
+        adapter with the fewest; None if there is none such."""
+        best: list[Req] | None = None
+        movable_ids = {id(r) for r in victims}
+        for lora_id in in_use:
+            holders = [r for r in self.running if r.lora_id == lora_id]
+            if self.chunked is not None and self.chunked.lora_id == lora_id:
+                holders.append(self.chunked)
+            movable = all(
+                id(r) in movable_ids and _outranks(req, r, by_priority, threshold) for r in holders
+            )
+            if holders and movable and (best is None or len(holders) < len(best)):
+                best = holders
+        return best
 
     def _flex_rows_left(self) -> int | None:
         """How many more flex requests may hold running rows: None (any number) unless
