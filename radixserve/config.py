@@ -158,6 +158,7 @@ class CacheConfig:
             )
 
 
+SAMPLING_DEFAULTS = ("model", "openai")
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 FLEX_MAX_RUNNING_REQUESTS = 32  # (see flex_max_running_requests; measured in benchmarks/)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority")
@@ -573,6 +574,15 @@ class ServerConfig:
         "request is a 400 (a long prompt's states are large: prompt tokens x hidden size "
         "floats).",
     )
+    sampling_defaults: str = _opt(
+        "model",
+        "Where the OpenAI-compatible routes take the sampling parameters a request leaves "
+        "unset (temperature, top_p, top_k, min_p, repetition_penalty): model, the model "
+        "folder's generation_config.json where it sets them (the model's recommended "
+        "sampling, as SGLang's and vLLM's defaults), else the API's; openai, the API's "
+        "always (temperature 1, top_p 1...). /generate takes the API's always.",
+        choices=SAMPLING_DEFAULTS,
+    )
     responses_store_size: int = _opt(
         4096,
         "Responses of /v1/responses kept in memory (store true, the default) for GET, "
@@ -606,6 +616,11 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(
+                f"sampling_defaults must be one of {', '.join(SAMPLING_DEFAULTS)}, "
+                f"got {self.sampling_defaults!r}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_queued_requests < 1:

@@ -32,6 +32,7 @@ import zmq.asyncio
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config, rank_addr
 from radixserve.lora.registry import check_names
+from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
@@ -268,6 +269,12 @@ class Launcher:
             self.manager.request_log = RequestLog(
                 server.log_requests_chars, tokenizer.decode, names
             )
+        if server.sampling_defaults == "model":
+            defaults = await asyncio.to_thread(model_sampling_defaults, folder)
+            self.manager.sampling_defaults = defaults
+            if defaults:
+                said = ", ".join(f"{k}={v}" for k, v in defaults.items())
+                logger.info("sampling defaults from the model's generation_config.json: %s", said)
         self.manager.chat_roles = derive_chat_roles(tokenizer)
         self.manager.longest_token = longest_token_chars(tokenizer)
         self.manager.tokenizer = tokenizer

@@ -9,8 +9,9 @@ import json
 import time
 import typing
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 import llguidance.hf
@@ -176,23 +177,31 @@ class _SamplingFields(StrictBody):
             raise ValueError("only allowed when stream is true")
         return options
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(
+        self, max_new_tokens: int, defaults: Mapping[str, Any] = MappingProxyType({})
+    ) -> dict[str, Any]:
+        """The native sampling parameters; `defaults` (the model's recommended sampling,
+        --sampling-defaults) for those of temperature, top_p, top_k, min_p and
+        repetition_penalty the request leaves unset."""
         formatted = self.response_format.constraint() if self.response_format else {}
         if formatted and self.has_own_constraint:
             raise bad_request(
                 "response_format cannot be combined with json_schema, regex or ebnf",
                 param="response_format",
             )
-        return {
-            "max_new_tokens": max_new_tokens,
-            "min_new_tokens": self.min_tokens,
+        given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            **{k: defaults.get(k) if v is None else v for k, v in given.items()},
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "stop_regex": self.stop_regex,
@@ -362,7 +371,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 # -- requests → native sequences ------------------------------------------------------------
 def completion_reqs(
-    body: CompletionRequest, encode: Callable[[str], list[int]], lora_id: int = 0
+    body: CompletionRequest,
+    encode: Callable[[str], list[int]],
+    lora_id: int = 0,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
 ) -> list[Req]:
     prompt = body.prompt
     if prompt == [] or prompt == "":
@@ -375,7 +387,7 @@ def completion_reqs(
         return expand_request(
             encode,
             texts,
-            body.sampling_params(max_tokens),
+            body.sampling_params(max_tokens, defaults),
             ids,
             return_logprob=lp is not None,
             logprob_start_len=0 if (body.echo and lp is not None) else -1,
@@ -463,10 +475,11 @@ def chat_call(
     plan: ToolPlan,
     fields: Fields = CHAT_FIELDS,
     lora_id: int = 0,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
 ) -> ChatCall:
     """The sequences of a chat request (run with LoRA adapter `lora_id`, 0: none);
     `fields`: how the API that took it names its fields in errors (/v1/responses builds a
-    chat request from its own)."""
+    chat request from its own); `defaults`: the sampling the model recommends."""
     if body.top_logprobs and not body.logprobs:  # as OpenAI: refused, not ignored
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     prompt = chat_prompt(body, tokenizer, plan, fields)
@@ -480,7 +493,7 @@ def chat_call(
         reqs = expand_request(
             tokenizer.encode,
             None,
-            {**body.sampling_params(max_tokens), **_tool_constraint(plan, body)},
+            {**body.sampling_params(max_tokens, defaults), **_tool_constraint(plan, body)},
             ids,
             return_logprob=body.logprobs,
             top_logprobs_num=body.top_logprobs or 0,

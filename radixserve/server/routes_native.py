@@ -207,6 +207,8 @@ async def get_server_info(state: State) -> dict[str, Any]:
         **state.config.to_flat(),
         **state.model.fields,
         "served_model_name": state.model_name,
+        # the sampling the OpenAI routes take where a request leaves it unset
+        "default_sampling_params": state.manager.sampling_defaults,
         "version": __version__,
         "loaded_lora_adapters": state.loras.loaded(),
         "internal_states": replica_states,

@@ -79,7 +79,10 @@ async def get_model(model_id: str, state: State) -> dict[str, Any]:
 async def completions(body: oai.CompletionRequest, request: Request, state: State) -> Response:
     lora_id = state.adapter_of(body.model, body.lora_path)  # 0: the base model
     reqs = await off_the_loop_if_large(
-        request, lambda: oai.completion_reqs(body, state.manager.encode, lora_id)
+        request,
+        lambda: oai.completion_reqs(
+            body, state.manager.encode, lora_id, state.manager.sampling_defaults
+        ),
     )
     check_sequences(reqs, state, COMPLETION_FIELDS)
     token_bytes = await token_bytes_of(request, state) if body.logprobs is not None else None
@@ -99,7 +102,15 @@ async def chat_completions(
     lora_id = state.adapter_of(body.model, body.lora_path)
     context = state.model.max_seq_len
     chat = await off_the_loop_if_large(
-        request, lambda: oai.chat_call(body, tokenizer, context, plan, lora_id=lora_id)
+        request,
+        lambda: oai.chat_call(
+            body,
+            tokenizer,
+            context,
+            plan,
+            lora_id=lora_id,
+            defaults=state.manager.sampling_defaults,
+        ),  # fmt: skip
     )
     check_sequences(chat.reqs, state, CHAT_FIELDS)
     thinking = chat_reasoning(body, chat, state)

@@ -256,7 +256,10 @@ class _Ask:
             raise _flat_tool_error(e) from None
         max_context = state.model.max_seq_len
         lora_id = state.adapter_of(body.model)  # an adapter's name, or the base model
-        chat = oai.chat_call(chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS, lora_id)
+        defaults = state.manager.sampling_defaults
+        chat = oai.chat_call(
+            chat_body, tokenizer, max_context, plan, RESPONSES_FIELDS, lora_id, defaults
+        )
         check_sequences(chat.reqs, state, RESPONSES_FIELDS)
         return chat_body, plan, chat
 

@@ -120,6 +120,9 @@ class TokenizerManager:
         self.request_log: RequestLog | None = None  # --log-requests (set with the tokenizer)
         # the most characters one token stands for (set with the tokenizer; None: not known)
         self.longest_token: int | None = None
+        # what the OpenAI routes take for the sampling a request leaves unset
+        # (--sampling-defaults: the model's generation_config.json; set with the tokenizer)
+        self.sampling_defaults: dict[str, Any] = {}
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
