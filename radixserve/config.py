@@ -81,8 +81,16 @@ class ModelConfig:
         "Largest decode batch replayed from a CUDA graph (larger ones run eagerly). "
         "Default: the most requests running at once.",
     )
+    context_length: int | None = _opt(
+        None,
+        "The longest sequence (prompt and output) one request may have, in tokens, at most "
+        "the model's own context (max_position_embeddings, the default); longer requests "
+        "get a 400 (SGLang's and vLLM's --context-length / --max-model-len).",
+    )
 
     def __post_init__(self) -> None:
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

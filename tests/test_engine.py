@@ -302,6 +302,24 @@ def test_invalid_requests_are_clear_errors(tiny_model_dirs):
     finish(engine)
 
 
+def test_context_length_bounds_requests_within_the_models_own(tiny_model_dirs):
+    """--context-length: a sequence longer than it is refused, one within it runs; one
+    longer than the model's own context (2048 here) stops the start, named."""
+    from radixserve.model.loader import ModelLoadError
+
+    engine = make_engine(tiny_model_dirs, max_total_tokens=512, context_length=64)
+    info = engine.get_server_info()
+    assert (info["context_length"], info["max_req_input_len"]) == (64, 63)
+    with pytest.raises(ValueError, match="exceeds the context length 64"):
+        engine.generate(input_ids=[1] * 60, sampling_params={"max_new_tokens": 10})
+    greedy = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    out = engine.generate(input_ids=[1] * 50, sampling_params=greedy)
+    assert out["meta_info"]["completion_tokens"] == 10
+    finish(engine)
+    with pytest.raises(ModelLoadError, match="--context-length 4096 is longer than the model"):
+        make_engine(tiny_model_dirs, max_total_tokens=512, context_length=4096)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lof", "random", "priority", "lpm", "dfs-weight"])
 def test_every_policy_completes_every_request(tiny_model_dirs, expected, policy):
     engine = make_engine(

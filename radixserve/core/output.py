@@ -152,7 +152,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     model_path: str
     max_total_num_tokens: int  # KV pool slots
     max_running_requests: int
-    context_length: int  # the model's own limit (max_position_embeddings)
+    context_length: int  # --context-length, else the model's own (max_position_embeddings)
     vocab_size: int
     dtype: str
     kv_cache_dtype: str

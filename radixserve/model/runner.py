@@ -174,7 +174,7 @@ class ModelRunner:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes)
             logger.info("tensor parallel over %d ranks: weights per rank %s MiB", self.tp.size, mib)
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.context_len = int(self.hf_config.max_position_embeddings)
+        self.context_len = self._context_length(config.model.context_length)
 
         self.swa_window = self._hybrid_swa_window()
         self.max_total_tokens = self.tp.broadcast_int(self._kv_pool_size())  # pools match
@@ -541,6 +541,17 @@ class ModelRunner:
         if batch.hidden_indices is not None and batch.hidden_indices.numel():
             hidden = model.norm(x[batch.hidden_indices]).float()
         return ForwardOutput(logits, hidden)
+
+    def _context_length(self, wanted: int | None) -> int:
+        """--context-length, within the model's own context (max_position_embeddings, its
+        rotary tables' length), which is the default."""
+        own = int(self.hf_config.max_position_embeddings)
+        if wanted is not None and wanted > own:
+            raise ModelLoadError(
+                f"--context-length {wanted} is longer than the model's own context ({own} "
+                "tokens, max_position_embeddings)"
+            )
+        return wanted or own
 
     def _hybrid_swa_window(self) -> int:
         """The sliding window whose layers get their own, smaller KV pool (swa_pool.py), or
