@@ -198,10 +198,11 @@ class SchedulerConfig:
     )
     flex_max_running_requests: int = _opt(
         FLEX_MAX_RUNNING_REQUESTS,
-        "While requests outside the flex service tier run or wait, at most this many flex "
-        "requests keep running rows (the others go back to the queue, their KV kept in the "
-        "radix cache, and resume once only flex requests are left), so a batch's hundreds "
-        "of rows do not slow every interactive decode step. -1: no limit.",
+        "While requests outside the flex service tier run or wait (and for a second after), "
+        "at most this many flex requests keep running rows, per data-parallel replica (the "
+        "others go back to the queue, their KV kept in the radix cache, and resume once only "
+        "flex requests are left), so a batch's hundreds of rows do not slow every "
+        "interactive decode step. 0: none while others run; -1: no limit.",
     )
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _opt(

@@ -6,6 +6,7 @@ store of chained responses."""
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import time
 from pathlib import Path
@@ -625,11 +626,77 @@ def test_a_background_response_its_server_left_unfinished_reads_back_failed(tmp_
     assert rapi.ResponseStore(capacity=10, folder=tmp_path).get(queued).response == failed
     log = again.get(streamed.response["id"]).events
     assert log is not None and log.ended and log.frames == streamed.events.frames
+    running = _stored(rapi.new_id("resp"), None, "", status="in_progress")
+    running.events = rapi.EventLog()
+    running.events.append(b'event: response.created\ndata: {"sequence_number": 0}\n\n')
+    store.put(running)  # (its server killed while it ran)
+    replayed = rapi.ResponseStore(capacity=10, folder=tmp_path).get(running.response["id"])
+    assert replayed.events.ended and len(replayed.events.frames) == 2
+    assert replayed.events.frames[-1].startswith(b"event: response.failed\n")
     assert not (tmp_path / f"{old.response['id']}.json").exists()
     with pytest.raises(APIError):
         again.get(old.response["id"])
     assert (tmp_path / "items.jsonl").read_bytes().endswith(b"\n")  # written whole again
     assert again.files.items.get(f"out-{queued}") == queued
+
+
+def test_the_item_index_drops_what_is_gone_and_survives_a_cut_line(tmp_path):
+    from radixserve.server.kept import ItemIndex
+
+    path = tmp_path / "items.jsonl"
+    index = ItemIndex(path, kept=lambda holder: True)
+    index.add(["a", "b"], "kept")
+    index.add(["c"], "gone")
+    with path.open("ab") as out:
+        out.write(b'["cut", "ke')  # an append a full disk cut short
+    index.whole = False  # (as its failed write leaves it)
+    index.add(["d"], "kept")
+    again = ItemIndex(path, kept=lambda holder: holder == "kept")
+    assert again.holders == {"a": "kept", "b": "kept", "d": "kept"}
+    assert path.read_bytes().count(b"\n") == 3  # written again without what is gone
+
+
+def test_stored_responses_on_disk_are_checked_swept_and_not_left_stale(tmp_path, monkeypatch):
+    """A file whose items lack ids is not read back; a chain edited into a loop is a 404,
+    not a hang; responses past 30 days are swept while the server runs; a write the disk
+    refuses leaves no older copy to be read back in its place."""
+    from radixserve.server import kept
+
+    store = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    first, second = _stored(rapi.new_id("resp"), None, "A"), None
+    store.put(first)
+    second = _stored(rapi.new_id("resp"), first.response["id"], "B")
+    store.put(second)
+    first_path = tmp_path / f"{first.response['id']}.json"
+    record = json.loads(first_path.read_text())
+    record["previous"] = second.response["id"]  # a loop: first <-> second
+    first_path.write_text(json.dumps(record))
+    looped = rapi.ResponseStore(capacity=10, folder=tmp_path)
+    with pytest.raises(APIError) as e:
+        looped.context(second.response["id"])
+    assert e.value.status == 404 and "continues itself" in e.value.message
+    record["response"]["output"] = [{"type": "message"}]  # no id
+    first_path.write_text(json.dumps(record))
+    with pytest.raises(APIError):
+        rapi.ResponseStore(capacity=10, folder=tmp_path).get(first.response["id"])
+
+    month_ago = time.time() - 31 * 24 * 3600
+    second_path = tmp_path / f"{second.response['id']}.json"
+    os.utime(second_path, (month_ago, month_ago))
+    store.files.swept_at -= 2 * kept.SWEEP_INTERVAL_S  # (as if an hour had gone by)
+    third = _stored(rapi.new_id("resp"), None, "C", status="queued")
+    store.put(third)
+    assert not second_path.exists()  # swept
+    third_path = tmp_path / f"{third.response['id']}.json"
+    assert third_path.exists()
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kept, "write_bytes_whole", full_disk)
+    third.response = third.response | {"status": "completed"}
+    store.refresh(third)  # its end is not written: the queued copy goes
+    assert not third_path.exists() and store.get(third.response["id"]) is third
 
 
 def test_conversation_items_on_disk_are_found_by_reference(tmp_path):

@@ -358,8 +358,45 @@ def test_beside_an_interactive_request_at_most_the_flex_cap_keeps_running(
         flex_rows.append(sum(r.deferred for r in sched.running))
     assert max(flex_rows) == (2 if capped else 5)
     assert sched.stats.preemptions == (1 if capped else 0)
+    trace.append(sched.step())  # n0 has just ended: the cap holds a while yet (FLEX_CAP_GRACE_S)
+    assert sum(r.deferred for r in sched.running) == (2 if capped else 5)
+    sched.others_seen_at -= 2 * sched.flex_cap_grace_s  # (as if that while had gone by)
     trace.append(sched.step())
-    assert sum(r.deferred for r in sched.running) == 5  # (all again, once n0 has ended)
+    assert sum(r.deferred for r in sched.running) == 5  # all again
+    trace += run_to_end(sched)
+    assert _tokens(trace) == expected
+
+
+def test_under_the_priority_policy_the_flex_cap_keeps_the_most_urgent_flex_requests(
+    tiny_model_dirs,
+):
+    """Cap 1: beside an interactive request the lower-priority flex request goes back, and
+    a more urgent flex request (by more than the threshold) takes the flex row of a running
+    one; outputs as alone."""
+    prompts = {rid: [(7 * i + 3 * j) % 300 + 20 for j in range(14)] for i, rid in
+               enumerate(("lo", "hi", "top", "n0"))}  # fmt: skip
+    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096)
+    for rid, ids in prompts.items():
+        alone.add_request(req(rid, ids, 30))
+    expected = _tokens(run_to_end(alone))
+
+    sched = make_scheduler(
+        tiny_model_dirs, max_total_tokens=4096, flex_max_running_requests=1,
+        schedule_policy="priority",
+    )  # fmt: skip
+    sched.add_request(req("lo", prompts["lo"], 30, deferred=True, priority=0))
+    trace = [sched.step()]
+    sched.add_request(req("hi", prompts["hi"], 30, deferred=True, priority=5))
+    trace += [sched.step(), sched.step()]
+    assert {r.rid for r in sched.running} == {"lo", "hi"}  # (no other tier: no cap)
+    sched.add_request(req("n0", prompts["n0"], 30))
+    trace.append(sched.step())
+    assert {r.rid for r in sched.running} == {"hi", "n0"}  # lo (priority 0) went back
+    sched.add_request(req("top", prompts["top"], 30, deferred=True, priority=20))
+    trace.append(sched.step())
+    assert {r.rid for r in sched.running} == {"top", "n0"}  # 20 - 5 > 10: hi went back
+    assert sched.stats.preemptions == 2
+    sched.check_kv_accounting()
     trace += run_to_end(sched)
     assert _tokens(trace) == expected
 

@@ -20,6 +20,7 @@ import contextlib
 import json
 import random
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -69,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     bodies = [{**body, "prompt": p} for p in prompts]
     if args.interactive > 0:
         return _tiers(args, config, bodies, AutoConfig.from_pretrained(folder).vocab_size)
+    if args.flex_caps:
+        print("--flex-caps compares caps with --interactive N only", file=sys.stderr)
+        return 2
     rates: dict[str, list[float]] = {"clients": [], "batch": []}
     texts: dict[str, list[str]] = {}
     with Server(server_flags(config)) as url, httpx2.Client(base_url=url, timeout=3600) as http:
@@ -123,7 +127,7 @@ def _tiers(args: argparse.Namespace, config, bodies: list[dict], vocab_size: int
     scheduler = config.scheduler
     caps = [scheduler.flex_max_running_requests]
     if args.flex_caps:
-        caps = [int(c) for c in args.flex_caps.split(",")]
+        caps = list(dict.fromkeys(int(c) for c in args.flex_caps.split(",")))  # (each once)
     # sides: the batch's tier on a server with that flex cap
     sides = [("default", caps[0])] + [("flex", cap) for cap in caps]
     names = ["default"] + (["flex"] if len(caps) == 1 else [f"flex cap {c}" for c in caps])
@@ -169,12 +173,16 @@ def _tiers(args: argparse.Namespace, config, bodies: list[dict], vocab_size: int
             f"{name:<{width}}{len(ttft[name]):>6}{_ms(ttft[name]):>12}{worst:>12}"
             f"{_ms(latency[name]):>16}{statistics.median(rates[name]):>17.1f}"
         )
+    differ = {}
     for name in names[1:]:
-        differ = sum(a != b for a, b in zip(texts["default"], texts[name]))
-        print(f"batch texts that differ between default and {name}: {differ} of {len(bodies)}")
+        differ[name] = sum(a != b for a, b in zip(texts["default"], texts[name]))
+        print(
+            f"batch texts that differ between default and {name}: {differ[name]} of {len(bodies)}"
+        )
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"ttft": ttft, "latency": latency, "rates": rates}, f)
+            summary = {"ttft": ttft, "latency": latency, "rates": rates, "differ": differ}
+            json.dump(summary, f)
     return 0
 
 

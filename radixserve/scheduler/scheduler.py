@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,10 @@ Prefill = tuple[list[Req], list[list[int]]]  # requests and the tokens each exte
 
 
 RATE_WINDOW_S = 10.0  # how far back RecentRate looks
+# the flex cap holds this long after the last request of another tier ran or waited: the
+# rows it took back are not readmitted between interactive requests a second apart (and
+# taken back again at the next one)
+FLEX_CAP_GRACE_S = 1.0
 
 
 class RecentRate:
@@ -123,6 +128,10 @@ class Scheduler:
         self.adapters = Adapters(runner)  # LoRA: which adapters requests may name
         # the adapter of a waiting request that found no slot (--max-loras-per-batch)
         self.lora_waiting: int | None = None
+        # when a request outside the flex tier last ran or waited, and how long after it
+        # the flex cap still holds (--flex-max-running-requests)
+        self.others_seen_at = -math.inf
+        self.flex_cap_grace_s = FLEX_CAP_GRACE_S
         self.spec: Speculator | None = None
         if speculative is not None and speculative.enabled:
             self.spec = Speculator(speculative, self.stats, self.info.context_length)
@@ -629,34 +638,55 @@ class Scheduler:
 
     def _flex_rows_left(self) -> int | None:
         """How many more flex requests may hold running rows: None (any number) unless
-        requests outside the flex tier run or wait and --flex-max-running-requests is set;
-        negative when more hold rows than it allows."""
+        --flex-max-running-requests is set and requests outside the flex tier run or wait,
+        or did less than FLEX_CAP_GRACE_S ago (so a stream of interactive requests does not
+        take the flex rows back at each arrival); negative when more hold rows than it
+        allows."""
         cap = self.config.flex_max_running_requests
         if cap < 0:
             return None
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
-        if all(r.deferred for r in holding) and all(r.deferred for r in self.waiting):
+        now = time.monotonic()
+        if not all(r.deferred for r in holding) or not all(r.deferred for r in self.waiting):
+            self.others_seen_at = now
+        elif now - self.others_seen_at > self.flex_cap_grace_s:
             return None
         return cap - sum(r.deferred for r in holding)
 
     def _cap_flex(self) -> list[Req]:
         """Flex requests past --flex-max-running-requests, while requests outside the flex
-        tier run or wait, go back to the queue (those that lose least first; only those
-        whose work so far their readmission reuses), their KV to the tree. The ones taken
-        back."""
-        over = self._flex_rows_left()
-        if over is None or over >= 0 or self.config.disable_priority_preemption:
+        tier run or wait, go back to the queue (the lowest priority first under the priority
+        policy, then those that lose least; only those whose work so far their readmission
+        reuses), their KV to the tree; under the priority policy a waiting flex request
+        also takes the row of a running one it outranks by more than the threshold, as
+        `_preempt_for_waiting` does when every row is taken. The ones taken back."""
+        left = self._flex_rows_left()
+        config = self.config
+        if left is None or config.disable_priority_preemption:
             return []
+        by_priority = config.schedule_policy == "priority"
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
         flex = [r for r in holding if r.deferred and r.kv_len <= r.max_cacheable_prefix]
-        taken = sorted(flex, key=_least_lost)[:-over]
+        flex.sort(key=lambda r: (r.priority if by_priority else 0, _least_lost(r)))
+        taken = flex[:-left] if left < 0 else []
+        del flex[: len(taken)]
+        if by_priority:
+            threshold = config.priority_scheduling_preemption_threshold
+            waiting = sorted((r for r in self.waiting if r.deferred), key=lambda r: -r.priority)
+            for req in waiting:
+                if left > 0:  # (a flex row it may get without anyone leaving)
+                    left -= 1
+                elif flex and req.priority - flex[0].priority > threshold:
+                    taken.append(flex.pop(0))
+                else:
+                    break
         for req in taken:
             self._take_back(req)
             self.stats.preemptions += 1
         if taken:
             logger.info(
                 "preempted %d flex requests: at most %d run beside other tiers",
-                len(taken), self.config.flex_max_running_requests,
+                len(taken), config.flex_max_running_requests,
             )  # fmt: skip
         return taken
 

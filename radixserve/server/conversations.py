@@ -118,7 +118,7 @@ class ConversationStore:
             for partial in folder.glob("*.partial"):  # a write the server did not finish
                 partial.unlink()
             if capacity > 0:
-                self.items = ItemIndex(folder / "items.jsonl")
+                self.items = ItemIndex(folder / "items.jsonl", self._on_disk)
 
     def put(self, conversation: Conversation, added: list[dict[str, Any]] | None = None) -> None:
         """Keep a conversation, the most recently used now: measured (and kept on disk)
@@ -144,6 +144,10 @@ class ConversationStore:
             if self.entries[oldest].running is None:  # not one a response is adding to
                 total -= self.sizes[oldest]
                 self._drop(oldest)
+
+    def _on_disk(self, conversation_id: str) -> bool:
+        path = self._path(conversation_id)
+        return path is not None and path.is_file()
 
     def _path(self, conversation_id: str) -> Path | None:
         if self.folder is None or not CONVERSATION_ID.fullmatch(conversation_id):

@@ -43,6 +43,7 @@ from radixserve.server.body import ServiceTier, StrictBody, tier_served, union_m
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.kept import ResponseFiles
 from radixserve.server.reasoning import ReasoningPlan, ReasoningStream
+from radixserve.server.streaming import event_frame
 
 # What `include` may ask for (OpenAI's list). Only the output text's logprobs change the
 # response here: the others are about hosted tools or encrypted reasoning, which a local
@@ -982,8 +983,8 @@ class ResponseStore:
     response keeps only its own input and the id of the one it continues. With a `folder`
     (in --file-storage-path) each is also kept on disk (`kept.ResponseFiles`), so one
     dropped from memory, or stored by a server since restarted on the folder, is read back
-    when it is next asked for (continued, fetched, listed, deleted, or an item of it
-    referenced)."""
+    when it is next asked for (continued, fetched, its input items listed, deleted, or an
+    item of it referenced)."""
 
     def __init__(
         self, capacity: int, max_bytes: int = MAX_STORED_BYTES, folder: Path | None = None
@@ -1047,7 +1048,8 @@ class ResponseStore:
             return None
         response = record["response"]
         inputs, previous = record.get("inputs"), record.get("previous")
-        if not isinstance(inputs, list) or not isinstance(response.get("output"), list):
+        output = response.get("output")
+        if not (_items_with_ids(inputs) and _items_with_ids(output)):
             logger.warning("response %s on disk lacks its items", response_id)
             return None
         stored = Stored(response, inputs, previous if isinstance(previous, str) else None)
@@ -1056,12 +1058,18 @@ class ResponseStore:
             stored.events = EventLog()
             for frame in frames:
                 stored.events.append(str(frame).encode())
-            stored.events.closed = stored.events.ended = True
         if response.get("status") in ("queued", "in_progress"):
             stored.response = response | {"status": "failed", "error": STOPPED}
+            log = stored.events
+            if log is not None:  # (its replay ends as a stream that failed does)
+                event = {"type": "response.failed", "sequence_number": len(log.frames)}
+                log.append(event_frame(event | {"response": stored.response}, typed=True))
             self.put(stored)  # (so it reads back failed from now on)
         else:
             self._hold(stored)
+        if stored.events is not None:
+            stored.events.closed = True
+            stored.events.end()
         return stored
 
     def delete(self, response_id: str) -> None:
@@ -1128,7 +1136,11 @@ class ResponseStore:
         """The stored bytes of a response and of those it continues (as far as they are
         stored): about what continuing it renders and tokenizes again."""
         total = 0
+        seen = set()
         while response_id is not None and response_id in self.entries:
+            if response_id in seen:  # (files edited by hand into a loop)
+                break
+            seen.add(response_id)
             total += self.sizes[response_id]
             response_id = self.entries[response_id].previous
         return total
@@ -1137,8 +1149,12 @@ class ResponseStore:
         """The items a response continuing `response_id` starts from: every earlier turn's
         input and output, oldest first. A 404 when a link of the chain is gone."""
         chain: list[Stored] = []
+        seen: set[str] = set()
         at: str | None = response_id
         while at is not None:
+            if at in seen:  # (files edited by hand into a loop)
+                message = f"Response with id {at!r} continues itself: its chain is broken."
+                raise APIError(404, message, param="previous_response_id", code="not_found")
             try:
                 stored = self.get(at, param="previous_response_id")
             except APIError as e:
@@ -1155,11 +1171,18 @@ class ResponseStore:
                     "previous_response_id",
                 )
             chain.append(stored)
+            seen.add(at)
             at = stored.previous
         items: list[dict[str, Any]] = []
         for stored in reversed(chain):
             items += stored.inputs + stored.response["output"]
         return items
+
+
+def _items_with_ids(items: Any) -> bool:
+    return isinstance(items, list) and all(
+        isinstance(item, dict) and isinstance(item.get("id"), str) for item in items
+    )
 
 
 def _record(stored: Stored) -> dict[str, Any]:
