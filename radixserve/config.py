@@ -607,6 +607,13 @@ class ServerConfig:
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )
+    watchdog_timeout: float = _opt(
+        300.0,
+        "A scheduler step (one forward pass) running longer than this many seconds is taken "
+        "for a hang (SGLang's flag): the scheduler logs every thread's stack and exits, and "
+        "the server ends its requests with 503 and exits 1, for a supervisor to restart it. "
+        "0 turns it off.",
+    )
     tool_call_parser: str | None = _opt(
         None,
         "How /v1/chat/completions reads tool calls out of the text with tool_choice auto: "
@@ -640,6 +647,8 @@ class ServerConfig:
             raise ValueError(f"log_requests_chars must be >= 0, got {self.log_requests_chars}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.watchdog_timeout >= 0:
+            raise ValueError(f"watchdog_timeout must be >= 0, got {self.watchdog_timeout}")
 
     @property
     def resolved_api_key(self) -> str | None:

@@ -92,6 +92,7 @@ class SchedulerLoop:
         # and aborts end them), None while it runs
         self.paused: PauseMode | None = None
         self.profiler = StepProfiler(dp_rank)  # /start_profile's
+        self.step_started: float | None = None  # when the running step began (monotonic)
 
     def run(self) -> None:
         try:
@@ -132,7 +133,11 @@ class SchedulerLoop:
             self.send(scheduler.settle_aborts())
         elif scheduler.has_work:
             step_start = time.perf_counter()
-            outputs = scheduler.step()
+            self.step_started = time.monotonic()  # (for the watchdog)
+            try:
+                outputs = scheduler.step()
+            finally:
+                self.step_started = None
             if self.profiler.active:
                 self.profiler.after_step()  # (writes the trace after its num_steps)
             decoded = scheduler.last_step == "decode"

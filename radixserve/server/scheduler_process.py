@@ -20,6 +20,7 @@ from radixserve.model.parallel import TensorParallelError
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.scheduler.watchdog import Watchdog
 from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
 from radixserve.server.ipc import Endpoints, Receiver, Sender
 from radixserve.server.messages import Failed, ModelFolder, Ready, TokenOutBatch
@@ -89,6 +90,8 @@ def run_scheduler(
         dp_rank=dp_rank,
         report_cache=config.parallel.dp_size > 1,
     )
+    if config.server.watchdog_timeout > 0:
+        Watchdog(loop, config.server.watchdog_timeout).start()
     # the launcher stops its children with SIGTERM: the loop ends and the scheduler closes
     # (the disk tier's queued page writes land) instead of dying mid-write
     signal.signal(signal.SIGTERM, transport.stop)
