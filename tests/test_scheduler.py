@@ -274,6 +274,16 @@ def _tokens(trace: list) -> dict[str, list[int]]:
     return tokens
 
 
+def _alone(tiny_model_dirs, prompts: dict, max_new, **config) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, all run on a scheduler of their own with `config` (no
+    tier, no priority): what any other schedule of them must give. `max_new`: a count, or
+    one per rid."""
+    sched = make_scheduler(tiny_model_dirs, **config)
+    for rid, ids in prompts.items():
+        sched.add_request(req(rid, ids, max_new(rid) if callable(max_new) else max_new))
+    return _tokens(run_to_end(sched))
+
+
 def test_flex_requests_go_after_the_others_and_give_up_their_rows(tiny_model_dirs):
     """Deferred (OpenAI's flex tier, a batch's lines): a waiting request that is not deferred
     is admitted first, under lpm too where the deferred one matches a longer cached prefix,
@@ -281,10 +291,7 @@ def test_flex_requests_go_after_the_others_and_give_up_their_rows(tiny_model_dir
     greedy output changes, and no KV slot is lost."""
     prompts = {f"d{i}": SHARED[:40] + [i + 5, i + 9, i + 13] for i in range(3)}
     prompts["n0"] = [(13 * j) % 300 + 20 for j in range(20)]
-    alone = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
-    for rid, ids in prompts.items():
-        alone.add_request(req(rid, ids, 12))
-    expected = _tokens(run_to_end(alone))
+    expected = _alone(tiny_model_dirs, prompts, 12, max_total_tokens=2048)
 
     sched = make_scheduler(tiny_model_dirs, max_total_tokens=2048, max_running_requests=2)
     for rid in ("d0", "d1"):
@@ -337,10 +344,9 @@ def test_beside_an_interactive_request_at_most_the_flex_cap_keeps_running(
     lost. -1: no cap."""
     prompts = {f"f{i}": [(5 * i + 3 * j) % 300 + 20 for j in range(16)] for i in range(5)}
     prompts["n0"] = [(13 * j) % 300 + 7 for j in range(12)]
-    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096)
-    for rid, ids in prompts.items():
-        alone.add_request(req(rid, ids, 24 if rid == "n0" else 40))
-    expected = _tokens(run_to_end(alone))
+    expected = _alone(
+        tiny_model_dirs, prompts, lambda rid: 24 if rid == "n0" else 40, max_total_tokens=4096
+    )
 
     flags = {"flex_max_running_requests": 2} | flags
     sched = make_scheduler(tiny_model_dirs, max_total_tokens=4096, **flags)
@@ -375,10 +381,7 @@ def test_under_the_priority_policy_the_flex_cap_keeps_the_most_urgent_flex_reque
     one; outputs as alone."""
     prompts = {rid: [(7 * i + 3 * j) % 300 + 20 for j in range(14)] for i, rid in
                enumerate(("lo", "hi", "top", "n0"))}  # fmt: skip
-    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096)
-    for rid, ids in prompts.items():
-        alone.add_request(req(rid, ids, 30))
-    expected = _tokens(run_to_end(alone))
+    expected = _alone(tiny_model_dirs, prompts, 30, max_total_tokens=4096)
 
     sched = make_scheduler(
         tiny_model_dirs, max_total_tokens=4096, flex_max_running_requests=1,
@@ -435,10 +438,7 @@ def test_under_the_priority_policy_an_urgent_request_takes_a_running_row(
     tiny_model_dirs, urgency, preempts, flags
 ):
     prompts = {f"r{i}": [(7 * i + 3 * j) % 300 + 20 for j in range(24)] for i in range(3)}
-    alone = make_scheduler(tiny_model_dirs, max_total_tokens=2048)
-    for rid, ids in prompts.items():
-        alone.add_request(req(rid, ids, 10))
-    expected = _tokens(run_to_end(alone))
+    expected = _alone(tiny_model_dirs, prompts, 10, max_total_tokens=2048)
 
     sched = make_scheduler(
         tiny_model_dirs, max_total_tokens=2048, max_running_requests=2,
@@ -463,10 +463,7 @@ def test_a_flex_prompt_being_chunked_gives_its_row_to_a_request_that_is_not(tiny
         "long": [30 + i % 250 for i in range(320)],
         "n0": [7 + i for i in range(8)],
     }
-    alone = make_scheduler(tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=16)
-    for rid, ids in prompts.items():
-        alone.add_request(req(rid, ids, 8))
-    expected = _tokens(run_to_end(alone))
+    expected = _alone(tiny_model_dirs, prompts, 8, max_total_tokens=4096, chunked_prefill_size=16)
 
     sched = make_scheduler(
         tiny_model_dirs, max_total_tokens=4096, chunked_prefill_size=16, max_running_requests=2
