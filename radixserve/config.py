@@ -607,12 +607,13 @@ class ServerConfig:
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )
-    watchdog_timeout: float = _opt(
-        300.0,
+    watchdog_timeout: float | None = _opt(
+        None,
         "A scheduler step (one forward pass) running longer than this many seconds is taken "
         "for a hang (SGLang's flag): the scheduler logs every thread's stack and exits, and "
         "the server ends its requests with 503 and exits 1, for a supervisor to restart it. "
-        "0 turns it off.",
+        "Default: 300 on a GPU, 1800 on a CPU (a big model's prompt chunk may take minutes "
+        "there). 0 turns it off. The server's alone: the offline Engine runs none.",
     )
     tool_call_parser: str | None = _opt(
         None,
@@ -647,7 +648,7 @@ class ServerConfig:
             raise ValueError(f"log_requests_chars must be >= 0, got {self.log_requests_chars}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if not self.watchdog_timeout >= 0:
+        if self.watchdog_timeout is not None and not self.watchdog_timeout >= 0:
             raise ValueError(f"watchdog_timeout must be >= 0, got {self.watchdog_timeout}")
 
     @property

@@ -675,15 +675,18 @@ def test_lora_flags_are_checked(flags, message):
         Config.from_flat(enable_lora=True, **flags)
 
 
-def _one_adapter_a_batch_scheduler(case: Case):
-    """A scheduler over the tiny llama with its adapters, one adapter a batch, 3 rows."""
+def _one_adapter_a_batch_scheduler(case: Case, per_batch: int = 1, rows: int = 3, **config):
+    """A scheduler over the tiny llama with its adapters (and `a` again as `c`), one adapter
+    a batch, 3 rows (or as given)."""
     from radixserve.model.runner import ModelRunner
     from radixserve.scheduler.scheduler import Scheduler
 
     paths = [f"{name}={path}" for name, path in case.adapters.items()]
+    paths.append(f"c={case.adapters['a']}")
     cfg = Config.from_flat(
-        model_path=str(case.folder), dtype=FP32, lora_paths=paths, max_loras_per_batch=1,
-        max_running_requests=3, max_total_tokens=4096,
+        model_path=str(case.folder), dtype=FP32, lora_paths=paths,
+        max_loras_per_batch=per_batch, max_running_requests=rows, max_total_tokens=4096,
+        **config,
     )  # fmt: skip
     return Scheduler(ModelRunner(cfg, progress=False), cfg.scheduler, cfg.cache.page_size)
 
@@ -740,6 +743,52 @@ def test_an_interactive_request_takes_the_slot_of_an_adapter_only_flex_requests_
     for rid, ids in prompts.items():
         alone.add_request(req(rid, ids, 6 if rid == "b1" else 30, lora_id=adapter[rid]))
     assert _tokens(trace) == _tokens(run_to_end(alone))
+
+
+def _uids(sched, *names: str) -> list[int]:
+    by_name = {adapter.name: uid for uid, adapter in sched.runner.lora.adapters.items()}
+    return [by_name[name] for name in names]
+
+
+def test_no_adapter_slot_is_freed_that_a_more_urgent_request_counts_on(llama):
+    """Two slots, held by flex requests of a and an interactive one of b: w1 (a) counts on
+    a's slot, so w2 (c) takes no holder of a back (w1 would get the slot, w2 none)."""
+    from tests.test_scheduler import req
+
+    sched = _one_adapter_a_batch_scheduler(llama[0], per_batch=2, rows=4)
+    a, b, c = _uids(sched, "a", "b", "c")
+    prompt = lambda k: [20 + 7 * k + j for j in range(10)]  # noqa: E731
+    sched.add_request(req("f1", prompt(1), 60, deferred=True, lora_id=a))
+    sched.add_request(req("f2", prompt(2), 60, deferred=True, lora_id=a))
+    sched.add_request(req("x1", prompt(3), 60, lora_id=b))
+    for _ in range(3):
+        sched.step()
+    sched.add_request(req("w1", prompt(4), 30, lora_id=a))
+    sched.add_request(req("w2", prompt(5), 30, lora_id=c))
+    sched.step()
+    assert {r.rid for r in sched.running} == {"f1", "f2", "w1", "x1"}
+    assert sched.stats.preemptions == 0
+
+
+def test_a_flex_request_without_an_adapter_slot_takes_no_flex_row(llama):
+    """Cap 1, one adapter a batch, priority policy: a more urgent flex request of another
+    adapter than the running ones' would not start, so it takes no flex row."""
+    from tests.test_scheduler import req
+
+    sched = _one_adapter_a_batch_scheduler(
+        llama[0], flex_max_running_requests=1, schedule_policy="priority"
+    )
+    a, b = _uids(sched, "a", "b")
+    sched.add_request(req("n0", [20 + j for j in range(10)], 40, lora_id=a))
+    sched.add_request(req("lo", [40 + j for j in range(10)], 40, deferred=True, lora_id=a))
+    for _ in range(3):
+        sched.step()
+    sched.add_request(req("hi", [60 + j for j in range(10)], 40, deferred=True, priority=20,
+                          lora_id=b))  # fmt: skip
+    for _ in range(4):
+        sched.step()
+        assert {r.rid for r in sched.running} == {"n0", "lo"}
+    assert sched.stats.preemptions == 0
 
 
 def test_no_preemption_for_a_request_another_adapters_claim_holds_back(llama):

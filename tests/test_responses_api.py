@@ -686,6 +686,7 @@ def test_stored_responses_on_disk_are_checked_swept_and_not_left_stale(tmp_path,
     store.files.swept_at -= 2 * kept.SWEEP_INTERVAL_S  # (as if an hour had gone by)
     third = _stored(rapi.new_id("resp"), None, "C", status="queued")
     store.put(third)
+    store.files.sweeper.join()
     assert not second_path.exists()  # swept
     third_path = tmp_path / f"{third.response['id']}.json"
     assert third_path.exists()

@@ -65,3 +65,16 @@ def test_requests_that_leave_sampling_unset_take_the_models(server):
     assert [c.message.content for c in unset_chat] == [greedy_chat.message.content] * 3
     response = client.responses.create(model="m", input="Hello there", max_output_tokens=12)
     assert response.output_text == greedy_chat.message.content
+    assert (response.temperature, response.top_p) == (0.0, 1.0)  # (those it ran with)
+
+
+def test_weights_from_another_folder_bring_its_recommended_sampling(server, tmp_path):
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    other = tmp_path / "other"
+    shutil.copytree(info["model_path"], other)
+    (other / "generation_config.json").write_text('{"temperature": 0.0, "top_p": 0.5}')
+    update = {"model_path": str(other)}
+    r = requests.post(server.url + "/update_weights_from_disk", json=update, timeout=120)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["default_sampling_params"] == {"temperature": 0.0, "top_p": 0.5}

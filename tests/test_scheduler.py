@@ -350,6 +350,7 @@ def test_beside_an_interactive_request_at_most_the_flex_cap_keeps_running(
 
     flags = {"flex_max_running_requests": 2} | flags
     sched = make_scheduler(tiny_model_dirs, max_total_tokens=4096, **flags)
+    sched.flex_cap_grace_s = 60.0  # (longer than any step, however loaded the machine)
     for rid in ("f0", "f1", "f2"):
         sched.add_request(req(rid, prompts[rid], 40, deferred=True))
     trace = [sched.step() for _ in range(3)]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from radixserve.config import Config
-from radixserve.scheduler.watchdog import EXIT_CODE, Watchdog
+from radixserve.scheduler.watchdog import EXIT_CODE, Watchdog, resolve_timeout
 
 
 class _Loop:
@@ -28,6 +28,17 @@ def test_only_a_step_past_the_timeout_ends_the_process():
     assert watchdog.check() and ended == [EXIT_CODE]
     with pytest.raises(ValueError, match="watchdog_timeout must be >= 0"):
         Config.from_flat(watchdog_timeout=-1)
+    assert (resolve_timeout(None, "cuda"), resolve_timeout(None, "cpu")) == (300.0, 1800.0)
+    assert resolve_timeout(0, "cpu") == 0 and resolve_timeout(20.0, "cuda") == 20.0
+
+
+def test_the_process_ends_even_where_the_stacks_cannot_be_written(monkeypatch):
+    loop, ended = _Loop(), []
+    loop.step_started = time.monotonic() - 11
+    monkeypatch.setattr(sys, "stderr", None)  # (no file to write the stacks to)
+    with pytest.raises(RuntimeError, match="stderr"):
+        Watchdog(loop, timeout_s=10.0, end=ended.append).check()
+    assert ended == [EXIT_CODE]
 
 
 HUNG = """

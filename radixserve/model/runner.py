@@ -152,6 +152,7 @@ class ModelRunner:
             config.model.model_path, config.model.cache_dir, progress=progress
         )
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
+        self.context_len = self._context_length(config.model.context_length)  # (before load)
         self.architecture = read_architecture(self.model_folder)  # (the folder may go)
         # what a weight update from tensors may replace (by the checkpoint's names), and
         # the tensors given since the checkpoint was read: the model is built again from
@@ -174,7 +175,6 @@ class ModelRunner:
             mib = ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes)
             logger.info("tensor parallel over %d ranks: weights per rank %s MiB", self.tp.size, mib)
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.context_len = self._context_length(config.model.context_length)
 
         self.swa_window = self._hybrid_swa_window()
         self.max_total_tokens = self.tp.broadcast_int(self._kv_pool_size())  # pools match
@@ -549,7 +549,7 @@ class ModelRunner:
         if wanted is not None and wanted > own:
             raise ModelLoadError(
                 f"--context-length {wanted} is longer than the model's own context ({own} "
-                "tokens, max_position_embeddings)"
+                "tokens, max_position_embeddings, which its rotary tables are built for)"
             )
         return wanted or own
 

@@ -565,6 +565,9 @@ class Scheduler:
         def rank(req: Req) -> tuple[bool, int]:
             return (not req.deferred, req.priority if by_priority else 0)
 
+        def outranks(req: Req, running: Req) -> bool:
+            return _outranks(req, running, by_priority, threshold)
+
         holding = self.running + ([self.chunked] if self.chunked is not None else [])
         free = self.info.max_running_requests - len(holding)
         in_use = {r.lora_id for r in holding if r.lora_id}
@@ -579,13 +582,25 @@ class Scheduler:
         reusable = [r for r in holding if r.kv_len <= r.max_cacheable_prefix]
         victims = sorted(reusable, key=lambda r: (rank(r), _least_lost(r)))
         claim = self._lora_waiting()  # (a request waiting for an adapter slot)
+        holders_of: dict[int, list[Req]] = collections.defaultdict(list)  # adapter's holders
+        for r in holding:
+            if r.lora_id:
+                holders_of[r.lora_id].append(r)
+        counted_on: set[int] = set()  # adapters the requests gone through here will use
+        no_slot: set[tuple[bool, int]] = set()  # ranks no adapter slot could be freed for
         taken: list[Req] = []
 
         def take_back(victim: Req, req: Req) -> None:
             victims[:] = [v for v in victims if v is not victim]
+            if victim.lora_id:
+                left = holders_of[victim.lora_id]
+                left[:] = [r for r in left if r is not victim]
+                if not left and victim.lora_id not in counted_on:  # its slot is free now
+                    in_use.discard(victim.lora_id)
             self._take_back(victim)
             self.stats.preemptions += 1
             taken.append(victim)
+            no_slot.clear()
             logger.info(
                 "preempted %s (%s) after %d output tokens, for %s",
                 victim.rid, "flex" if victim.deferred else f"priority {victim.priority}",
@@ -593,6 +608,7 @@ class Scheduler:
             )  # fmt: skip
 
         for req in sorted(self.waiting, key=rank, reverse=True):
+            lowest = victims[0] if victims else None
             if req.lora_id and per_batch is not None:  # as the adder will see it
                 claimed = claim is not None and req.lora_id != claim.lora_id
                 held = claimed and not outranks_claim(
@@ -601,40 +617,26 @@ class Scheduler:
                 if held:
                     continue
                 if req.lora_id not in in_use and len(in_use) >= per_batch:
-                    holders = self._slot_for(req, in_use, victims, by_priority, threshold)
-                    if holders is None:
+                    # (one that does not outrank the lowest-ranked victim outranks no
+                    # adapter's every holder either)
+                    if lowest is None or not outranks(req, lowest) or rank(req) in no_slot:
                         continue
-                    for victim in holders:  # (an adapter's every holder: its slot is free)
-                        take_back(victim, req)
-                    in_use.discard(holders[0].lora_id)
+                    holders = _slot_for(req, holders_of, counted_on, victims, outranks)
+                    if holders is None:
+                        no_slot.add(rank(req))
+                        continue
                     free += len(holders)
+                    for victim in list(holders):  # (an adapter's every holder: its slot)
+                        take_back(victim, req)
                 in_use.add(req.lora_id)
+                counted_on.add(req.lora_id)
             if free > 0:  # (a row it may get without anyone leaving)
                 free -= 1
                 continue
-            if not victims or not _outranks(req, victims[0], by_priority, threshold):
+            if not victims or not outranks(req, victims[0]):
                 break
             take_back(victims[0], req)
         return taken
-
-    def _slot_for(
-        self, req: Req, in_use: set[int], victims: list[Req], by_priority: bool, threshold: int
-    ) -> list[Req] | None:
-        """The requests to take back so that `req`'s adapter gets a slot: every holder of
-        the adapter in use whose holders `req` all outrank (and can be taken back), the
-        adapter with the fewest; None if there is none such."""
-        best: list[Req] | None = None
-        movable_ids = {id(r) for r in victims}
-        for lora_id in in_use:
-            holders = [r for r in self.running if r.lora_id == lora_id]
-            if self.chunked is not None and self.chunked.lora_id == lora_id:
-                holders.append(self.chunked)
-            movable = all(
-                id(r) in movable_ids and _outranks(req, r, by_priority, threshold) for r in holders
-            )
-            if holders and movable and (best is None or len(holders) < len(best)):
-                best = holders
-        return best
 
     def _flex_rows_left(self) -> int | None:
         """How many more flex requests may hold running rows: None (any number) unless
@@ -673,7 +675,14 @@ class Scheduler:
         if by_priority:
             threshold = config.priority_scheduling_preemption_threshold
             waiting = sorted((r for r in self.waiting if r.deferred), key=lambda r: -r.priority)
+            per_batch = self.adapters.per_batch
+            gone = {id(r) for r in taken}
+            in_use = {r.lora_id for r in holding if r.lora_id and id(r) not in gone}
             for req in waiting:
+                if req.lora_id and per_batch is not None and req.lora_id not in in_use:
+                    if len(in_use) >= per_batch:  # (it would not start: it takes no row)
+                        continue
+                    in_use.add(req.lora_id)
                 if left > 0:  # (a flex row it may get without anyone leaving)
                     left -= 1
                 elif flex and req.priority - flex[0].priority > threshold:
@@ -761,6 +770,29 @@ def _all_rows_of(
             rows.extend(range(offset, offset + n))
         offset += n
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _slot_for(
+    req: Req,
+    holders_of: dict[int, list[Req]],
+    counted_on: set[int],
+    victims: list[Req],
+    outranks: Callable[[Req, Req], bool],
+) -> list[Req] | None:
+    """The requests to take back so that `req`'s adapter gets a slot: every holder of an
+    adapter in use that no request gone through before it counts on, each of them one that
+    may be taken back (`victims`) and that `req` outranks; of such adapters the one with
+    the fewest holders. None if there is none."""
+    movable = {id(r) for r in victims}
+    best: list[Req] | None = None
+    for lora_id, holders in holders_of.items():
+        if not holders or lora_id in counted_on:
+            continue
+        if best is not None and len(holders) >= len(best):
+            continue
+        if all(id(r) in movable and outranks(req, r) for r in holders):
+            best = holders
+    return best
 
 
 def _outranks(req: Req, running: Req, by_priority: bool, threshold: int) -> bool:

@@ -2,7 +2,8 @@
 longer than the timeout for a hang (a forward pass that never returns: a deadlocked
 kernel, a collective whose peer died). It logs that and every thread's stack, then ends the
 process; the launcher, seeing its child gone, ends every request in flight with a 503 and
-exits 1, so a supervisor restarts the server instead of its clients waiting for good."""
+exits 1, so a supervisor restarts the server instead of its clients waiting for good. The
+offline Engine runs none: it lives in its user's process, which is not its to end."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 EXIT_CODE = 3  # the scheduler's exit code after the watchdog fired
+# --watchdog-timeout's default: a GPU step takes well under a second; a CPU one may take
+# minutes (a 1,024-token chunk of a 30B model at ~100 GFLOP/s: ~10 min)
+DEFAULT_TIMEOUT_S = {"cuda": 300.0, "cpu": 1800.0}
+
+
+def resolve_timeout(given: float | None, device_type: str) -> float:
+    """The watchdog's timeout: --watchdog-timeout, else the device's default (0: none)."""
+    return given if given is not None else DEFAULT_TIMEOUT_S.get(device_type, 1800.0)
+
+
 MAX_POLL_S = 5.0
 
 
@@ -55,9 +66,11 @@ class Watchdog:
             "hang, the server stops; every thread's stack follows",
             self.timeout_s,
         )
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        self.end(EXIT_CODE)
+        try:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        finally:  # (ends the process even where the stacks cannot be written)
+            self.end(EXIT_CODE)
         return True

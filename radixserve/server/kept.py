@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,7 @@ class ResponseFiles:
         for partial in folder.glob("*.partial"):  # a write the server did not finish
             partial.unlink(missing_ok=True)
         self.swept_at = 0.0
+        self.sweeper: threading.Thread | None = None  # the latest sweep while serving
         self._sweep()
         self.items = ItemIndex(folder / "items.jsonl", self._kept)
 
@@ -125,8 +127,12 @@ class ResponseFiles:
         path = self.path(response_id)
         if path is None:
             return
-        if time.time() - self.swept_at > SWEEP_INTERVAL_S:
-            self._sweep()
+        if time.time() - self.swept_at > SWEEP_INTERVAL_S:  # (a folder of many files takes
+            # a while to list: not on the event loop)
+            self.swept_at = time.time()
+            self.sweeper = threading.Thread(target=self._sweep, name="responses-sweep")
+            self.sweeper.daemon = True
+            self.sweeper.start()
         try:
             write_bytes_whole(path, json.dumps(record).encode())
         except OSError:  # (a full disk): it is served on from memory while it stays there,

@@ -272,6 +272,7 @@ class Launcher:
         if server.sampling_defaults == "model":
             defaults = await asyncio.to_thread(model_sampling_defaults, folder)
             self.manager.sampling_defaults = defaults
+            self.manager.model_sampling_defaults = True
             if defaults:
                 said = ", ".join(f"{k}={v}" for k, v in defaults.items())
                 logger.info("sampling defaults from the model's generation_config.json: %s", said)

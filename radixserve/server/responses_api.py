@@ -30,9 +30,10 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -826,9 +827,11 @@ def response_object(
     model: str,
     tools: list[dict[str, Any]],
     tool_choice: Any,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
 ) -> dict[str, Any]:
     """A response as created: in progress, no output yet; the request's settings echoed as
-    OpenAI's responses echo them (the resolved sampling defaults among them)."""
+    OpenAI's responses echo them (the resolved sampling defaults among them: `defaults`,
+    the model's, else the API's)."""
     text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {}
     reasoning = body.reasoning.model_dump(include={"effort", "summary"}) if body.reasoning else {}
     return {
@@ -852,12 +855,12 @@ def response_object(
         "reasoning": {"effort": None, "summary": None} | reasoning,
         "service_tier": tier_served(body.service_tier),
         "store": body.stores,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "temperature": _given(body.temperature, defaults.get("temperature"), 1.0),
         "text": {"format": {"type": "text"}} | text,
         "tool_choice": tool_choice if tool_choice is not None else "auto",
         "tools": flat_tools(tools),
         "top_logprobs": body.top_logprobs or 0,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_p": _given(body.top_p, defaults.get("top_p"), 1.0),
         "truncation": body.truncation or "disabled",
         "usage": None,
         "user": body.user,
@@ -1177,6 +1180,11 @@ class ResponseStore:
         for stored in reversed(chain):
             items += stored.inputs + stored.response["output"]
         return items
+
+
+def _given(*values: Any) -> Any:
+    """The first of `values` that is not None."""
+    return next(v for v in values if v is not None)
 
 
 def _items_with_ids(items: Any) -> bool:

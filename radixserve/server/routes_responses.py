@@ -182,7 +182,8 @@ def _prepare(body: ResponsesRequest, earlier: list[dict[str, Any]], state: Serve
     thinking = chat_reasoning(chat_body, chat, state)
     builder = OutputBuilder(thinking, plan)
     model = body.model or state.model_name
-    response = rapi.response_object(ask.rid, body, model, tools, body.tool_choice)
+    defaults = state.manager.sampling_defaults
+    response = rapi.response_object(ask.rid, body, model, tools, body.tool_choice, defaults)
     stored = Stored(response, items, body.previous_response_id)
     field = chat_body.constraint_field(chat.reqs)  # named by RESPONSES_FIELDS in its turn
     return _Run(response, stored, chat, builder, state.manager.tokenizer, field)

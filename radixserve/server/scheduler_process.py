@@ -20,7 +20,7 @@ from radixserve.model.parallel import TensorParallelError
 from radixserve.model.runner import ModelRunner, run_follower
 from radixserve.scheduler.loop import SchedulerLoop
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.scheduler.watchdog import Watchdog
+from radixserve.scheduler.watchdog import Watchdog, resolve_timeout
 from radixserve.server.child import keep_freed_memory, parent_alive, prepare_child
 from radixserve.server.ipc import Endpoints, Receiver, Sender
 from radixserve.server.messages import Failed, ModelFolder, Ready, TokenOutBatch
@@ -90,8 +90,9 @@ def run_scheduler(
         dp_rank=dp_rank,
         report_cache=config.parallel.dp_size > 1,
     )
-    if config.server.watchdog_timeout > 0:
-        Watchdog(loop, config.server.watchdog_timeout).start()
+    watchdog_s = resolve_timeout(config.server.watchdog_timeout, runner.device.type)
+    if watchdog_s > 0:
+        Watchdog(loop, watchdog_s).start()
     # the launcher stops its children with SIGTERM: the loop ends and the scheduler closes
     # (the disk tier's queued page writes land) instead of dying mid-write
     signal.signal(signal.SIGTERM, transport.stop)

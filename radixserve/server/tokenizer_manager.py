@@ -26,6 +26,7 @@ from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
 from radixserve.core.req import Req
 from radixserve.native import InvalidRequest, given_rids, named_by
 from radixserve.output import ResultAccumulator, ResultUpdate
+from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.errors import REJECTION_STATUS, APIError, EngineUnavailable, bad_request
 from radixserve.server.ipc import AsyncReceiver
@@ -121,8 +122,10 @@ class TokenizerManager:
         # the most characters one token stands for (set with the tokenizer; None: not known)
         self.longest_token: int | None = None
         # what the OpenAI routes take for the sampling a request leaves unset
-        # (--sampling-defaults: the model's generation_config.json; set with the tokenizer)
+        # (--sampling-defaults model: the model folder's generation_config.json, read with
+        # the tokenizer and again when the weights come from another folder)
         self.sampling_defaults: dict[str, Any] = {}
+        self.model_sampling_defaults = False  # --sampling-defaults model
         # where the scheduler found the model, before it loads it (the launcher waits on it)
         self.model_folder: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self.info: ModelInfo | None = None  # from the scheduler's Ready
@@ -158,6 +161,8 @@ class TokenizerManager:
         assert self.info is not None
         if folder is not None:
             self.info = msgspec.structs.replace(self.info, model_path=folder)
+            if self.model_sampling_defaults:  # (a small file: read on the event loop)
+                self.sampling_defaults = model_sampling_defaults(Path(folder))
         if version is not None:
             self.weight_version = version
 
