@@ -361,6 +361,38 @@ def test_the_main_process_turns_an_error_result_into_a_500():
     asyncio.run(scenario())
 
 
+def test_outputs_queued_while_the_reader_was_busy_come_as_each_sequences_latest():
+    """A stream that lags (its outputs queued up) reads each sequence's latest result
+    once, the text whole; one that keeps up reads every output."""
+
+    async def scenario() -> None:
+        manager = ready_manager(RecordingSender())
+        reqs = [Req(rid, [1, 2], SamplingParams()) for rid in ("a", "b")]
+        call = manager.submit(reqs, stream=True)
+        manager._on_output(StrOut("a", "one", [5], None, 2, 0, 1))
+        manager._on_output(StrOut("b", "uno", [6], None, 2, 0, 1))
+        manager._on_output(StrOut("a", " two", [7], None, 2, 0, 2))  # a lagging reader
+        seen = []
+        stream = call.stream()
+        index, out = await anext(stream)
+        seen.append((index, out.result["text"]))
+        index, out = await anext(stream)
+        seen.append((index, out.result["text"]))
+        assert seen == [(0, "one two"), (1, "uno")]  # a's first output was skipped
+        done = FinishReason.of_length(2)
+        manager._on_output(StrOut("b", " dos", [8], done, 2, 0, 2))  # one at a time
+        index, out = await anext(stream)
+        assert (index, out.result["text"], out.finished) == (1, "uno dos", True)
+        manager._on_output(StrOut("a", " three", [9], done, 2, 0, 3))
+        index, out = await anext(stream)
+        assert (index, out.result["text"], out.finished) == (0, "one two three", True)
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        call.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_closed_call_keeps_its_rid_until_the_schedulers_last_output():
     """The old request's outputs, still on their way after its client left, never reach a
     new request that takes the same rid: that rid is refused until the last one arrives."""

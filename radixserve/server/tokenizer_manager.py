@@ -74,15 +74,21 @@ class Call:
         self.unfinished = {req.rid for req in reqs}
 
     async def stream(self) -> AsyncIterator[tuple[int, ResultUpdate]]:
-        """(index, output) as they come, until every sequence has finished."""
+        """(index, output) as they come, until every sequence has finished. Outputs that
+        queued up while the reader was busy (a slow client, a loaded event loop) come as
+        one, each sequence's latest (its result is cumulative): a stream that lags catches
+        up in fewer, larger chunks rather than falling further behind."""
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, APIError):
-                raise item
-            index, out = item
-            if out.finished:
-                self.unfinished.discard(out.rid)
-            yield index, out
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in _latest_each(items):
+                if isinstance(item, APIError):
+                    raise item
+                index, out = item
+                if out.finished:
+                    self.unfinished.discard(out.rid)
+                yield index, out
 
     async def results(self) -> list[dict[str, Any]]:
         """The final native result of every sequence, in request order."""
@@ -100,6 +106,25 @@ class Call:
                 track.abandoned = True
                 self.manager.send_abort(rid, "the client disconnected")
         self.unfinished.clear()
+
+
+def _latest_each(
+    items: list[tuple[int, ResultUpdate] | APIError],
+) -> list[tuple[int, ResultUpdate] | APIError]:
+    """Queued outputs with each sequence's earlier ones dropped for its latest, which takes
+    the place of its first; an error stays where it came (nothing after it is read)."""
+    merged: list[tuple[int, ResultUpdate] | APIError] = []
+    where: dict[int, int] = {}
+    for item in items:
+        if isinstance(item, APIError):
+            merged.append(item)
+            break
+        if item[0] in where:
+            merged[where[item[0]]] = item
+        else:
+            where[item[0]] = len(merged)
+            merged.append(item)
+    return merged
 
 
 @dataclass
