@@ -607,6 +607,12 @@ class ServerConfig:
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )
+    decode_log_interval: int = _opt(
+        40,
+        "Log one decode step in this many (SGLang's flag and lines, at INFO: running "
+        "requests, tokens they hold, token usage, generation throughput, queued requests); "
+        "every prefill batch is logged too. 0: no decode lines.",
+    )
     watchdog_timeout: float | None = _opt(
         None,
         "A scheduler step (one forward pass) running longer than this many seconds is taken "
@@ -648,6 +654,8 @@ class ServerConfig:
             raise ValueError(f"log_requests_chars must be >= 0, got {self.log_requests_chars}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.decode_log_interval < 0:
+            raise ValueError(f"decode_log_interval must be >= 0, got {self.decode_log_interval}")
         if self.watchdog_timeout is not None and not self.watchdog_timeout >= 0:
             raise ValueError(f"watchdog_timeout must be >= 0, got {self.watchdog_timeout}")
 

@@ -269,7 +269,10 @@ class Engine:
         self._chat_roles: ChatRoles | None = derive_chat_roles(self.tokenizer)
         self.scheduler = Scheduler.from_config(self.runner, self.config)
         self._loop = SchedulerLoop(
-            self.scheduler, self._transport, self.config.server.max_queued_requests
+            self.scheduler,
+            self._transport,
+            self.config.server.max_queued_requests,
+            decode_log_interval=self.config.server.decode_log_interval,
         )
 
     # -- public API -----------------------------------------------------------------------

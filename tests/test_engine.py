@@ -5,6 +5,7 @@ tokens reported; KV accounting exact after every scenario."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
@@ -300,6 +301,23 @@ def test_invalid_requests_are_clear_errors(tiny_model_dirs):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.generate(input_ids=[1], sampling_params={"logit_bias": {"99999": 1.0}})
     finish(engine)
+
+
+def test_batches_are_logged_as_sglang_logs_them(tiny_model_dirs, caplog):
+    """Each prefill batch, and one decode step in --decode-log-interval, at INFO."""
+    engine = make_engine(tiny_model_dirs, max_total_tokens=512, decode_log_interval=3)
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="radixserve.scheduler.loop"):
+        engine.generate(input_ids=list(range(5, 25)), sampling_params=greedy)
+        engine.generate(input_ids=list(range(5, 25)) + [7], sampling_params=greedy)
+    finish(engine)
+    lines = [r.getMessage() for r in caplog.records if "batch" in r.getMessage()]
+    prefills = [line for line in lines if line.startswith("Prefill batch")]
+    decodes = [line for line in lines if line.startswith("Decode batch")]
+    assert prefills[0].startswith("Prefill batch. #new-seq: 1, #new-token: 20, #cached-token: 0")
+    assert "#new-token: 1, #cached-token: 20" in prefills[1]  # (the first prompt's K/V)
+    assert len(decodes) == 14 // 3 and "#running-req: 1, #token: " in decodes[0]
+    assert "gen throughput (token/s): " in decodes[0]
 
 
 def test_context_length_bounds_requests_within_the_models_own(tiny_model_dirs):

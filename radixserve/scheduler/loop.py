@@ -69,8 +69,11 @@ class SchedulerLoop:
         max_queued: int,
         dp_rank: int = 0,
         report_cache: bool = False,
+        decode_log_interval: int = 40,
     ) -> None:
         self.scheduler = scheduler
+        self.decode_log_interval = decode_log_interval  # (0: no decode lines)
+        self.decode_steps = 0
         self.transport = transport
         self.max_queued = max_queued
         self.dp_rank = dp_rank
@@ -134,10 +137,13 @@ class SchedulerLoop:
         elif scheduler.has_work:
             step_start = time.perf_counter()
             self.step_started = time.monotonic()  # (for the watchdog)
+            cached_before = scheduler.stats.cached_tokens
             try:
                 outputs = scheduler.step()
             finally:
                 self.step_started = None
+            if logger.isEnabledFor(logging.INFO):
+                self.log_batch(scheduler.stats.cached_tokens - cached_before)
             if self.profiler.active:
                 self.profiler.after_step()  # (writes the trace after its num_steps)
             decoded = scheduler.last_step == "decode"
@@ -149,6 +155,36 @@ class SchedulerLoop:
         scheduler.keep_alive()
         self.publish_cache_events()
         self.publish_state()
+
+    def log_batch(self, cached: int) -> None:
+        """SGLang's lines: each prefill batch (`cached`: the prompt tokens it found in the
+        radix cache), and one decode step in --decode-log-interval."""
+        scheduler = self.scheduler
+        kind = scheduler.last_step
+        if kind == "decode":
+            self.decode_steps += 1
+            interval = self.decode_log_interval
+            if interval <= 0 or self.decode_steps % interval:
+                return
+        elif kind not in ("prefill", "mixed"):
+            return
+        stats = scheduler.state()
+        usage = stats.kv_held_by_requests / max(stats.kv_total, 1)
+        if kind == "decode":
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "gen throughput (token/s): %.2f, #queue-req: %d",
+                stats.num_running, stats.kv_held_by_requests, usage, stats.gen_throughput,
+                stats.num_waiting,
+            )  # fmt: skip
+            return
+        seqs, tokens = scheduler.last_prefill
+        logger.info(
+            "Prefill batch%s. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
+            "%.2f, #running-req: %d, #queue-req: %d",
+            " (with the running requests' decode)" if kind == "mixed" else "", seqs, tokens,
+            cached, usage, stats.num_running, stats.num_waiting,
+        )  # fmt: skip
 
     @property
     def stepping(self) -> bool:

@@ -128,6 +128,7 @@ class Scheduler:
         self.adapters = Adapters(runner)  # LoRA: which adapters requests may name
         # the adapter of a waiting request that found no slot (--max-loras-per-batch)
         self.lora_waiting: int | None = None
+        self.last_prefill = (0, 0)  # the latest prefill batch's sequences and new tokens
         # when a request outside the flex tier last ran or waited, and how long after it
         # the flex cap still holds (--flex-max-running-requests)
         self.others_seen_at = -math.inf
@@ -384,6 +385,7 @@ class Scheduler:
         """Extend `reqs` by `extends`; `decoding` (a mixed step) take their decode step in
         the same batch, after the prefill rows."""
         self.stats.prefill_batches += 1
+        self.last_prefill = (len(reqs), sum(map(len, extends)))
         if decoding:
             self.stats.mixed_steps += 1
             self.stats.decode_steps += 1

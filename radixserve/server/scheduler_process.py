@@ -89,6 +89,7 @@ def run_scheduler(
         config.server.max_queued_requests,
         dp_rank=dp_rank,
         report_cache=config.parallel.dp_size > 1,
+        decode_log_interval=config.server.decode_log_interval,
     )
     watchdog_s = resolve_timeout(config.server.watchdog_timeout, runner.device.type)
     if watchdog_s > 0:
