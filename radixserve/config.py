@@ -607,6 +607,13 @@ class ServerConfig:
     shutdown_timeout: float = _opt(
         30.0, "Seconds SIGTERM waits for running requests to finish before aborting them."
     )
+    random_seed: int | None = _opt(
+        None,
+        "Seed of the draws of requests that give no seed of their own (SGLang's flag): each "
+        "such request is given the next seed of a generator started from it, so a run that "
+        "sends the same requests in the same order samples the same tokens. Default: a "
+        "random start.",
+    )
     decode_log_interval: int = _opt(
         40,
         "Log one decode step in this many (SGLang's flag and lines, at INFO: running "

@@ -41,7 +41,7 @@ from radixserve.core.messages import (
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.reasoning import give_think_blocks
-from radixserve.core.req import Req
+from radixserve.core.req import Req, seed_draws
 from radixserve.hardware import place_process
 from radixserve.label_scores import plan_label_scoring
 from radixserve.lora import registry as lora_registry
@@ -203,6 +203,8 @@ class InProcessTransport:
 class Engine:
     def __init__(self, model_path: str | None = None, progress: bool = True, **config: Any):
         self.config = Config.from_flat(model_path=model_path, **config)
+        if self.config.server.random_seed is not None:
+            seed_draws(self.config.server.random_seed)
         template = self.config.server.chat_template  # in place of the model's (chat_roles):
         self._chat_template = None if template is None else read_chat_template(template)
         self.loras = LoraRegistry(self.config.lora)  # the adapters' names (lora_path)

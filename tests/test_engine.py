@@ -303,6 +303,22 @@ def test_invalid_requests_are_clear_errors(tiny_model_dirs):
     finish(engine)
 
 
+def test_random_seed_makes_unseeded_sampling_repeat(tiny_model_dirs):
+    """--random-seed: requests without a seed of their own sample the same tokens in a run
+    started from the same seed, others in a run from another."""
+    sampled = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    runs = []
+    for seed in (7, 7, 8):
+        engine = make_engine(tiny_model_dirs, max_total_tokens=512, random_seed=seed)
+        runs.append(
+            [engine.generate(input_ids=[5, 6, 7], sampling_params=sampled)["output_ids"]
+             for _ in range(2)]
+        )  # fmt: skip
+        finish(engine)
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # (each request its own draws)
+    assert runs[2] != runs[0]
+
+
 def test_batches_are_logged_as_sglang_logs_them(tiny_model_dirs, caplog):
     """Each prefill batch, and one decode step in --decode-log-interval, at INFO."""
     engine = make_engine(tiny_model_dirs, max_total_tokens=512, decode_log_interval=3)

@@ -15,6 +15,15 @@ if TYPE_CHECKING:  # annotations only: the runner level (Req, BatchBuilder) need
     from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
 
 
+# where the draw seeds of requests that give none come from (--random-seed: `seed_draws`)
+_SEEDS = random.Random()
+
+
+def seed_draws(seed: int) -> None:
+    """Start the seeds of requests that give none from `seed` (--random-seed)."""
+    _SEEDS.seed(seed)
+
+
 @dataclass
 class Req:
     rid: str
@@ -75,7 +84,7 @@ class Req:
             raise ValueError("an embedding request generates nothing: max_new_tokens must be 0")
         if self.seed < 0:
             seed = self.params.sampling_seed
-            self.seed = random.getrandbits(32) if seed is None else seed
+            self.seed = _SEEDS.getrandbits(32) if seed is None else seed
         self.check()
 
     def check(self) -> None:

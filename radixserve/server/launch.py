@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config, rank_addr
+from radixserve.core.req import seed_draws
 from radixserve.lora.registry import check_names
 from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
@@ -198,6 +199,8 @@ class Launcher:
                 self._loop = None
 
     async def _run(self) -> int:
+        if self.config.server.random_seed is not None:  # (requests are made here)
+            seed_draws(self.config.server.random_seed)
         ctx = zmq.asyncio.Context()
         receiver = AsyncReceiver(ctx, self.endpoints.main)  # bound before children connect
         sync_ctx = zmq.Context()
