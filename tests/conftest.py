@@ -13,6 +13,7 @@ from transformers import (
     AutoTokenizer,
     Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -67,14 +68,22 @@ TINY_GEMMA3 = dict(
 
 
 def build_tiny_model(
-    folder: Path, arch: str, seed: int = 0, added_tokens: tuple[str, ...] = ()
+    folder: Path,
+    arch: str,
+    seed: int = 0,
+    added_tokens: tuple[str, ...] = (),
+    window: int | None = None,
 ) -> Path:
     """A random-weight model folder: deterministic weights + the committed tokenizer, with
-    `added_tokens` (plain text tokens, ids from 512 on, the vocabulary grown to hold them)."""
+    `added_tokens` (plain text tokens, ids from 512 on, the vocabulary grown to hold them);
+    `window`: Mistral's sliding window."""
     shape = {**TINY_SHAPE, "vocab_size": TINY_SHAPE["vocab_size"] + len(added_tokens)}
     if arch == "llama":
         config = LlamaConfig(**shape, tie_word_embeddings=False)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    elif arch == "mistral":  # (its sliding window off, as Mistral 7B v0.3's)
+        config = MistralConfig(**shape, sliding_window=window, tie_word_embeddings=False)
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
     elif arch == "qwen2":
         config = Qwen2Config(**shape, tie_word_embeddings=True)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
@@ -109,7 +118,7 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
                 param.add_(0.2 * torch.randn(param.shape, generator=generator))
 
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +139,7 @@ def model_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "gemma3", "smollm2"])
+@pytest.fixture(scope="session", params=["llama", "mistral", "qwen2", "qwen3", "gemma3", "smollm2"])
 def model_case(request, tiny_model_dirs):
     """(runner, reference HF model) for each model the fidelity tests cover."""
     path = None if request.param == "smollm2" else str(tiny_model_dirs[request.param])

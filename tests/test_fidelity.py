@@ -153,3 +153,26 @@ def test_mixed_extend_batch_one_token_rows_beside_longer_rows(model_case):
     finally:
         for req in reqs:
             builder.release(req)
+
+
+def test_a_sliding_window_bounds_the_context_it_is_exact_within(tmp_path):
+    """Mistral with a sliding window shorter than its context: the context is bounded to
+    the window, within which full attention is what the window sees: greedy tokens as
+    transformers' (which applies the window) up to its last position."""
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.config import Config
+    from radixserve.model.loader import ModelLoadError
+    from radixserve.model.runner import ModelRunner
+    from tests.conftest import FP32, build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "mistral", "mistral", window=48)
+    config = Config.from_flat(model_path=str(folder), max_total_tokens=4096, dtype=FP32)
+    runner = ModelRunner(config, progress=False)
+    assert runner.context_len == 48
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = encode(runner, TEXTS[2])[:30]
+    [result] = StaticGenerator(runner).generate([prompt], [greedy(48 - len(prompt))])
+    assert result.output_ids == reference_greedy(reference, prompt, 48 - len(prompt))
+    with pytest.raises(ModelLoadError, match="its sliding window"):
+        ModelRunner(Config.from_flat(model_path=str(folder), context_length=64), progress=False)

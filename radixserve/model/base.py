@@ -84,6 +84,13 @@ class CausalLM(nn.Module):
         self.decode_layers: Callable[..., torch.Tensor | None] | None = None
         self.lora: LoraState | None = None  # see use_lora
 
+    @classmethod
+    def attention_span(cls, config: PretrainedConfig) -> int | None:
+        """The most positions one position may attend to where the model has a limit it
+        does not implement otherwise (a sliding window on every layer): the context is
+        bounded to it. None: no such limit."""
+        return None
+
     def use_lora(self, state: LoraState) -> None:
         """Serve LoRA adapters: every decoder layer's attention and MLP add the products
         of the adapters `state` says the step's rows use."""

@@ -1,5 +1,6 @@
-"""Llama-family decoders: LlamaForCausalLM, Qwen2ForCausalLM (adds QKV biases) and
-Qwen3ForCausalLM (adds per-head q/k RMS norms before the rotary embedding).
+"""Llama-family decoders: LlamaForCausalLM, MistralForCausalLM (Llama's layers; its sliding
+window bounds the context), Qwen2ForCausalLM (adds QKV biases) and Qwen3ForCausalLM (adds
+per-head q/k RMS norms before the rotary embedding).
 
 The model runs on a flat batch: hidden states are (T, hidden) for all new tokens of all
 requests; attention goes through the backend, which owns the KV pool.
@@ -27,6 +28,7 @@ from radixserve.model.parallel import SINGLE, TensorParallel
 __all__ = [
     "LlamaAttention",
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "head_dim_of",
@@ -179,6 +181,17 @@ class LlamaForCausalLM(CausalLM):
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, rotary, attn, meta, narrowed if i == final else None)
         return x if delta is None else x + delta
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers. A sliding window shorter than the context (Mistral 7B
+    v0.1's 4096 of 32768) is served by bounding the context to it (`attention_span`):
+    every position then sees all the positions its window holds."""
+
+    @classmethod
+    def attention_span(cls, config: PretrainedConfig) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        return int(window) if window else None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

