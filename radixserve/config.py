@@ -539,7 +539,7 @@ def parse_lora_entry(entry: str) -> tuple[str, str]:
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking", "kimi")  # server/reasoning.py
 
 
@@ -631,8 +631,10 @@ class ServerConfig:
     tool_call_parser: str | None = _opt(
         None,
         "How /v1/chat/completions reads tool calls out of the text with tool_choice auto: "
-        "hermes (= qwen25: <tool_call>{json}</tool_call>) or llama3 (bare JSON calls). "
-        "Default: llama3 for a Llama 3 template, else hermes.",
+        "hermes (= qwen25: <tool_call>{json}</tool_call>), llama3 (bare JSON calls) or "
+        "mistral ([TOOL_CALLS] then a JSON array, or name[ARGS]{json} call by call). "
+        "Default: llama3 for a Llama 3 template, mistral for a template that writes "
+        "[TOOL_CALLS], else hermes.",
         choices=TOOL_CALL_PARSERS,
     )
     reasoning_parser: str | None = _opt(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from radixserve.server.tool_calls import (
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     NamedParser,
     NamedToolChoice,
     RequiredParser,
@@ -143,6 +144,49 @@ def test_required_and_named_outputs():
     assert call.name == "add" and call.arguments == '{"a": 1'
 
 
+def test_mistral_reads_an_array_of_calls_or_named_calls_after_its_token():
+    array = (
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "add", "arguments": {"a": 1}}]'
+    )
+    parsed = MistralParser(NAMES, parallel=True).parse(array, final=True)
+    assert parsed.content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("add", {"a": 1}),
+    ]
+    named = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]add[ARGS] {"b": 2}'
+    parsed = MistralParser(NAMES, parallel=True).parse(named, final=True)
+    assert parsed.content == "" and [c.name for c in parsed.calls] == ["get_weather", "add"]
+    first = MistralParser(NAMES, parallel=False).parse(named, final=True)
+    assert [c.name for c in first.calls] == ["get_weather"]
+
+
+def test_mistral_keeps_what_does_not_read_as_calls_as_content():
+    parser = MistralParser(NAMES, parallel=True)
+    for text in ("[TOOL_CALLS]nope[ARGS]{}", '[TOOL_CALLS][{"name": "nope", "arguments": {}}]'):
+        parsed = parser.parse(text, final=True)
+        assert parsed.content == text and parsed.calls == []
+    cut = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "add", "argu'
+    parsed = parser.parse(cut, final=True)  # (cut short: the complete call stays a call)
+    assert [c.name for c in parsed.calls] == ["add"]
+    assert parsed.content == '{"name": "add", "argu'
+    assert parser.parse("Hello [TOOL_CA", final=False).content == "Hello"  # (held back)
+    assert parser.parse("Hello [TOOL_CA", final=True).content == "Hello [TOOL_CA"
+
+
+def test_mistral_tools_keep_its_special_token_in_the_text():
+    from radixserve.server import openai_api as oai
+
+    messages = [{"role": "user", "content": "Weather?"}]
+    body = oai.ChatCompletionRequest(model="m", messages=messages, tools=[WEATHER])
+    for family, kept in (("mistral", {"skip_special_tokens": False}), ("hermes", {})):
+        plan = ToolPlan("auto", TOOLS, family=family)
+        assert oai._tool_constraint(plan, body) == kept
+    said = body.model_copy(update={"skip_special_tokens": True})
+    assert oai._tool_constraint(ToolPlan("auto", TOOLS, family="mistral"), said) == {}
+
+
 # -- streaming reassembles to the whole message -----------------------------------------------
 PIECES = [
     "Hi",
@@ -161,8 +205,14 @@ PIECES = [
     '{"name": "add", "arguments": {"x": [1, 2]}}',
     ", ",
     "]",
+    "[TOOL_CALLS]",
+    "[TOOL_",
+    "add[ARGS]",
+    '{"a": 3}',
 ]
 PARSERS = [
+    MistralParser(NAMES, True),
+    MistralParser(NAMES, False),
     HermesParser(NAMES, True),
     HermesParser(NAMES, False),
     Llama3JsonParser(NAMES, True),
@@ -387,6 +437,8 @@ def test_the_parser_family_comes_from_the_flag_or_the_template():
     assert parser_family("<tool_call>", None) == "hermes"
     assert parser_family(None, None) == "hermes"
     assert parser_family("<|python_tag|>", "qwen25") == "hermes"
+    assert parser_family("{{ '[TOOL_CALLS]' + calls }}", None) == "mistral"
+    assert parser_family(None, "mistral") == "mistral"
 
 
 # -- what reaches the template ----------------------------------------------------------------

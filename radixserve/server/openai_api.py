@@ -507,12 +507,17 @@ def chat_call(
     return ChatCall(prompt, reqs)
 
 
-def _tool_constraint(plan: ToolPlan, body: ChatCompletionRequest) -> dict[str, str]:
+def _tool_constraint(plan: ToolPlan, body: ChatCompletionRequest) -> dict[str, Any]:
     """What the tools constrain the output to. Under `auto`, a constraint of the request's
-    own (response_format...) comes first: its strict tools' arguments go unchecked."""
+    own (response_format...) comes first: its strict tools' arguments go unchecked. Under
+    `auto` with Mistral's parser, the text keeps the special [TOOL_CALLS] token it reads
+    (unless the request says otherwise)."""
+    keep: dict[str, Any] = {}
+    if plan.mode == "auto" and plan.family == "mistral" and body.skip_special_tokens is None:
+        keep = {"skip_special_tokens": False}
     if plan.mode == "auto" and body.constrained:
-        return {}
-    return plan.constraint()
+        return keep
+    return {**plan.constraint(), **keep}
 
 
 # -- responses ------------------------------------------------------------------------------

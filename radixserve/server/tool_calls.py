@@ -272,6 +272,8 @@ class ToolPlan:
             return RequiredParser(names, self.parallel)
         if self.family == "llama3":
             return Llama3JsonParser(names, self.parallel)
+        if self.family == "mistral":
+            return MistralParser(names, self.parallel)
         return HermesParser(names, self.parallel)
 
     def _tool(self, name: str | None) -> Tool:
@@ -280,11 +282,14 @@ class ToolPlan:
 
 def parser_family(chat_template: str | None, flag: str | None) -> str:
     """The `auto` parser: the flag, else read off the template (Llama 3's python tag or
-    ipython role), else Hermes, the format TOOLS_PROMPT asks for."""
+    ipython role, Mistral's [TOOL_CALLS]), else Hermes, the format TOOLS_PROMPT asks
+    for."""
     if flag is not None:
         return "hermes" if flag == "qwen25" else flag
     if chat_template and ("<|python_tag|>" in chat_template or "ipython" in chat_template):
         return "llama3"
+    if chat_template and MistralParser.TAG in chat_template:
+        return "mistral"
     return "hermes"
 
 
@@ -459,8 +464,7 @@ def _json_values(text: str, pos: int, separators: str) -> tuple[list[Any], int]:
     decoder = json.JSONDecoder()
     values = []
     while True:
-        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
-            pos += 1
+        pos = _skip(text, pos, separators)
         if pos == len(text):
             return values, pos
         try:
@@ -592,6 +596,93 @@ class Llama3JsonParser:
                 found = [c for c in calls if c is not None]
                 return Parsed("", found if self.parallel else found[:1])
         return Parsed(text)
+
+
+class MistralParser:
+    """Mistral's format: after the control token [TOOL_CALLS], either a JSON array of
+    {"name", "arguments"} objects (Mistral 7B v0.3, Nemo, Small 3.0/3.1) or `name[ARGS]
+    {arguments}` (the later tokenizers: Small 3.2, Magistral), each call after its own
+    [TOOL_CALLS]. The text before the first [TOOL_CALLS] is content; each call is reported
+    once complete; at the end, what does not read as calls after them stays content (all
+    of it, where nothing does). The control tokens are special: the chat route keeps them
+    in the text for this parser (skip_special_tokens false)."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, names: frozenset[str], parallel: bool) -> None:
+        self.names = names
+        self.parallel = parallel
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.TAG)
+        if start < 0:
+            shown = text if final else _without_partial(text, self.TAG)
+            return Parsed(_content([shown], [], final))
+        calls, stop = self._calls(text, start)
+        calls = calls if self.parallel else calls[:1]
+        pieces, runs = [text[:start]], [(0, 0, start)]
+        if final and stop < len(text):  # (what does not read as calls)
+            pieces.append(text[stop:])
+            runs.append((stop, start, len(text) - stop))
+        return Parsed(_content(pieces, calls, final), calls, [start] * len(calls), runs)
+
+    def _calls(self, text: str, pos: int) -> tuple[list[ParsedCall], int]:
+        """The complete calls from the [TOOL_CALLS] at `pos` on, and where the text stops
+        reading as calls (its end where all of it does)."""
+        calls: list[ParsedCall] = []
+        while text.startswith(self.TAG, pos):
+            at = _skip(text, pos + len(self.TAG), "")
+            if text.startswith("[", at):
+                found, end, closed = self._array(text, at + 1)
+                calls += found
+                if not closed:  # (none of it a call: from its [TOOL_CALLS] on, text)
+                    return calls, end if found else pos
+            else:
+                call, end = self._named(text, at)
+                if call is None:
+                    return calls, pos
+                calls.append(call)
+            pos = _skip(text, end, "")
+        return calls, pos
+
+    def _array(self, text: str, pos: int) -> tuple[list[ParsedCall], int, bool]:
+        """The calls of a JSON array from `pos` (after its `[`), where reading stopped,
+        and whether the array closed."""
+        decoder = json.JSONDecoder()
+        calls: list[ParsedCall] = []
+        while True:
+            pos = _skip(text, pos, ",")
+            if text.startswith("]", pos):
+                return calls, pos + 1, True
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except JSON_ERRORS:
+                return calls, pos, False
+            call = _call_of(value, self.names)
+            if call is None:
+                return calls, pos, False
+            calls.append(call)
+            pos = end
+
+    def _named(self, text: str, pos: int) -> tuple[ParsedCall | None, int]:
+        """A `name[ARGS]{arguments}` call at `pos`, and where it ends."""
+        name_end = text.find(self.ARGS, pos)
+        if name_end < 0:
+            return None, pos
+        at = _skip(text, name_end + len(self.ARGS), "")
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(text, at)
+        except JSON_ERRORS:
+            return None, pos
+        name = text[pos:name_end].strip()
+        return _call_of({"name": name, "arguments": arguments}, self.names), end
+
+
+def _skip(text: str, pos: int, separators: str) -> int:
+    """`pos` past whitespace and `separators`."""
+    while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+        pos += 1
+    return pos
 
 
 # -- responses ------------------------------------------------------------------------------
