@@ -132,7 +132,9 @@ async def _respond(
     if body.wants_logprobs:
         run.builder.logprobs = rapi.output_logprobs(await token_bytes_of(request, state))
         # the special tokens the detokenizer leaves out of the text
-        run.builder.skipped = frozenset(state.manager.tokenizer.all_special_ids)
+        if all(req.params.skip_special_tokens for req in run.chat.reqs):  # (Mistral's
+            # tool calls keep theirs)
+            run.builder.skipped = frozenset(state.manager.tokenizer.all_special_ids)
     rid = run.response["id"]
     try:
         call = state.manager.submit(
