@@ -41,7 +41,7 @@ from radixserve.core.messages import (
 )
 from radixserve.core.output import ReqOutput, SchedulerStats
 from radixserve.core.reasoning import give_think_blocks
-from radixserve.core.req import Req, seed_draws
+from radixserve.core.req import Req, draw_seed, seed_draws
 from radixserve.hardware import place_process
 from radixserve.label_scores import plan_label_scoring
 from radixserve.lora import registry as lora_registry
@@ -671,6 +671,7 @@ class Engine:
         """Send `req`; `rid` is what the caller named its call (for `abort`)."""
         if self._error is not None or self._transport.stopped:
             raise EngineDeadError(f"the engine is not running: {self._error or 'shut down'}")
+        draw_seed(req)
         self._transport.submit(GenerateReq.from_req(req, return_text), sink, given_rids(rid))
 
     @staticmethod

@@ -305,15 +305,19 @@ def test_invalid_requests_are_clear_errors(tiny_model_dirs):
 
 def test_random_seed_makes_unseeded_sampling_repeat(tiny_model_dirs):
     """--random-seed: requests without a seed of their own sample the same tokens in a run
-    started from the same seed, others in a run from another."""
+    started from the same seed, whatever greedy requests came between; others in a run
+    from another."""
     sampled = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    greedy = {"max_new_tokens": 4, "temperature": 0}
     runs = []
-    for seed in (7, 7, 8):
+    for seed, between in ((7, False), (7, True), (8, False)):
         engine = make_engine(tiny_model_dirs, max_total_tokens=512, random_seed=seed)
-        runs.append(
-            [engine.generate(input_ids=[5, 6, 7], sampling_params=sampled)["output_ids"]
-             for _ in range(2)]
-        )  # fmt: skip
+        outputs = []
+        for _ in range(2):
+            outputs.append(engine.generate(input_ids=[5, 6, 7], sampling_params=sampled))
+            if between:  # (draws no seed: the next sampled request's is as without it)
+                engine.generate(input_ids=[9, 9], sampling_params=greedy)
+        runs.append([out["output_ids"] for out in outputs])
         finish(engine)
     assert runs[0] == runs[1] and runs[0][0] != runs[0][1]  # (each request its own draws)
     assert runs[2] != runs[0]
@@ -330,9 +334,12 @@ def test_batches_are_logged_as_sglang_logs_them(tiny_model_dirs, caplog):
     lines = [r.getMessage() for r in caplog.records if "batch" in r.getMessage()]
     prefills = [line for line in lines if line.startswith("Prefill batch")]
     decodes = [line for line in lines if line.startswith("Decode batch")]
-    assert prefills[0].startswith("Prefill batch. #new-seq: 1, #new-token: 20, #cached-token: 0")
+    first = "Prefill batch. #new-seq: 1, #new-token: 20, #cached-token: 0, token usage: 0.04,"
+    assert prefills[0].startswith(first)  # (20 of 512 slots: its prompt, locked in the tree)
     assert "#new-token: 1, #cached-token: 20" in prefills[1]  # (the first prompt's K/V)
-    assert len(decodes) == 14 // 3 and "#running-req: 1, #token: " in decodes[0]
+    assert len(decodes) == 14 // 3
+    held = int(re.search(r"#running-req: 1, #token: (\d+), ", decodes[0]).group(1))
+    assert 20 < held <= 28  # (its prompt and the tokens generated so far)
     assert "gen throughput (token/s): " in decodes[0]
 
 

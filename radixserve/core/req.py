@@ -15,13 +15,25 @@ if TYPE_CHECKING:  # annotations only: the runner level (Req, BatchBuilder) need
     from radixserve.core.output import FinishReason, LogprobEntry, ModelInfo
 
 
-# where the draw seeds of requests that give none come from (--random-seed: `seed_draws`)
+# where the draw seeds of sampled requests that give none come from, as they are sent
+# (`draw_seed`; --random-seed starts it: `seed_draws`); one for the process
 _SEEDS = random.Random()
 
 
 def seed_draws(seed: int) -> None:
     """Start the seeds of requests that give none from `seed` (--random-seed)."""
     _SEEDS.seed(seed)
+
+
+def draw_seed(req: Req) -> None:
+    """Give `req` the next seed of the process's sequence if it samples and gives no seed
+    of its own: called once a request is sent, in the order requests are, so that a run
+    that sends the same requests in the same order samples the same tokens whatever else
+    (greedy requests, embeddings, refused ones, probes) came between."""
+    params = req.params
+    samples = not params.is_greedy and params.max_new_tokens > 0 and req.embed is None
+    if samples and params.sampling_seed is None:
+        req.seed = _SEEDS.getrandbits(32)
 
 
 @dataclass
@@ -84,7 +96,7 @@ class Req:
             raise ValueError("an embedding request generates nothing: max_new_tokens must be 0")
         if self.seed < 0:
             seed = self.params.sampling_seed
-            self.seed = _SEEDS.getrandbits(32) if seed is None else seed
+            self.seed = random.getrandbits(32) if seed is None else seed
         self.check()
 
     def check(self) -> None:

@@ -372,6 +372,12 @@ class KVManager:
             self.hitree.host_allocator.clear()
         self.allocator.clear()
 
+    def used_slots(self) -> int:
+        """Slots neither free nor evictable: held by requests or locked in the tree by them
+        (SGLang's token usage)."""
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        return self.allocator.size - self.allocator.num_free - evictable
+
     def usage(self, live: Iterable[Req]) -> dict[str, int]:
         """Where every slot is: free, in the tree (evictable / locked), or held only by a
         live request; and the window pool's size and free slots (hybrid window memory)."""

@@ -74,6 +74,7 @@ class SchedulerLoop:
         self.scheduler = scheduler
         self.decode_log_interval = decode_log_interval  # (0: no decode lines)
         self.decode_steps = 0
+        self._logged = (time.monotonic(), 0)  # (when, output tokens) of the last decode line
         self.transport = transport
         self.max_queued = max_queued
         self.dp_rank = dp_rank
@@ -137,13 +138,10 @@ class SchedulerLoop:
         elif scheduler.has_work:
             step_start = time.perf_counter()
             self.step_started = time.monotonic()  # (for the watchdog)
-            cached_before = scheduler.stats.cached_tokens
             try:
                 outputs = scheduler.step()
             finally:
                 self.step_started = None
-            if logger.isEnabledFor(logging.INFO):
-                self.log_batch(scheduler.stats.cached_tokens - cached_before)
             if self.profiler.active:
                 self.profiler.after_step()  # (writes the trace after its num_steps)
             decoded = scheduler.last_step == "decode"
@@ -152,13 +150,15 @@ class SchedulerLoop:
             self.send(outputs)
             if decoded:
                 self.decode_loop_seconds += time.perf_counter() - start
+            if logger.isEnabledFor(logging.INFO):
+                self.log_batch()
         scheduler.keep_alive()
         self.publish_cache_events()
         self.publish_state()
 
-    def log_batch(self, cached: int) -> None:
-        """SGLang's lines: each prefill batch (`cached`: the prompt tokens it found in the
-        radix cache), and one decode step in --decode-log-interval."""
+    def log_batch(self) -> None:
+        """SGLang's lines: each prefill batch, and one decode step in
+        --decode-log-interval (its throughput: output tokens since the previous line)."""
         scheduler = self.scheduler
         kind = scheduler.last_step
         if kind == "decode":
@@ -168,22 +168,26 @@ class SchedulerLoop:
                 return
         elif kind not in ("prefill", "mixed"):
             return
-        stats = scheduler.state()
-        usage = stats.kv_held_by_requests / max(stats.kv_total, 1)
+        used, total = scheduler.kv.used_slots(), scheduler.info.max_total_num_tokens
+        usage = used / max(total, 1)
+        running, queued = len(scheduler.running), len(scheduler.waiting)
         if kind == "decode":
+            now, tokens = time.monotonic(), scheduler.stats.generated_tokens
+            then, before = self._logged
+            self._logged = (now, tokens)
+            rate = (tokens - before) / (now - then) if now > then else 0.0
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
                 "gen throughput (token/s): %.2f, #queue-req: %d",
-                stats.num_running, stats.kv_held_by_requests, usage, stats.gen_throughput,
-                stats.num_waiting,
+                running, used, usage, rate, queued,
             )  # fmt: skip
             return
-        seqs, tokens = scheduler.last_prefill
+        seqs, tokens, cached = scheduler.last_prefill
         logger.info(
             "Prefill batch%s. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: "
             "%.2f, #running-req: %d, #queue-req: %d",
             " (with the running requests' decode)" if kind == "mixed" else "", seqs, tokens,
-            cached, usage, stats.num_running, stats.num_waiting,
+            cached, usage, running, queued,
         )  # fmt: skip
 
     @property

@@ -128,7 +128,9 @@ class Scheduler:
         self.adapters = Adapters(runner)  # LoRA: which adapters requests may name
         # the adapter of a waiting request that found no slot (--max-loras-per-batch)
         self.lora_waiting: int | None = None
-        self.last_prefill = (0, 0)  # the latest prefill batch's sequences and new tokens
+        # the latest prefill batch's sequences, new tokens, and the cached tokens those it
+        # admitted found (the log lines')
+        self.last_prefill = (0, 0, 0)
         # when a request outside the flex tier last ran or waited, and how long after it
         # the flex cap still holds (--flex-max-running-requests)
         self.others_seen_at = -math.inf
@@ -363,6 +365,9 @@ class Scheduler:
             for req in adder.reqs:
                 self._requeue(req)
             return None  # (the request that waits for a slot keeps its claim)
+        admitted = [r for r in adder.reqs if r is not adder.chunked_before]
+        cached = sum(r.kv_len for r in admitted)  # (their matched prefixes, not yet extended)
+        self.last_prefill = (len(adder.reqs), sum(map(len, adder.extends)), cached)
         # one still without a slot keeps the next steps' other adapters waiting
         self.lora_waiting = adder.waiting_adapter
         return adder.reqs, adder.extends
@@ -385,7 +390,6 @@ class Scheduler:
         """Extend `reqs` by `extends`; `decoding` (a mixed step) take their decode step in
         the same batch, after the prefill rows."""
         self.stats.prefill_batches += 1
-        self.last_prefill = (len(reqs), sum(map(len, extends)))
         if decoding:
             self.stats.mixed_steps += 1
             self.stats.decode_steps += 1

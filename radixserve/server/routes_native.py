@@ -174,7 +174,8 @@ async def health_generate(state: State) -> Response:
     if manager.paused is not None:  # it would wait for /continue_generation
         raise APIError(503, "generation is paused (/pause_generation): nothing generates")
     ids = manager.tokenizer.encode("ping") or [0]
-    reqs = expand_request(manager.tokenizer.encode, None, {"max_new_tokens": 1}, ids).reqs
+    greedy = {"max_new_tokens": 1, "temperature": 0}  # (draws no seed)
+    reqs = expand_request(manager.tokenizer.encode, None, greedy, ids).reqs
     call = manager.submit(reqs)
     try:
         await asyncio.wait_for(call.results(), HEALTH_GENERATE_TIMEOUT_S)

@@ -23,7 +23,7 @@ import msgspec
 
 from radixserve.chat_roles import ChatRoles
 from radixserve.core.output import ModelInfo, SchedulerStats, StrOut
-from radixserve.core.req import Req
+from radixserve.core.req import Req, draw_seed
 from radixserve.native import InvalidRequest, given_rids, named_by
 from radixserve.output import ResultAccumulator, ResultUpdate
 from radixserve.sampling_defaults import model_sampling_defaults
@@ -232,6 +232,7 @@ class TokenizerManager:
         self.check_available()
         for req in reqs:
             self.check_context(req)
+            draw_seed(req)
             req.deferred = service_tier == "flex"
             track = self.pending.get(req.rid)
             if track is not None:
