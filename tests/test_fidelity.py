@@ -176,3 +176,8 @@ def test_a_sliding_window_bounds_the_context_it_is_exact_within(tmp_path):
     assert result.output_ids == reference_greedy(reference, prompt, 48 - len(prompt))
     with pytest.raises(ModelLoadError, match="its sliding window"):
         ModelRunner(Config.from_flat(model_path=str(folder), context_length=64), progress=False)
+    unbounded = build_tiny_model(tmp_path / "mistral-full", "mistral")
+    config = Config.from_flat(model_path=str(unbounded), max_total_tokens=4096, dtype=FP32)
+    full = ModelRunner(config, progress=False)  # (2048 tokens: weights with a window of 48
+    with pytest.raises(ModelLoadError, match="a sliding window of 48"):  # would not do)
+        full.update_weights(str(folder))

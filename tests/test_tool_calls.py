@@ -24,6 +24,7 @@ from radixserve.server.tool_calls import (
     ToolStream,
     closed_objects,
     message,
+    mistral_call_id,
     parser_family,
     template_messages,
     tool_mode,
@@ -173,6 +174,22 @@ def test_mistral_keeps_what_does_not_read_as_calls_as_content():
     assert parsed.content == '{"name": "add", "argu'
     assert parser.parse("Hello [TOOL_CA", final=False).content == "Hello"  # (held back)
     assert parser.parse("Hello [TOOL_CA", final=True).content == "Hello [TOOL_CA"
+
+
+def test_mistral_reads_a_lone_call_object_and_gives_its_templates_their_ids():
+    parsed = MistralParser(NAMES, True).parse('[TOOL_CALLS] {"name": "add", "arguments": {}}', True)
+    assert [c.name for c in parsed.calls] == ["add"] and parsed.content == ""
+    assert mistral_call_id("call_0123456789abcdef") == "789abcdef"
+    short = mistral_call_id("c-1")
+    assert len(short) == 9 and short.isalnum() and short == mistral_call_id("c-1")
+    history = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**CALL, "id": "c-1"}]},
+        {"role": "tool", "content": "2", "tool_call_id": "c-1"},
+    ]
+    plan = ToolPlan("auto", TOOLS, family="mistral")
+    messages, _ = template_messages(history, plan, "{{ tools }}[TOOL_CALLS]")
+    assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == short
 
 
 def test_mistral_tools_keep_its_special_token_in_the_text():

@@ -191,7 +191,9 @@ class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_span(cls, config: PretrainedConfig) -> int | None:
         window = getattr(config, "sliding_window", None)
-        return int(window) if window else None
+        if window is not None and not isinstance(window, int):  # (one per layer: not served)
+            raise ValueError(f"sliding_window {window!r}: only one window for every layer")
+        return window or None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

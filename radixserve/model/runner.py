@@ -282,6 +282,11 @@ class ModelRunner:
         ]
         if read_architecture(folder) != self.architecture:
             differences.insert(0, f"architecture {read_architecture(folder)}")
+        model_class = MODEL_CLASSES[self.architecture]
+        span = model_class.attention_span(hf_config)  # (one shorter than the served context
+        # would be exceeded by full attention)
+        if span is not None and span < self.context_len:
+            differences.append(f"a sliding window of {span} (served context: {self.context_len})")
         if differences:
             raise ModelLoadError(
                 f"{folder} is not the loaded model's shape: {', '.join(differences)}"

@@ -23,9 +23,11 @@ stream sends the difference (`ToolStream`) and reassembles to the non-streamed m
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -313,9 +315,10 @@ def template_messages(
     (templates write them with `tojson`); for a template that knows no tools, the tools go
     into the system message and earlier calls into their turn's text."""
     if template_renders_tools(chat_template):
-        return [_with_parsed_arguments(m) for m in messages], (
-            plan.tool_dicts() if plan.active else None
-        )
+        rendered = [_with_parsed_arguments(m) for m in messages]
+        if plan.family == "mistral":  # (its templates take ids of 9 letters and digits)
+            rendered = [_mistral_ids(m) for m in rendered]
+        return rendered, (plan.tool_dicts() if plan.active else None)
     out = [_calls_as_text(m) for m in messages]
     if plan.active:
         listing = "\n".join(json.dumps(t) for t in plan.tool_dicts())
@@ -354,6 +357,25 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
             pass  # not JSON Python reads: the template gets the text as the client sent it
         parsed.append({**call, "function": function})
     return {**message, "tool_calls": parsed}
+
+
+def mistral_call_id(call_id: str) -> str:
+    """A call id as Mistral's templates require it (9 letters and digits, else they
+    refuse the messages), the same for a call and the tool message answering it: its last 9
+    letters and digits, or where it has fewer, 9 hex digits of its hash."""
+    kept = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    return kept[-9:] if len(kept) >= 9 else hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _mistral_ids(message: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": mistral_call_id(message["tool_call_id"])}
+    calls = message.get("tool_calls")
+    if calls:
+        fixed = [{**c, "id": mistral_call_id(c["id"])} if isinstance(c.get("id"), str) else c
+                 for c in calls]  # fmt: skip
+        message = {**message, "tool_calls": fixed}
+    return message
 
 
 def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
@@ -632,8 +654,9 @@ class MistralParser:
         calls: list[ParsedCall] = []
         while text.startswith(self.TAG, pos):
             at = _skip(text, pos + len(self.TAG), "")
-            if text.startswith("[", at):
-                found, end, closed = self._array(text, at + 1)
+            if text.startswith("[", at) or text.startswith("{", at):  # (calls, or one)
+                bare = text.startswith("{", at)
+                found, end, closed = self._array(text, at if bare else at + 1, bare)
                 calls += found
                 if not closed:  # (none of it a call: from its [TOOL_CALLS] on, text)
                     return calls, end if found else pos
@@ -645,15 +668,15 @@ class MistralParser:
             pos = _skip(text, end, "")
         return calls, pos
 
-    def _array(self, text: str, pos: int) -> tuple[list[ParsedCall], int, bool]:
-        """The calls of a JSON array from `pos` (after its `[`), where reading stopped,
-        and whether the array closed."""
+    def _array(self, text: str, pos: int, bare: bool = False) -> tuple[list[ParsedCall], int, bool]:
+        """The calls of a JSON array from `pos` (after its `[`), or (`bare`) of one object
+        at `pos`; where reading stopped, and whether the array (the object) closed."""
         decoder = json.JSONDecoder()
         calls: list[ParsedCall] = []
         while True:
             pos = _skip(text, pos, ",")
-            if text.startswith("]", pos):
-                return calls, pos + 1, True
+            if text.startswith("]", pos) or (bare and calls):
+                return calls, pos + (not bare), True
             try:
                 value, end = decoder.raw_decode(text, pos)
             except JSON_ERRORS:
