@@ -110,12 +110,16 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_folder: Path) -> N
     writer.add_chat_template(config["chat_template"])
 
 
-def write_llama_gguf(path: Path, hf_folder: Path) -> Path:
-    """`hf_folder`'s llama model as an fp32 GGUF laid out the way llama.cpp converts one."""
+def write_llama_gguf(path: Path, hf_folder: Path, sampling: dict | None = None) -> Path:
+    """`hf_folder`'s llama model as an fp32 GGUF laid out the way llama.cpp converts one;
+    `sampling`: general.sampling.* metadata (llama.cpp's keys, less the prefix)."""
     config = json.loads((hf_folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(path, "llama")
     add_hyperparameters(writer, config)
+    for key, value in (sampling or {}).items():
+        add = writer.add_int32 if isinstance(value, int) else writer.add_float32
+        add(f"general.sampling.{key}", value)
     add_tokenizer_metadata(writer, hf_folder)
     for name, tensor in load_file(hf_folder / "model.safetensors").items():
         data = tensor.numpy()
@@ -313,6 +317,24 @@ def test_second_conversion_reuses_the_folder(tmp_path, tiny_gguf, count_conversi
     assert len(count_conversions) == 1
     assert (first / "model.safetensors").stat().st_mtime_ns == weights_mtime
     assert cache_entries(tmp_path) == [first.name]  # nothing left over next to it
+
+
+def test_the_sampling_a_gguf_recommends_becomes_the_models_defaults(tmp_path, tiny_llama):
+    """llama.cpp's general.sampling.* metadata → generation_config.json, which
+    --sampling-defaults model reads; a GGUF without it gets none."""
+    from radixserve.sampling_defaults import model_sampling_defaults
+
+    sampling = {"temp": 0.6, "top_k": 20, "top_p": 0.95, "penalty_repeat": 1.05}
+    gguf_path = write_llama_gguf(tmp_path / "recommends.gguf", tiny_llama, sampling)
+    folder = convert_gguf(gguf_path, tmp_path / "cache", progress=False)
+    defaults = model_sampling_defaults(folder)
+    assert defaults == pytest.approx(
+        {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    )
+
+
+def test_a_gguf_without_sampling_metadata_gets_no_generation_config(converted):
+    assert not (converted / "generation_config.json").exists()
 
 
 def test_changed_gguf_is_converted_again(tmp_path, tiny_gguf, count_conversions):

@@ -1,12 +1,13 @@
 """One-time conversion of a GGUF file (architecture llama or gemma3) into a Hugging Face folder.
 
 The folder (config.json, model.safetensors in fp32, tokenizer files with the GGUF's chat
-template, manifest.json) lives in the model cache, keyed by the GGUF's path, size and
-modification time, so later starts read safetensors in about a second. The manifest is
-written last and the folder is renamed into place atomically: a folder without a valid
-manifest, or whose files do not match it, is a partial or corrupt conversion and is rebuilt.
-Each new conversion removes the stale ones (of a GGUF since deleted, or changed, as a
-reinstalled package's is), which would otherwise fill the disk by ~4x the GGUF each time.
+template, generation_config.json where its metadata recommends sampling, manifest.json)
+lives in the model cache, keyed by the GGUF's path, size and modification time, so later
+starts read safetensors in about a second. The manifest is written last and the folder is
+renamed into place atomically: a folder without a valid manifest, or whose files do not
+match it, is a partial or corrupt conversion and is rebuilt. Each new conversion removes
+the stale ones (of a GGUF since deleted, or changed, as a reinstalled package's is), which
+would otherwise fill the disk by ~4x the GGUF each time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from radixserve.model.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: generation_config.json from the GGUF's sampling metadata
+# the sampling a GGUF recommends (llama.cpp's general.sampling.* keys) → generation_config's
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 MANIFEST = "manifest.json"
 REQUIRED_FILES = {"config.json", "model.safetensors", "tokenizer.json"}
@@ -278,6 +287,9 @@ def _convert_into(gguf_path: Path, folder: Path, progress: bool) -> None:
     config = gguf_config(reader)
     save_file(gguf_state_dict(reader, progress), folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    sampling = gguf_sampling(reader)
+    if sampling:  # (read by --sampling-defaults model, as a Hugging Face folder's)
+        (folder / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     if progress:
         print("building the tokenizer from the GGUF metadata...", file=sys.stderr, flush=True)
     _save_tokenizer(gguf_path, folder)
@@ -315,6 +327,17 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaved RoPE layout of q/k rows (per head: pairs → halves)."""
     out, inp = w.shape
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def gguf_sampling(reader: Any) -> dict[str, Any]:
+    """The sampling parameters the GGUF's metadata recommends, by generation_config.json's
+    names (none: {})."""
+    sampling = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = _field(reader, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            sampling[name] = value
+    return sampling
 
 
 def _field(reader: Any, key: str, default: Any = ...) -> Any:
