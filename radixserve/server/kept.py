@@ -49,10 +49,8 @@ class ItemIndex:
             if isinstance(item_id, str) and isinstance(holder, str):
                 self.holders[item_id] = holder
         lines = len(self.holders)
-        known: dict[str, bool] = {}
-        self.holders = {
-            i: h for i, h in self.holders.items() if known.setdefault(h, kept(h)) is True
-        }
+        alive = {h for h in set(self.holders.values()) if kept(h)}  # (each holder once)
+        self.holders = {i: h for i, h in self.holders.items() if h in alive}
         self.whole = True  # the file ends with a whole line
         if not whole or len(self.holders) < lines or data.count(b"\n") > lines:
             self._rewrite()
