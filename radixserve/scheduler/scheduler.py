@@ -197,7 +197,7 @@ class Scheduler:
         front of the waiting queue, generated tokens kept (pause_generation's retract
         mode): their K/V go to the tree, for their admission to reuse unless a weight update
         flushes it. Returns how many."""
-        reqs = self.running + ([self.chunked] if self.chunked is not None else [])
+        reqs = self.holding
         for req in reversed(reqs):  # (what a chunked prompt gathered holds: its input
             # logprobs record each position once, mean pooling restarts at position 0)
             self.kv.release(req)
@@ -289,7 +289,7 @@ class Scheduler:
         queued = self.waiting + self.grammars.compiling
         stats.num_waiting_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in queued)
         stats.num_retracted_waiting = sum(bool(r.output_ids) for r in self.waiting)
-        running = self.running + ([self.chunked] if self.chunked is not None else [])
+        running = self.holding
         stats.lora_adapters_running = len({r.lora_id for r in running if r.lora_id})
         stats.gen_throughput = self.gen_rate.update(stats.generated_tokens)
         stats.kv_unmapped_bytes = self.runner.kv_pool.unmapped_bytes
@@ -574,7 +574,7 @@ class Scheduler:
         def outranks(req: Req, running: Req) -> bool:
             return _outranks(req, running, by_priority, threshold)
 
-        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        holding = self.holding
         free = self.info.max_running_requests - len(holding)
         in_use = {r.lora_id for r in holding if r.lora_id}
         per_batch = self.adapters.per_batch
@@ -653,7 +653,7 @@ class Scheduler:
         cap = self.config.flex_max_running_requests
         if cap < 0:
             return None
-        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        holding = self.holding
         now = time.monotonic()
         if not all(r.deferred for r in holding) or not all(r.deferred for r in self.waiting):
             self.others_seen_at = now
@@ -673,7 +673,7 @@ class Scheduler:
         if left is None or config.disable_priority_preemption:
             return []
         by_priority = config.schedule_policy == "priority"
-        holding = self.running + ([self.chunked] if self.chunked is not None else [])
+        holding = self.holding
         flex = [r for r in holding if r.deferred and r.kv_len <= r.max_cacheable_prefix]
         flex.sort(key=lambda r: (r.priority if by_priority else 0, _least_lost(r)))
         taken = flex[:-left] if left < 0 else []
@@ -748,6 +748,11 @@ class Scheduler:
             outputs.append(self._finish(req))
         self._aborted.clear()
         return outputs
+
+    @property
+    def holding(self) -> list[Req]:
+        """The requests that hold running rows: those running, and the one being chunked."""
+        return self.running + ([self.chunked] if self.chunked is not None else [])
 
     def live(self) -> list[Req]:
         """Every request the scheduler holds: waiting (for its grammar, or its turn),

@@ -38,7 +38,7 @@ from pydantic import ConfigDict
 from radixserve.server import responses_api as rapi
 from radixserve.server.body import JSONBodyRoute, StrictBody
 from radixserve.server.errors import ERROR_RESPONSES, APIError, bad_request
-from radixserve.server.kept import ItemIndex, write_bytes_whole
+from radixserve.server.kept import ItemIndex, json_line, write_bytes_whole
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=JSONBodyRoute, responses=ERROR_RESPONSES)
@@ -161,11 +161,11 @@ class ConversationStore:
         try:
             if added is not None and conversation.synced:
                 with path.open("ab") as out:
-                    out.write(b"".join(_line(item) for item in added))
+                    out.write(b"".join(json_line(item) for item in added))
             else:
                 head = {"id": conversation.id, "created_at": conversation.created_at}
                 head["metadata"] = conversation.metadata
-                lines = [_line(head)] + [_line(item) for item in conversation.items]
+                lines = [json_line(head)] + [json_line(item) for item in conversation.items]
                 write_bytes_whole(path, b"".join(lines))
             conversation.synced = True
             if self.items is not None:
@@ -262,10 +262,6 @@ class ConversationStore:
         path = self._path(conversation_id)
         if path is not None:
             path.unlink(missing_ok=True)
-
-
-def _line(value: Any) -> bytes:
-    return json.dumps(value).encode() + b"\n"
 
 
 def _store(request: Request) -> ConversationStore:

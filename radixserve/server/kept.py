@@ -59,7 +59,7 @@ class ItemIndex:
         fresh = [i for i in item_ids if self.holders.get(i) != holder]
         if not fresh:
             return
-        lines = b"".join(_line([i, holder]) for i in fresh)
+        lines = b"".join(json_line([i, holder]) for i in fresh)
         try:
             with self.path.open("ab") as out:
                 out.write(lines if self.whole else b"\n" + lines)  # (after a cut-off line)
@@ -74,7 +74,7 @@ class ItemIndex:
         return self.holders.get(item_id)
 
     def _rewrite(self) -> None:
-        data = b"".join(_line([i, h]) for i, h in self.holders.items())
+        data = b"".join(json_line([i, h]) for i, h in self.holders.items())
         try:
             write_bytes_whole(self.path, data)
         except OSError:
@@ -183,5 +183,6 @@ def write_bytes_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def _line(value: Any) -> bytes:
+def json_line(value: Any) -> bytes:
+    """`value` as one line of JSON Lines."""
     return json.dumps(value).encode() + b"\n"
