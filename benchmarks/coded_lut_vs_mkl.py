@@ -1,6 +1,6 @@
 """fp32 products of 4-bit codes by tables of subset sums (fp32_coded_lut.cpp) against MKL on
 the default model's weights, and against the blocked kernel over the same codes
-(fp32_linear_avx512.cpp's coded form, where it builds: AVX-512 with AVX512-BF16), which is
+(fp32_linear.cpp's coded form, where it builds: AVX-512 with AVX512-BF16), which is
 what a CPU whose MKL sums the blocked kernel reproduces (AMD's Zen 4) runs them on without
 the tables: each build of the kernel (16 or 8 rows a vector, chunks of 1, 2 or 4 groups) on
 one layer's six products at several row counts (q, k and v in one call, as the model makes

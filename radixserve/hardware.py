@@ -254,7 +254,7 @@ PACKED_ROWS = {torch.bfloat16: (1, None), torch.float32: (2, 64)}  # (first, las
 AMX_ROWS = 1024
 AVX512_BF16_ROWS = 128
 
-# FP32_LINEAR: fp32 linear layers of few rows through fp32_linear_avx512.cpp (the weight laid
+# FP32_LINEAR: fp32 linear layers of few rows through fp32_linear.cpp (the weight laid
 # out once in blocks of 16 features, 8 rows of x by 3 blocks in 24 registers) against what
 # the plan had there (oneDNN with pre-blocked weights from 2 rows, fp32_gemv.cpp at 1, MKL
 # in the LM head's place before), AMD EPYC Zen 4 (AVX-512, 2 threads), 30 layers of
@@ -271,7 +271,7 @@ AVX512_BF16_ROWS = 128
 # i.e. 156-179 -> 204-217 GFLOP/s; a 544-token prefill of SmolLM2 through the runner, medians
 # of 20 alternated: 584-638 -> 735-781 tok/s. With each thread's next group of weights
 # fetched into L2 while it works on a group: all 30 layers + the LM head at 16 rows 29.6-34.0
-# -> 24.8-25.7 ms, at 8 rows 23.6 -> 20.2 (fp32_linear_avx512.cpp).
+# -> 24.8-25.7 ms, at 8 rows 23.6 -> 20.2 (fp32_linear.cpp).
 # Intel Xeon (AMX, AVX-512, 2 threads), where oneDNN on pre-blocked weights had 2-64 rows
 # and MKL one (and so a step's layers ran one by one from Python: decode_layers.cpp drives
 # the project's kernels only), SmolLM2 fp32, two runs alternated: `bench step-breakdown
@@ -280,9 +280,24 @@ AVX512_BF16_ROWS = 128
 # --input-len 544`, prefill tok/s 1144, 1156 -> 1183, 1156 (the same).
 FP32_BLOCKED_ROWS = 64
 
+# FP32_LINEAR_AVX2: fp32_linear.cpp's AVX2 build (a block's 16 features in two 256-bit
+# registers, 6 rows of x a pass, each block's chunk of weights kept in L1 while every row
+# runs) on CPUs without AVX-512, in place of fp32_gemv.cpp (1 row), fp32_gemm_small.cpp
+# (2-32) and MKL. MKL there sums in chunks of 192 columns as on a Zen 4, and the build
+# reproduces F.linear bit for bit (torch_sum_chunk finds 192). AMD EPYC (Zen 3: family 25
+# model 1), AVX2 only, 2 threads, SmolLM2's 180 linear weights (30 layers) from memory, ms,
+# medians of 7 alternated, the plan before (fp32_gemv / fp32_gemm_small / MKL) -> the
+# kernel: 26.6 -> 25.1 at 1 row, 28.8 -> 26.6 at 4, 35.7 -> 30.5 at 8, 52.3 -> 45.2 at 16,
+# 80.6 -> 76.4 at 32, 170.2 -> 142.2 at 64, 281 -> 258 at 128, 568 -> 507 at 256; but 914
+# -> 961 at 512 and 2,019 -> 1,936 at 1,024 (MKL 1,950): even past 256 rows. Its coded form
+# (CODED_LINEAR) there: 20.2 at 1 row, 22.0 at 4, but 33.3 at 8, 47.2 at 16, 80.4 at 32,
+# 147.7 at 64: behind the plain kernel at a decode batch's rows, so not taken on AVX2; nor is
+# the lookup kernel (CODED_LUT: a 2 x 512 prefill 1,865 ms on MKL, 2,388 on its best build).
+FP32_EXACT_ROWS_AVX2 = 256
+
 # CODED_LINEAR: fp32 linear layers whose weights are 4-bit codes in disguise (every run of 32
 # columns of a row (d * q) + m: GGUF's Q4_1 dequantized, as the default model's 210 linear
-# weights come; its tied head is Q8_0's and stays fp32) through fp32_linear_avx512.cpp's
+# weights come; its tied head is Q8_0's and stays fp32) through fp32_linear.cpp's
 # coded form: the codes (6 bits a weight with d and m in fp32) decoded into fp32 in cache,
 # then the blocked kernel's sums in its order: its bits from under a fifth of the bytes.
 # Intel Xeon (AMX, AVX-512, 2 threads), SmolLM2's 30 layers of real weights (from memory),
@@ -413,10 +428,15 @@ class KernelPlan:
     # products of 1..blocked_rows rows (decode steps) through a kernel that reads its own
     # layout of the weights, ahead of packed_rows; 0: off. bf16: bf16_linear_amx.cpp on
     # CPUs with AMX-BF16, and AVX-512 CPUs with AVX512-BF16 (see AMX_LINEAR), the build
-    # named by blocked_isa ("amx" or "avx512"); fp32: fp32_linear_avx512.cpp on AVX-512
-    # CPUs with AVX512-BF16, AMD's and Intel's (see FP32_LINEAR)
+    # named by blocked_isa ("amx" or "avx512"); fp32: fp32_linear.cpp on AVX-512
+    # CPUs with AVX512-BF16, AMD's and Intel's (see FP32_LINEAR), its "avx2" build on
+    # CPUs without AVX-512 (see FP32_LINEAR_AVX2)
     blocked_rows: int = 0
     blocked_isa: str = "avx512"
+    # fp32 on the blocked kernel: the most rows of a product that a weight whose products
+    # it gives bit for bit as torch's F.linear takes there (None: every row count; AVX2:
+    # past FP32_EXACT_ROWS_AVX2 MKL is as fast)
+    blocked_exact_rows: int | None = None
     # fp32 models on the blocked kernel: weights that are 4-bit codes in disguise (GGUF's
     # Q4_1 dequantized, the default model's) read as their codes by that kernel's coded
     # form, in the blocked kernel's rows and with its bits (see CODED_LINEAR)
@@ -464,15 +484,17 @@ class KernelPlan:
         attention = on_x86 and kv_dtype in KV_KERNEL_DTYPES
         wide = cpu.avx512 and cpu.avx512_bf16  # the kernels' 16-lane builds run here
         fused_dtype = dtype in (torch.bfloat16, torch.float32)
-        blocked_rows = 0  # through bf16_linear_amx.cpp (AMX or AVX-512) or fp32_linear_avx512
-        # fp32: AMD's Zen 4 and Intel's AMX Xeons alike (see FP32_LINEAR)
-        fp32_blocked = on_x86 and dtype == torch.float32 and wide
+        blocked_rows = 0  # through bf16_linear_amx.cpp (AMX or AVX-512) or fp32_linear.cpp
+        # fp32: AMD's Zen 4 and Intel's AMX Xeons alike (see FP32_LINEAR); the AVX2 build
+        # where there is no AVX-512 (see FP32_LINEAR_AVX2)
+        fp32_blocked = on_x86 and dtype == torch.float32 and (wide or not cpu.avx512)
         blocked_isa = "avx512"
         if packed and dtype == torch.bfloat16 and wide:
             blocked_rows = AMX_ROWS if cpu.amx_bf16 else AVX512_BF16_ROWS
             blocked_isa = "amx" if cpu.amx_bf16 else "avx512"
         elif fp32_blocked:
             blocked_rows = FP32_BLOCKED_ROWS
+            blocked_isa = "avx512" if wide else "avx2"
         return cls(
             decode_attention=attention,
             gemv=gemv and not fp32_blocked,
@@ -485,9 +507,10 @@ class KernelPlan:
             fused_elementwise=("avx512" if wide else "avx2") if on_x86 and fused_dtype else "",
             blocked_rows=blocked_rows,
             blocked_isa=blocked_isa,
-            coded_linear=fp32_blocked,
+            blocked_exact_rows=FP32_EXACT_ROWS_AVX2 if fp32_blocked and not wide else None,
+            coded_linear=fp32_blocked and wide,
             coded_amx_rows=CODED_AMX_ROWS if fp32_blocked and cpu.amx_bf16 else 0,
-            coded_lut_rows=CODED_LUT_ROWS if fp32_blocked and not cpu.amx_bf16 else 0,
+            coded_lut_rows=CODED_LUT_ROWS if fp32_blocked and wide and not cpu.amx_bf16 else 0,
             decode_layers=attention and on_x86 and fused_dtype,
             extend_attention=attention
             and dtype == kv_dtype

@@ -1,9 +1,9 @@
 """A step's decoder layers in one C++ call (`decode_layers.cpp`) against the Python model
 calling the same kernels layer by layer: the same logits bit for bit for decode steps,
 prompts, and steps mixing one-token rows with new tokens after cached prefixes, under this
-CPU's kernel plan and under the AVX2-only CPUs' plan (one-row and few-row linear kernels,
-8-lane builds; it runs on any AVX2 CPU), in fp32 and bf16, with and without q/k/v biases
-and per-head q/k norms (Qwen3);
+CPU's kernel plan and under the AVX2-only CPUs' plans (the blocked fp32 kernel's AVX2
+build, or the one-row and few-row linear kernels; 8-lane builds; they run on any AVX2
+CPU), in fp32 and bf16, with and without q/k/v biases and per-head q/k norms (Qwen3);
 the steps and models it leaves to Python; and greedy generation with its logprobs alike
 with the driver and without over prompts that share a cached prefix."""
 
@@ -18,8 +18,9 @@ from radixserve import Engine
 from radixserve.config import Config
 from radixserve.core.req import Req
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.hardware import FEW_ROWS_MAX, KernelPlan
+from radixserve.hardware import FEW_ROWS_MAX, FP32_BLOCKED_ROWS, FP32_EXACT_ROWS_AVX2, KernelPlan
 from radixserve.model.decode_layers import LORA_MAX_ROWS, MAX_ROWS, decode_layers_library
+from radixserve.model.layers import Linear
 from radixserve.model.runner import ModelRunner
 from radixserve.scheduler.batch_builder import BatchBuilder
 from tests.conftest import FP32
@@ -28,8 +29,9 @@ pytestmark = pytest.mark.skipif(
     decode_layers_library() is None, reason="the C++ kernels cannot be built on this machine"
 )
 
-# an AVX2-only CPU's plan for an fp32 model (hardware.KernelPlan.choose): the one-row and
-# few-rows linear kernels, the AVX2 builds of decode and extend attention and the fused ops
+# an AVX2-only CPU's plan for an fp32 model where the blocked kernel cannot be built: the
+# one-row and few-rows linear kernels, the AVX2 builds of decode and extend attention and
+# the fused ops
 AVX2_PLAN = KernelPlan(
     True,
     True,
@@ -39,6 +41,14 @@ AVX2_PLAN = KernelPlan(
     decode_layers=True,
     extend_attention=True,
 )
+# and as hardware.KernelPlan.choose makes it: the blocked fp32 kernel's AVX2 build first
+AVX2_BLOCKED_PLAN = dataclasses.replace(
+    AVX2_PLAN,
+    blocked_rows=FP32_BLOCKED_ROWS,
+    blocked_isa="avx2",
+    blocked_exact_rows=FP32_EXACT_ROWS_AVX2,
+)
+PLANS = {"avx2": AVX2_PLAN, "avx2-blocked": AVX2_BLOCKED_PLAN}
 CASES = [
     ("llama", FP32, "auto"),
     ("qwen2", FP32, "auto"),  # q/k/v biases
@@ -48,13 +58,16 @@ CASES = [
     ("llama", FP32, "avx2"),
     ("qwen2", FP32, "avx2"),
     ("qwen3", FP32, "avx2"),
+    ("llama", FP32, "avx2-blocked"),
+    ("qwen2", FP32, "avx2-blocked"),
 ]
 ROWS = (1, 3, 24, FEW_ROWS_MAX + 8)  # one row, a few, more than the few-rows kernel takes
 
 
 def make_runner(path, dtype: str, plan: str, monkeypatch) -> ModelRunner:
-    if plan == "avx2":
-        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: AVX2_PLAN))
+    if plan in PLANS:
+        chosen = PLANS[plan]
+        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: chosen))
     config = Config.from_flat(model_path=str(path), max_total_tokens=4096, dtype=dtype)
     runner = ModelRunner(config, progress=False)
     gen = torch.Generator().manual_seed(1)
@@ -65,10 +78,18 @@ def make_runner(path, dtype: str, plan: str, monkeypatch) -> ModelRunner:
     return runner
 
 
-def driver_takes(plan: KernelPlan, rows: int) -> bool:
-    """Every product of a decode step of `rows` rows goes to a C kernel under `plan`."""
+def driver_takes(runner: ModelRunner, rows: int) -> bool:
+    """Every product of a step of `rows` rows goes to a C kernel under the runner's plan:
+    the blocked kernel's rows (more where each weight's products are torch's F.linear's:
+    `blocked_exact_rows`, None for every row count), or the row kernels'."""
+    plan = runner.kernels
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    exact = bool(plan.blocked_rows) and all(
+        m.blocked is not None and m.blocked.same_as_torch(m.weight) for m in linears
+    )
     return (
         rows <= plan.blocked_rows
+        or (exact and (plan.blocked_exact_rows is None or rows <= plan.blocked_exact_rows))
         or (rows == 1 and plan.gemv)
         or (1 < rows <= plan.few_rows_max and plan.packed_rows is None)
     )
@@ -116,7 +137,7 @@ def test_decode_steps_are_the_python_layers_bit_for_bit(
                 for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
                     req.output_ids.append(token)
                 logits, python, taken = both_ways(runner, builder.decode(reqs))
-                assert taken == driver_takes(runner.kernels, rows), (rows, step)
+                assert taken == driver_takes(runner, rows), (rows, step)
                 assert torch.equal(logits, python), (rows, step)
         finally:
             for req in reqs:
@@ -133,6 +154,8 @@ def test_prompts_and_mixed_steps_are_the_python_layers_bit_for_bit(
     extend kernel): the two kinds each one stretch of rows, either first, or interleaved
     (gathered by index: left to Python)."""
     runner = make_runner(tiny_model_dirs[arch], dtype, plan, monkeypatch)
+    if not runner.kernels.extend_attention:  # bf16 on a CPU without AVX512-BF16
+        pytest.skip("this CPU's plan has no extend kernel for the model's dtype")
     assert runner.attention.extend_kernel is not None
     builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
     gen = torch.Generator().manual_seed(len(arch) + len(dtype) + 1)
@@ -164,6 +187,7 @@ LORA_CASES = [
     ("llama", FP32, "auto", 1e-4),
     ("llama", "bfloat16", "auto", 0.1),
     ("llama", FP32, "avx2", 1e-4),
+    ("llama", FP32, "avx2-blocked", 1e-4),
     ("qwen3", FP32, "auto", 1e-4),  # q and k normed after the adapters' products
 ]
 
@@ -182,8 +206,9 @@ def test_steps_with_lora_adapters_are_the_python_layers(
     from tests.test_lora import ADAPTERS, make_adapter
 
     folder = tiny_model_dirs[arch]
-    if plan == "avx2":
-        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: AVX2_PLAN))
+    if plan in PLANS:
+        chosen = PLANS[plan]
+        monkeypatch.setattr(KernelPlan, "choose", classmethod(lambda cls, *a, **k: chosen))
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     paths = [
         f"{name}={make_adapter(base, tmp_path / name, seed, **config)}"
@@ -208,7 +233,7 @@ def test_steps_with_lora_adapters_are_the_python_layers(
             logits, python, taken = both_ways(runner, prompts)
             extend_rows = len(prompts.input_ids)
             small = extend_rows <= LORA_MAX_ROWS[runner.dtype]
-            assert taken == (small and driver_takes(runner.kernels, extend_rows)), extend_rows
+            assert taken == (small and driver_takes(runner, extend_rows)), extend_rows
             extends_taken.append(taken)
             assert torch.allclose(logits, python, atol=tolerance, rtol=0), (rows, owners)
             for _ in range(2):
@@ -218,7 +243,7 @@ def test_steps_with_lora_adapters_are_the_python_layers(
                 # the base model's logits first (its K/V are written over next)
                 plain = runner.forward(dataclasses.replace(batch, lora_ids=None)).logits
                 logits, python, taken = both_ways(runner, batch)
-                assert taken == driver_takes(runner.kernels, rows), (rows, owners)
+                assert taken == driver_takes(runner, rows), (rows, owners)
                 error = (logits - python).abs().max()
                 assert torch.allclose(logits, python, atol=tolerance, rtol=0), (rows, owners, error)
                 moved = (plain - logits).abs().amax(-1).tolist()  # adapters' rows alone
@@ -226,7 +251,9 @@ def test_steps_with_lora_adapters_are_the_python_layers(
         finally:
             for req in reqs:
                 builder.release(req)
-    assert any(extends_taken) or plan == "avx2"  # (its kernels: FEW_ROWS_MAX rows; these have more)
+    # (the few-rows plan's kernels take FEW_ROWS_MAX rows, these have more; bf16 without
+    # AVX512-BF16 has no extend kernel)
+    assert any(extends_taken) or plan == "avx2" or not runner.kernels.extend_attention
     assert runner.allocator.num_free == runner.allocator.size
 
 

@@ -18,6 +18,7 @@ from radixserve.hardware import (
     CODED_LUT_ROWS,
     FEW_ROWS_MAX,
     FP32_BLOCKED_ROWS,
+    FP32_EXACT_ROWS_AVX2,
     CpuInfo,
     KernelPlan,
     auto_dtype,
@@ -100,12 +101,20 @@ def test_config_resolution_follows_this_machine():
 def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), intel_cpu()
-    # AVX2 only: the one-row and few-rows kernels beat MKL; decode attention for any pool;
-    # the fused element-wise ops (fp32 and bf16 models alike), their 8-lane build; the
-    # extend kernel's AVX2 build where the pool is fp32 as the model; with decode attention
-    # and fused ops for the model's dtype, a decode step's layers driven from one C++ call
+    # AVX2 only: the blocked fp32 kernel's AVX2 build up to 64 rows, up to 256 for weights
+    # whose products it gives as torch's (the few-rows kernel behind it, for where it
+    # cannot be built; no one-row kernel); decode attention for any pool; the fused
+    # element-wise ops (fp32 and bf16 models alike), their 8-lane build; the extend
+    # kernel's AVX2 build where the pool is fp32 as the model; with decode attention and
+    # fused ops for the model's dtype, a decode step's layers driven from one C++ call; no
+    # codes read (FP32_LINEAR_AVX2)
     avx2_fp32 = KernelPlan(
-        True, True, FEW_ROWS_MAX, 48, fused_elementwise="avx2", decode_layers=True
+        *(True, False, FEW_ROWS_MAX, 48),
+        fused_elementwise="avx2",
+        decode_layers=True,
+        blocked_rows=FP32_BLOCKED_ROWS,
+        blocked_isa="avx2",
+        blocked_exact_rows=FP32_EXACT_ROWS_AVX2,
     )
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == dataclasses.replace(
@@ -150,6 +159,7 @@ def test_kernel_plan_per_cpu():
     assert not KernelPlan.choose("auto", CPU, bf16, bf16, no_bf16).extend_attention
     amd_bf16 = KernelPlan.choose("auto", CPU, bf16, bf16, amd)
     assert amd_bf16.packed_rows is None and amd_bf16.fused_elementwise == "avx2"
+    assert amd_bf16.blocked_rows == 0 and amd_bf16.blocked_exact_rows is None
     assert not amd_bf16.extend_attention  # its build needs AVX-512 and AVX512-BF16
     assert not KernelPlan.choose("auto", CPU, torch.float16, torch.float16, intel).fused_elementwise
     assert KernelPlan.choose("torch", CPU, bf16, bf16, intel).packed_rows is None

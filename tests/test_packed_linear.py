@@ -68,9 +68,11 @@ needs_onednn_bf16 = pytest.mark.skipif(
 AMX = amx_linear() if cpu_info().amx_bf16 else amx_linear(None, "avx512")
 FUSED = fused_ops(None, "avx512") if cpu_runs("avx512") else fused_ops()  # the plan's build
 needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor AVX512-BF16")
-FP32 = fp32_linear()  # fp32_linear_avx512.cpp: AVX-512 (the kernels' build takes AVX512-BF16)
-needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX-512")
-CODED = {form: coded_linear(None, form) for form in ("q4_1", "q8_0")}  # its coded forms
+# fp32_linear.cpp as the plan builds it: AVX-512 (with AVX512-BF16), else AVX2
+FP32_ISA = "avx512" if cpu_runs("avx512") else "avx2"
+FP32 = fp32_linear(None, FP32_ISA)
+needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX2")
+CODED = {form: coded_linear(None, form, FP32_ISA) for form in ("q4_1", "q8_0")}  # its codes
 CODED_AMX = coded_amx_linear() if cpu_info().amx_bf16 else None  # fp32_coded_amx.cpp
 needs_coded_amx = pytest.mark.skipif(CODED_AMX is None, reason="this CPU has no AMX")
 # fp32_coded_lut.cpp's builds that run here: 8 rows a vector (AVX2), 16 (AVX-512)
@@ -162,9 +164,46 @@ def test_fp32_single_rows_go_to_the_one_row_kernel_beside_packed_rows():
 
 def test_the_blocked_kernels_are_there_wherever_the_cpu_runs_them():
     """On an AMX (or AVX512-BF16) CPU a failed build or a refused tile permission must not
-    pass unseen."""
+    pass unseen; nor a failed build of the fp32 kernel on any CPU with AVX2."""
     if cpu_runs("avx512"):
         assert AMX is not None and FP32 is not None
+    if cpu_runs("avx2"):
+        assert FP32 is not None and all(c is not None for c in CODED.values())
+
+
+@pytest.mark.skipif(not cpu_runs("avx512"), reason="this CPU runs only one build")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 63, 64, 65, 130])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 576), (96, 1536)])
+@pytest.mark.parametrize("chunk", [0, 192])
+def test_the_fp32_kernels_avx2_build_gives_the_avx512_builds_bits(rows, n, k, chunk):
+    """The AVX2 build (two 256-bit halves a block, 6 rows a pass, panels of 63) sums as the
+    AVX-512 one (8 rows a pass, panels of 64): the same products bit for bit, plain and over
+    Q4_1 and Q8_0 codes, with and without a bias: what the AVX2-only CPUs run is what the
+    AVX-512 ones test against torch."""
+    wide, narrow = fp32_linear(None, "avx512"), fp32_linear(None, "avx2")
+    assert wide is not None and narrow is not None
+    gen = torch.Generator().manual_seed(rows * n + k + chunk)
+    x, b = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / 24
+    kernels = [wide, narrow]
+    kernels += [
+        coded_linear(None, form, isa) for form in ("q4_1", "q8_0") for isa in ("avx512", "avx2")
+    ]
+    previous = [kernel.chunk for kernel in kernels]
+    try:
+        for kernel in kernels:
+            kernel.chunk = chunk
+        for bias in (None, b):
+            out = narrow(x, narrow.pack(weight), n, bias)
+            assert torch.equal(out, wide(x, wide.pack(weight), n, bias))
+        for a, c in (kernels[2:4], kernels[4:6]):
+            codes = as_codes(weight, a.form)
+            packed = c.pack(codes)
+            assert torch.equal(c(x, packed, n, b), a(x, a.pack(codes), n, b))
+            assert torch.equal(c(x, packed, n, b), narrow(x, narrow.pack(codes), n, b))
+    finally:
+        for kernel, chunk_before in zip(kernels, previous, strict=True):
+            kernel.chunk = chunk_before
 
 
 @needs_fp32_kernel

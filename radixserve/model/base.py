@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
     ) -> dict[Linear, Codes | None]:
         """Products of `rows` rows in every linear layer and the LM head through a kernel
         that reads its own layout of the weights (`bf16_linear_amx.cpp`,
-        `fp32_linear_avx512.cpp`), each weight copied once into it; a tied head gets a copy
+        `fp32_linear.cpp`), each weight copied once into it; a tied head gets a copy
         of the embedding matrix. With `exact_rows`, a weight whose products the kernel gives
         bit for bit as torch's F.linear (`BlockedLinear.same_as_torch`) takes those rows
         instead. With `coded` (fp32), a weight that is low-bit codes in disguise goes to the

@@ -297,7 +297,7 @@ def fused_ops(folder: Path | None = None, isa: str = "avx2") -> FusedOps | None:
 class BlockedLinear:
     """A linear kernel for products of few rows (decode steps) that reads each weight from a
     copy laid out once in its own order (`pack`): `bf16_linear_amx.cpp` (bf16, AMX tiles,
-    or that layout read with AVX512-BF16) and `fp32_linear_avx512.cpp` (fp32, blocks of 16
+    or that layout read with AVX512-BF16) and `fp32_linear.cpp` (fp32, blocks of 16
     features). Takes what `fits` says yes to."""
 
     def __init__(
@@ -324,7 +324,7 @@ class BlockedLinear:
             self._silu_mul.argtypes = self._linear.argtypes
             self._silu_mul.restype = None
         self.dtype, self._k_multiple = dtype, k_multiple
-        # a chunked kernel's columns per partial sum (fp32_linear_avx512.cpp; 0: one sum
+        # a chunked kernel's columns per partial sum (fp32_linear.cpp; 0: one sum
         # over all), or None where the kernel takes no such argument
         self.chunk: int | None = 0 if chunked else None
         # its chunk is the one that reproduces torch's F.linear on this CPU (torch_sum_chunk)
@@ -418,7 +418,7 @@ def amx_linear(folder: Path | None = None, isa: str = "amx") -> BlockedLinear | 
     return BlockedLinear(library, "bf16_amx", torch.bfloat16, k_multiple=32)
 
 
-# Columns per partial sum that fp32_linear_avx512.cpp tries in order to reproduce torch's fp32
+# Columns per partial sum that fp32_linear.cpp tries in order to reproduce torch's fp32
 # F.linear (MKL's sgemm; its kc): 0 (one sum over all columns), then multiples of 16. MKL
 # 2025 on an AMD EPYC Zen 4 sums in blocks of 192 columns, a row of 193-383 columns in two
 # halves (even lengths; odd ones in some other way), for products of 4 rows or more at one
@@ -472,12 +472,13 @@ def torch_sum_chunk(kernel: BlockedLinear) -> int | None:
 
 
 @functools.cache
-def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
-    """The fp32 linear kernel on its 16-feature block layout (AVX-512), or None where it
-    cannot be built. Its sums go in the chunks that reproduce torch's F.linear on this CPU
-    where some chunk does (`reproduces_torch`; see torch_sum_chunk), in FALLBACK_SUM_CHUNK's
+def fp32_linear(folder: Path | None = None, isa: str = "avx512") -> BlockedLinear | None:
+    """The fp32 linear kernel on its 16-feature block layout built for `isa` ("avx512" or
+    "avx2": the same sums in the same order, so the same bits), or None where it cannot be
+    built. Its sums go in the chunks that reproduce torch's F.linear on this CPU where some
+    chunk does (`reproduces_torch`; see torch_sum_chunk), in FALLBACK_SUM_CHUNK's
     elsewhere."""
-    library = load_kernel("fp32_linear_avx512", folder, isa="avx512")
+    library = load_kernel("fp32_linear", folder, isa=isa)
     if library is None:
         return None
     kernel = BlockedLinear(library, "fp32_blocked", torch.float32, 1, chunked=True)
@@ -487,7 +488,7 @@ def fp32_linear(folder: Path | None = None) -> BlockedLinear | None:
     return kernel
 
 
-# fp32_linear_avx512.cpp's CODED forms: per run of CODED_RUN columns of a row a d (and for
+# fp32_linear.cpp's CODED forms: per run of CODED_RUN columns of a row a d (and for
 # Q4_1 an m), and a code per weight; the bytes of a run of a block of 16 features
 CODED_RUN = 32
 CODED_RUN_BYTES = {"q4_1": 384, "q8_0": 576}
@@ -503,7 +504,7 @@ class CodedLinear(BlockedLinear):
     (6 or 9 bits a weight) where they give back every weight bit for bit, and the kernel
     decodes them into fp32 in cache as it reads them, then sums as the blocked kernel
     (`fp32_linear`) does: its bits, from under a fifth (under a third) of the bytes
-    (fp32_linear_avx512.cpp CODED; figures: radixserve/hardware.py CODED_LINEAR). Any other
+    (fp32_linear.cpp CODED; figures: radixserve/hardware.py CODED_LINEAR). Any other
     weight: `pack` returns None."""
 
     def __init__(self, blocked: BlockedLinear, library: ctypes.CDLL, form: str = "q4_1") -> None:
@@ -602,13 +603,15 @@ def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
 
 
 @functools.cache
-def coded_linear(folder: Path | None = None, form: str = "q4_1") -> CodedLinear | None:
-    """The fp32 kernel on codes of `form` (`CodedLinear`) beside `fp32_linear`, where that
-    one is there."""
-    blocked = fp32_linear(folder)
+def coded_linear(
+    folder: Path | None = None, form: str = "q4_1", isa: str = "avx512"
+) -> CodedLinear | None:
+    """The fp32 kernel on codes of `form` (`CodedLinear`) beside `fp32_linear` built for
+    `isa`, where that one is there."""
+    blocked = fp32_linear(folder, isa)
     if blocked is None:
         return None
-    return CodedLinear(blocked, load_kernel("fp32_linear_avx512", folder, isa="avx512"), form)
+    return CodedLinear(blocked, load_kernel("fp32_linear", folder, isa=isa), form)
 
 
 class CodedAmxLinear:
@@ -880,8 +883,9 @@ CodedPrefill = CodedAmxLinear | CodedLutLinear
 def blocked_linear(
     dtype: torch.dtype, folder: Path | None = None, isa: str = "avx512"
 ) -> BlockedLinear | None:
-    """The blocked-layout linear kernel for a model of `dtype` (bf16: `amx_linear` built for
-    `isa`; fp32: `fp32_linear`), or None where there is none or it cannot be built."""
+    """The blocked-layout linear kernel for a model of `dtype` built for `isa` (bf16:
+    `amx_linear`, "amx" or "avx512"; fp32: `fp32_linear`, "avx512" or "avx2"), or None where
+    there is none or it cannot be built."""
     if dtype == torch.bfloat16:
         return amx_linear(folder, isa)
-    return fp32_linear(folder) if dtype == torch.float32 else None
+    return fp32_linear(folder, isa) if dtype == torch.float32 else None

@@ -50,7 +50,7 @@ constexpr int64_t kOneRow = -2;  // fp32_gemv: (x, w, bias, out, n, k, threads)
 constexpr int64_t kRows = -1;    // (x, w, bias, out, m, n, k, threads)
 // as kRows, a gate/up kernel whose out is silu(gate) * up (n: its width, half the weight's)
 constexpr int64_t kActRows = -3;
-// kind >= 0: a chunked kernel (fp32_linear_avx512.cpp), kind its chunk of columns
+// kind >= 0: a chunked kernel (fp32_linear.cpp), kind its chunk of columns
 
 void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int64_t k,
             int threads) {

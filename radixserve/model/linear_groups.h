@@ -1,4 +1,4 @@
-// How the linear kernels (bf16_linear_amx.cpp, fp32_linear_avx512.cpp) share out a product's
+// How the linear kernels (bf16_linear_amx.cpp, fp32_linear.cpp) share out a product's
 // blocks of 16 output features among the threads of a parallel region. The kernels' digest
 // covers this file too (cpu_kernels.py).
 #pragma once

@@ -706,9 +706,13 @@ def build_model(
                 # a weight whose products the kernel gives as torch's F.linear does takes
                 # every product, prefills too: the same bits, faster (hardware.FP32_LINEAR)
                 rows = PackedRows(1, kernels.blocked_rows)
+                exact = PackedRows(1, kernels.blocked_exact_rows)
                 forms = ("q4_1", "q8_0") if kernels.coded_linear else ()
-                coded = tuple(c for f in forms if (c := coded_linear(kernel_dir, f)) is not None)
-                found = model.use_blocked_linears(blocked, rows, PackedRows(1, None), coded)
+                isa = kernels.blocked_isa
+                coded = tuple(
+                    c for f in forms if (c := coded_linear(kernel_dir, f, isa)) is not None
+                )
+                found = model.use_blocked_linears(blocked, rows, exact, coded)
                 prefill, shapes = coded_prefill_kernel(model, kernels, coded, kernel_dir)
                 if prefill is not None:
                     model.use_coded_prefill_linears(*prefill, found, shapes)
@@ -734,8 +738,9 @@ def build_model(
                 if blocked.reproduces_torch:
                     logger.info(
                         "%s linear layers whose products the blocked kernel gives bit for bit "
-                        "as torch's (sums in chunks of %d columns) take it at every row count",
+                        "as torch's (sums in chunks of %d columns) take it at %s",
                         blocked.dtype, blocked.chunk,
+                        "every row count" if exact.last is None else f"up to {exact.last} rows",
                     )  # fmt: skip
         if kernels.packed_rows is not None:
             model.pack_linears(PackedRows(*kernels.packed_rows))

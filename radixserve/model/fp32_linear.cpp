@@ -1,4 +1,5 @@
-// fp32 linear layers of few rows (decode steps) on CPUs with AVX-512:
+// fp32 linear layers on CPUs with AVX-512 or AVX2, one source built for either (a block of 16
+// features is one 512-bit vector there, two 256-bit ones here: `Vec16`):
 //
 //   out (m, n) fp32 = x (m, k) fp32 @ W.T + bias,  W (n, k) fp32, bias (n,) fp32 or none
 //
@@ -33,7 +34,51 @@
 
 namespace {
 
-constexpr int kRows = 8;   // rows of x at a time
+// 16 fp32 lanes: a block's 16 features for one column, or 16 of their sums.
+#ifdef __AVX512F__
+struct Vec16 {
+    __m512 v;
+    static Vec16 zero() { return {_mm512_setzero_ps()}; }
+    static Vec16 load(const float* p) { return {_mm512_load_ps(p)}; }  // 64-byte aligned
+    static Vec16 loadu(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static Vec16 broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+    void storeu(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+constexpr int kRows = 8;  // rows of x at a time
+#else
+struct Vec16 {
+    __m256 lo, hi;
+    static Vec16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Vec16 load(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+    static Vec16 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+    static Vec16 broadcast(const float* p) {
+        const __m256 b = _mm256_broadcast_ss(p);
+        return {b, b};
+    }
+    void storeu(float* p) const {
+        _mm256_storeu_ps(p, lo);
+        _mm256_storeu_ps(p + 8, hi);
+    }
+};
+inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec16 add(Vec16 a, Vec16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+// 6 rows x 1 block a pass: 12 of the 16 registers hold sums, 2 the block's weights, 1 x's
+// broadcast (3 rows x 2 blocks needs 17: one sum spilled, its chain through memory, half the
+// speed). AMD EPYC (Zen 3, AVX2), one thread, sums in L1, GFLOP/s of its 120 peak (three
+// runs, a noisy machine): 6 x 1 block 73-87, 4 x 1 40, 4 rows x 24 features 76-90, 2 x 48
+// features 55-68, 1 x 96 38-53.
+constexpr int kRows = 6;
+#endif
+// blocks a pass takes: AVX-512 all of a group's (up to kGroup), AVX2 one at a time
+#ifdef __AVX512F__
+constexpr int kPassBlocks = 2;
+#else
+constexpr int kPassBlocks = 1;
+#endif
 // Blocks of 16 features at a time: kRows x kGroup = 16 accumulators. Against 3 blocks (24
 // accumulators), AMD EPYC Zen 4, 2 threads, bit for bit the same (each feature's sum is
 // its own), GFLOP/s 3 -> 2 blocks, one process alternating the two builds (medians of 13,
@@ -49,7 +94,7 @@ constexpr int kGroup = 2;
 // each group. AMD EPYC Zen 4, 2 threads, 8160 rows, GFLOP/s, whole -> panels of 64 (128 and
 // 256 alike): 143 -> 167 (1536 x 576), 175 -> 194 (576 x 1536), 178 -> 203 (576 x 576);
 // 544 rows and decode steps (one panel) unchanged.
-constexpr int64_t kPanel = 64;
+constexpr int64_t kPanel = 64 / kRows * kRows;  // a whole number of passes (AVX2: 63)
 
 // The next group's weights fetched into L2 during each pass over a group's columns, rather
 // than left to the hardware's prefetchers (which kept a decode step's first pass over each
@@ -72,38 +117,38 @@ struct Ahead {
 template <int count, int rows>
 void chunk_times_group(const float* x, int64_t k, int64_t first, int64_t end, const float* w,
                        int64_t stride, const float* bias, float* out, int64_t n, Ahead ahead) {
-    __m512 acc[rows][count];
+    Vec16 acc[rows][count];
 #pragma GCC unroll 16
     for (int r = 0; r < rows; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < count; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < count; c++) acc[r][c] = Vec16::zero();
     for (int64_t col = first; col < end; col++) {
-        __m512 wv[count];
+        Vec16 wv[count];
 #pragma GCC unroll 4
-        for (int c = 0; c < count; c++) wv[c] = _mm512_load_ps(w + c * stride + (col - first) * 16);
+        for (int c = 0; c < count; c++) wv[c] = Vec16::load(w + c * stride + (col - first) * 16);
 #pragma GCC unroll 4
         for (int c = 0; c < count; c++)
             if (col * count + c < ahead.count)
                 _mm_prefetch(ahead.lines + (col * count + c) * 64, _MM_HINT_T1);
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) {
-            const __m512 xv = _mm512_set1_ps(x[r * k + col]);
+            const Vec16 xv = Vec16::broadcast(x + r * k + col);
 #pragma GCC unroll 4
-            for (int c = 0; c < count; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            for (int c = 0; c < count; c++) acc[r][c] = fmadd(xv, wv[c], acc[r][c]);
         }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < count; c++) {
-        const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+        const Vec16 b = bias ? Vec16::loadu(bias + c * 16) : Vec16::zero();
 #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) {
             float* o = out + r * n + c * 16;
-            __m512 sum = acc[r][c];
+            Vec16 sum = acc[r][c];
             if (first > 0)
-                sum = _mm512_add_ps(_mm512_loadu_ps(o), sum);
+                sum = add(Vec16::loadu(o), sum);
             else if (bias)
-                sum = _mm512_add_ps(b, sum);
-            _mm512_storeu_ps(o, sum);
+                sum = add(b, sum);
+            sum.storeu(o);
         }
     }
 }
@@ -119,14 +164,30 @@ inline void chunk_rows(int64_t rows, const float* x, int64_t k, int64_t first, i
     chunk_times_group<count, R>(x, k, first, end, w, stride, bias, out, n, ahead);
 }
 
-// All of x's m rows, kRows at a time, times columns [first, end) of the group's blocks.
+// Block c of a group's `ahead`: its share of the next group's lines (each block's pass
+// fetches as many as it has columns), where the group's blocks take passes of their own.
+inline Ahead block_share(Ahead ahead, int c, int64_t k) {
+    if (ahead.lines == nullptr || ahead.count <= c * k) return Ahead{};
+    return Ahead{ahead.lines + c * k * 64, ahead.count - c * k};
+}
+
+// All of x's m rows, kRows at a time, times columns [first, end) of the group's blocks: in
+// one pass where a pass takes them all, else a block at a time, all rows against it (its
+// columns' weights stay in L1 across the passes).
 template <int count>
 void chunk_all_rows(const float* x, int64_t m, int64_t k, int64_t first, int64_t end,
                     const float* w, int64_t stride, const float* bias, float* out, int64_t n,
                     Ahead ahead) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRows)
-        chunk_rows<count, kRows>(m - r0 < kRows ? m - r0 : kRows, x + r0 * k, k, first, end, w,
-                                 stride, bias, out + r0 * n, n, ahead);
+    if constexpr (count > kPassBlocks) {
+        for (int c = 0; c < count; c++)
+            chunk_all_rows<1>(x, m, k, first, end, w + c * stride, stride,
+                              bias ? bias + c * 16 : nullptr, out + c * 16, n,
+                              block_share(ahead, c, k));
+    } else {
+        for (int64_t r0 = 0; r0 < m; r0 += kRows)
+            chunk_rows<count, kRows>(m - r0 < kRows ? m - r0 : kRows, x + r0 * k, k, first, end,
+                                     w, stride, bias, out + r0 * n, n, ahead);
+    }
 }
 
 // The columns cut into chunks: chunk <= 0 or over k, one; a row of more than one chunk and
@@ -137,9 +198,19 @@ inline int64_t effective_chunk(int64_t k, int64_t chunk) {
     return chunk;
 }
 
+// x's m rows times the group's blocks, chunk by chunk of columns. Where a pass takes the
+// group's blocks, x's rows outer (a pass of rows runs every chunk); else chunks outer
+// (chunk_all_rows: each block's chunk of weights stays in L1 while every row runs).
 template <int count>
 void group(const float* x, int64_t m, int64_t k, int64_t chunk, const float* w, int64_t stride,
            const float* bias, float* out, int64_t n, Ahead ahead) {
+    if constexpr (count > kPassBlocks) {
+        for (int64_t first = 0; first < k; first += chunk) {
+            const int64_t end = first + chunk < k ? first + chunk : k;
+            chunk_all_rows<count>(x, m, k, first, end, w + first * 16, stride, bias, out, n, ahead);
+        }
+        return;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
         for (int64_t first = 0; first < k; first += chunk) {
@@ -168,10 +239,12 @@ void group(const float* x, int64_t m, int64_t k, int64_t chunk, const float* w, 
 // feature f's q of column 32 j + 2 p in its low nibble, of 32 j + 2 p + 1 in its high), for
 // Q8_0 32 columns of 16 bytes (byte f of column c: feature f's q).
 constexpr int64_t kCodedRun = 32;  // columns per d
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// The run's 32 columns of 16 features into out (32 x 16 fp32). The _round_ forms of the
-// products and sums keep the compiler from fusing them into FMAs (one rounding, not two).
+// The run's 32 columns of 16 features into out (32 x 16 fp32), each weight (d * q) + m or
+// d * q with the product rounded before the sum: AVX-512's _round_ forms, and AVX2's
+// `apart`, keep the compiler from fusing them into an FMA (one rounding, not two).
+#ifdef __AVX512F__
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 struct Q4_1 {
     static constexpr int64_t kBytes = 384;
     static void decode(const uint8_t* run, float* out) {
@@ -198,6 +271,47 @@ struct Q8_0 {
         }
     }
 };
+#else
+// a * b rounded, then + c rounded: the empty asm hides the product from the compiler's
+// contraction into an FMA
+inline __m256 apart(__m256 a, __m256 b, __m256 c) {
+    __m256 product = _mm256_mul_ps(a, b);
+    asm("" : "+x"(product));
+    return _mm256_add_ps(product, c);
+}
+// 8 bytes at p as 8 int32 lanes, unsigned or signed
+inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline __m256i widen_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+struct Q4_1 {
+    static constexpr int64_t kBytes = 384;
+    static void decode(const uint8_t* run, float* out) {
+        const __m256i nibble = _mm256_set1_epi32(15);
+        const float* dm = (const float*)run;
+        for (int h = 0; h < 2; h++) {  // features 8 h .. 8 h + 7
+            const __m256 d = _mm256_loadu_ps(dm + 8 * h), m = _mm256_loadu_ps(dm + 16 + 8 * h);
+            for (int p = 0; p < kCodedRun / 2; p++) {
+                const __m256i q = widen_u8(run + 128 + p * 16 + 8 * h);
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, nibble));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+                _mm256_store_ps(out + 2 * p * 16 + 8 * h, apart(lo, d, m));
+                _mm256_store_ps(out + (2 * p + 1) * 16 + 8 * h, apart(hi, d, m));
+            }
+        }
+    }
+};
+struct Q8_0 {
+    static constexpr int64_t kBytes = 576;
+    static void decode(const uint8_t* run, float* out) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_loadu_ps((const float*)run + 8 * h);
+            for (int c = 0; c < kCodedRun; c++) {
+                const __m256 q = _mm256_cvtepi32_ps(widen_i8(run + 64 + c * 16 + 8 * h));
+                _mm256_store_ps(out + c * 16 + 8 * h, _mm256_mul_ps(q, d));
+            }
+        }
+    }
+};
+#endif
 
 // Columns [first, end) (multiples of kCodedRun) of `count` coded blocks (at codes, `stride`
 // bytes apart) decoded into w (count blocks of (end - first) x 16 fp32, `wstride` floats
