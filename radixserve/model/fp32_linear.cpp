@@ -14,8 +14,9 @@
 // so a row of x's value in that column (broadcast) times it adds into 16 sums at once: one
 // register per (row of x, block), no horizontal sums. Each thread takes whole groups of up
 // to kGroup consecutive blocks and runs x's rows against them, kRows at a time (kRows x
-// kGroup accumulators), from L2: while it works on a group, it fetches its next group's
-// weights (one stretch of memory) into L2, a line per block and column it reads.
+// kGroup accumulators; the AVX2 build a block at a time, kPassBlocks), from L2: while it
+// works on a group, it fetches its next group's weights (one stretch of memory) into L2, a
+// line per block and column it reads.
 //
 // Order of the sums: each output's sum runs over the columns in order, one fp32 FMA a
 // column, in chunks of `chunk` columns: each chunk's sum starts from zero and is added to the
@@ -68,7 +69,8 @@ inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
 inline Vec16 add(Vec16 a, Vec16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 // 6 rows x 1 block a pass: 12 of the 16 registers hold sums, 2 the block's weights, 1 x's
 // broadcast (3 rows x 2 blocks needs 17: one sum spilled, its chain through memory, half the
-// speed). AMD EPYC (Zen 3, AVX2), one thread, sums in L1, GFLOP/s of its 120 peak (three
+// speed). x's rows packed column by column for the broadcasts (one stream, fixed offsets)
+// ran 1.1x in L1 but no faster in the kernel (16-1,024 rows), and were not kept. AMD EPYC (Zen 3, AVX2), one thread, sums in L1, GFLOP/s of its 120 peak (three
 // runs, a noisy machine): 6 x 1 block 73-87, 4 x 1 40, 4 rows x 24 features 76-90, 2 x 48
 // features 55-68, 1 x 96 38-53.
 constexpr int kRows = 6;
