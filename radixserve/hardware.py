@@ -293,6 +293,10 @@ FP32_BLOCKED_ROWS = 64
 # (CODED_LINEAR) there: 20.2 at 1 row, 22.0 at 4, but 33.3 at 8, 47.2 at 16, 80.4 at 32,
 # 147.7 at 64: behind the plain kernel at a decode batch's rows, so not taken on AVX2; nor is
 # the lookup kernel (CODED_LUT: a 2 x 512 prefill 1,865 ms on MKL, 2,388 on its best build).
+# Decode steps (`bench step-breakdown --context-len 544`, fp32, unprofiled ms, the plan before
+# -> this one, runs alternated on a noisy machine): 38.6, 43.6 -> 37.2, 36.3 at 1 running;
+# 123.6-126.3 -> 84.6-121.4 at 16; 385-565 -> 326-410 at 64 (from 33 rows the plan before
+# left the products to MKL and the layers to Python; the one-call driver takes them now).
 FP32_EXACT_ROWS_AVX2 = 256
 
 # CODED_LINEAR: fp32 linear layers whose weights are 4-bit codes in disguise (every run of 32
