@@ -66,8 +66,9 @@ class ModelConfig:
     kernels: str = _opt(
         "auto",
         "auto: on x86 CPUs with AVX2, the project's C++ kernels where they beat torch on this "
-        "CPU (decode attention reading K/V where they lie in the pool; one-row fp32 linear "
-        "layers on AVX2-only CPUs), built on first use (torch where they cannot be); "
+        "CPU (decode attention reading K/V where they lie in the pool; fp32 linear layers "
+        "of decode-sized products in the weights' own layout), built on first use (torch "
+        "where they cannot be); "
         "torch: torch ops only.",
         choices=KERNELS,
     )

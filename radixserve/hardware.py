@@ -17,9 +17,10 @@ Hence: bf16 weights and activations by default where AMX or AVX512-BF16 runs the
 (`auto_dtype`), with the weights pre-blocked for oneDNN on AVX-512 CPUs
 (`KernelPlan.packed_rows`) and decode-sized products through the project's tile-layout
 kernel, AMX or AVX512-BF16 (`KernelPlan.blocked_rows`), fp32 ones through its fp32
-counterpart on AVX-512 CPUs with AVX512-BF16 (AMD's Zen 4, Intel's AMX Xeons); elsewhere the
-one-row fp32 kernel wherever MKL's sgemv is the slower one, i.e. everywhere but on Intel CPUs
-with AVX-512 (`KernelPlan.gemv`); the
+counterpart on AVX-512 CPUs with AVX512-BF16 (AMD's Zen 4, Intel's AMX Xeons) and, in its
+AVX2 build, on CPUs without AVX-512 (`KernelPlan.blocked_isa`); behind it, for where it
+cannot be built, the one-row fp32 kernel wherever MKL's sgemv is the slower one, i.e.
+everywhere but on Intel CPUs with AVX-512 (`KernelPlan.gemv`); the
 decode-attention kernel wherever x86 AVX2 is there, for fp32, bf16 and fp16 KV pools, built
 for AVX-512 where the CPU has it with AVX512-BF16 (`KernelPlan.decode_attention_isa`);
 RMSNorm, rotary and SiLU*up fused (`KernelPlan.fused_elementwise`).
@@ -405,7 +406,8 @@ class KernelPlan:
     decode_attention: bool  # decode_attention.cpp: one-token rows read K/V in the pool
     # fp32_gemv.cpp: one-row fp32 linear layers (batch-1 decode), where MKL's sgemv is
     # slower (every CPU but Intel's with AVX-512) and no blocked kernel takes them, ahead of
-    # packed_rows' other products
+    # packed_rows' other products (AVX2-only CPUs: behind the blocked kernel's AVX2 build,
+    # for where that cannot be built)
     gemv: bool
     # fp32_gemm_small.cpp for linear layers of 2..few_rows_max rows (small decode batches);
     # 0: off. AVX2-only CPUs (see FEW_ROWS_MAX); unmeasured on AVX-512, which keeps MKL there
@@ -501,7 +503,7 @@ class KernelPlan:
             blocked_isa = "avx512" if wide else "avx2"
         return cls(
             decode_attention=attention,
-            gemv=gemv and not fp32_blocked,
+            gemv=gemv and not (fp32_blocked and wide),
             few_rows_max=FEW_ROWS_MAX if fp32_linears else 0,
             int8_dequant_min_rows=16 if cpu.avx512 else 48,
             packed_rows=PACKED_ROWS.get(dtype) if packed and not fp32_blocked else None,

@@ -102,14 +102,14 @@ def test_kernel_plan_per_cpu():
     f32, bf16 = torch.float32, torch.bfloat16
     amd, intel = cpu(AMD_FLAGS), intel_cpu()
     # AVX2 only: the blocked fp32 kernel's AVX2 build up to 64 rows, up to 256 for weights
-    # whose products it gives as torch's (the few-rows kernel behind it, for where it
-    # cannot be built; no one-row kernel); decode attention for any pool; the fused
+    # whose products it gives as torch's (the one-row and few-rows kernels behind it, for
+    # where it cannot be built); decode attention for any pool; the fused
     # element-wise ops (fp32 and bf16 models alike), their 8-lane build; the extend
     # kernel's AVX2 build where the pool is fp32 as the model; with decode attention and
     # fused ops for the model's dtype, a decode step's layers driven from one C++ call; no
     # codes read (FP32_LINEAR_AVX2)
     avx2_fp32 = KernelPlan(
-        *(True, False, FEW_ROWS_MAX, 48),
+        *(True, True, FEW_ROWS_MAX, 48),
         fused_elementwise="avx2",
         decode_layers=True,
         blocked_rows=FP32_BLOCKED_ROWS,

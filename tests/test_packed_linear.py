@@ -1,12 +1,13 @@
 """Linear layers with their weights pre-blocked for oneDNN (`KernelPlan.packed_rows`: bf16 on
 CPUs with AMX or AVX512-BF16, 2-64-row fp32 products on Intel's AVX-512 CPUs) or laid out
 for the project's blocked kernels (`KernelPlan.blocked_rows`: bf16 decode-sized products as
-AMX tiles on CPUs with AMX or AVX512-BF16; fp32 ones in blocks of 16 features on AMD's
-AVX-512 CPUs): the product against F.linear, and a whole bf16 model packed, with the AMX
-kernel and with the fused element-wise ops (`KernelPlan.fused_elementwise`) against the same
-model with torch's ops, and an fp32 model through the fp32 kernel, on any CPU (all forced
-here where the CPU runs them; which machines get them by default is tests/test_hardware.py's
-business; the ops alone: tests/test_cpu_kernels.py)."""
+AMX tiles on CPUs with AMX or AVX512-BF16; fp32 ones in blocks of 16 features on AVX-512
+CPUs with AVX512-BF16, and in the AVX2 build elsewhere): the product against F.linear, and
+a whole bf16 model packed, with the AMX kernel and with the fused element-wise ops
+(`KernelPlan.fused_elementwise`) against the same model with torch's ops, and an fp32 model
+through the fp32 kernel, on any CPU (all forced here where the CPU runs them; which
+machines get them by default is tests/test_hardware.py's business; the ops alone:
+tests/test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ needs_amx = pytest.mark.skipif(AMX is None, reason="this CPU has neither AMX nor
 # fp32_linear.cpp as the plan builds it: AVX-512 (with AVX512-BF16), else AVX2
 FP32_ISA = "avx512" if cpu_runs("avx512") else "avx2"
 FP32 = fp32_linear(None, FP32_ISA)
-needs_fp32_kernel = pytest.mark.skipif(FP32 is None, reason="this CPU lacks AVX2")
+needs_fp32_kernel = pytest.mark.skipif(
+    FP32 is None, reason="this CPU lacks AVX2, or the fp32 kernel did not build"
+)
 CODED = {form: coded_linear(None, form, FP32_ISA) for form in ("q4_1", "q8_0")}  # its codes
 CODED_AMX = coded_amx_linear() if cpu_info().amx_bf16 else None  # fp32_coded_amx.cpp
 needs_coded_amx = pytest.mark.skipif(CODED_AMX is None, reason="this CPU has no AMX")
@@ -274,7 +277,7 @@ def test_no_chunk_is_claimed_where_none_reproduces_torch():
     """torch_sum_chunk answers None for a kernel whose sums cannot match F.linear's, and
     leaves the kernel's chunk as it was."""
     if FP32 is None:
-        pytest.skip("this CPU lacks AVX-512")
+        pytest.skip("this CPU has no build of the fp32 kernel")
 
     class Skewed:  # the kernel's product, one ulp off in one element
         chunk, pack = FP32.chunk, FP32.pack
@@ -581,7 +584,7 @@ def test_the_start_up_measurement_takes_each_layers_q_k_v_as_one_product(monkeyp
     linear layer gets it; at an unreachable margin none."""
     from radixserve.model import runner as runner_module
 
-    q4 = coded_linear(None, "q4_1")
+    q4 = coded_linear(None, "q4_1", FP32_ISA)
     if q4 is None:
         pytest.skip("this CPU has no build of the blocked fp32 kernel over codes")
     runner = ModelRunner(Config.from_flat(dtype="float32", max_total_tokens=4096), progress=False)

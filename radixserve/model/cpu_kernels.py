@@ -34,7 +34,8 @@ from radixserve.hardware import cpu_info
 
 logger = logging.getLogger(__name__)
 
-KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# gnu++17: linear_groups.h needs C++17 (GCC before 11 defaults to C++14)
+KERNEL_FLAGS = ("-O3", "-std=gnu++17", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # the instruction sets a kernel is built for: compiler flags beyond KERNEL_FLAGS
 ISA_FLAGS = {
     "avx2": (),

@@ -96,7 +96,9 @@ constexpr int kGroup = 2;
 // each group. AMD EPYC Zen 4, 2 threads, 8160 rows, GFLOP/s, whole -> panels of 64 (128 and
 // 256 alike): 143 -> 167 (1536 x 576), 175 -> 194 (576 x 1536), 178 -> 203 (576 x 576);
 // 544 rows and decode steps (one panel) unchanged.
-constexpr int64_t kPanel = 64 / kRows * kRows;  // a whole number of passes (AVX2: 63)
+// a whole number of passes of at least 64 rows (AVX2: 66), so that a 64-row product (the
+// plan's blocked rows) is one panel, not 63 rows and then 1 streaming every weight again
+constexpr int64_t kPanel = (64 + kRows - 1) / kRows * kRows;
 
 // The next group's weights fetched into L2 during each pass over a group's columns, rather
 // than left to the hardware's prefetchers (which kept a decode step's first pass over each
