@@ -348,6 +348,20 @@ void coded_group(const float* x, int64_t m, int64_t k, int64_t chunk, const uint
     }
 }
 
+// Inside a parallel region: body(r0, rows, first block, count, next) for each kPanel-row
+// panel of an m-row product (rows r0 .. r0 + rows - 1) and each group of this thread's
+// blocks of 16 of its n features (linear_groups::this_threads: next, the thread's next
+// group's blocks, 0 after its last).
+template <typename Body>
+void each_panel_group(int64_t m, int64_t n, Body body) {
+    for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
+        const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+        linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
+            body(r0, rows, b, count, next);
+        });
+    }
+}
+
 // out (m, n) = x (m, k) @ W.T + bias for W held as Form's codes (CODED above; n a multiple
 // of 16, k of 32), the sums in chunks of `chunk` columns as fp32_blocked_linear takes them
 // (the chunk it ends with must be a multiple of 32: cpu_kernels.CodedLinear checks).
@@ -366,21 +380,17 @@ void coded_linear(const float* x, const uint8_t* codes, const float* bias, float
             capacity = kGroup * chunk * 16;
             scratch = static_cast<float*>(aligned_alloc(64, capacity * sizeof(float)));
         }
-        for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
-            const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+        each_panel_group(m, n, [&](int64_t r0, int64_t rows, int64_t b, int64_t count, int64_t next) {
+            const uint8_t* c = codes + b * stride;
+            const float* gb = bias ? bias + b * 16 : nullptr;
+            float* o = out + r0 * n + b * 16;
+            const Ahead ahead{next ? (const char*)(c + count * stride) : nullptr, next * stride / 64};
             const float* xp = x + r0 * k;
-            linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
-                const uint8_t* c = codes + b * stride;
-                const float* gb = bias ? bias + b * 16 : nullptr;
-                float* o = out + r0 * n + b * 16;
-                const Ahead ahead{next ? (const char*)(c + count * stride) : nullptr,
-                                  next * stride / 64};
-                if (count == 1)
-                    coded_group<Form, 1>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
-                else
-                    coded_group<Form, kGroup>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
-            });
-        }
+            if (count == 1)
+                coded_group<Form, 1>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+            else
+                coded_group<Form, kGroup>(xp, rows, k, chunk, c, stride, gb, o, n, ahead, scratch);
+        });
     }
 }
 
@@ -401,21 +411,18 @@ extern "C" void fp32_blocked_linear(const float* x, const float* packed, const f
     const int64_t stride = k * 16;
     chunk = effective_chunk(k, chunk);
 #pragma omp parallel num_threads(threads)
-    for (int64_t r0 = 0; r0 < m; r0 += kPanel) {
-        const int64_t rows = m - r0 < kPanel ? m - r0 : kPanel;
+    each_panel_group(m, n, [&](int64_t r0, int64_t rows, int64_t b, int64_t count, int64_t next) {
+        const float* w = packed + b * stride;
+        const float* gb = bias ? bias + b * 16 : nullptr;
+        float* o = out + r0 * n + b * 16;
+        const Ahead ahead{next ? (const char*)(w + count * stride) : nullptr, next * k};
         const float* xp = x + r0 * k;
-        linear_groups::this_threads(n / 16, kGroup, [&](int64_t b, int64_t count, int64_t next) {
-            const float* w = packed + b * stride;
-            const float* gb = bias ? bias + b * 16 : nullptr;
-            float* o = out + r0 * n + b * 16;
-            const Ahead ahead{next ? (const char*)(w + count * stride) : nullptr, next * k};
-            switch (count) {
-                case 1: group<1>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
-                case 2: group<2>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
-                default: group<kGroup>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
-            }
-        });
-    }
+        switch (count) {
+            case 1: group<1>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
+            case 2: group<2>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
+            default: group<kGroup>(xp, rows, k, chunk, w, stride, gb, o, n, ahead); break;
+        }
+    });
 }
 
 // coded_linear of the two forms (see CODED above)
