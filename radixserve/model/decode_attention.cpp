@@ -9,16 +9,18 @@
 // the batch's keys and values, no padding to the longest request, no mask. The torch path
 // (index_select into a padded batch, then SDPA) spent 30% of a batch-64 decode step on this.
 //
-// One task per (request, KV head): its G query heads share every K and V row read; the
-// consecutive rows of one request that a verification step brings (a decode step's token
-// and its drafted tokens, speculative decoding) make one task, each row read once for all
-// their queries, each query's sums in the same order as alone (bit-identical). Scores
-// are computed 8 positions at a time (one transposed reduction instead of 8), exp is a
-// vectorized polynomial, the weighted sum of V keeps every head's accumulators in
-// registers, and rows are prefetched ahead (they are scattered over a pool far bigger than
-// the caches). Arithmetic in fp32; the softmax subtracts the row maximum like every
-// reference does. The pool may hold fp32, bf16 or fp16 (`--kv-cache-dtype`): 16-bit rows
-// are widened to fp32 in registers as they are loaded, so a 16-bit pool halves the bytes
+// One task per request, all its KV heads (per (request, KV head) where there are too few
+// requests to keep the threads busy: heads_a_task): each slot's row of K and V is read
+// whole, once, the rows in order, each K and V vector once for the G query heads that
+// share it; the consecutive rows of one request that a verification step brings (a decode
+// step's token and its drafted tokens, speculative decoding) make one task too, each row
+// read once for all their queries. Each query's sums run in the same order as alone
+// (bit-identical). Scores of 8 positions are reduced at once (one transposed reduction
+// instead of 8), exp is a vectorized polynomial, and rows are prefetched ahead (they may
+// be scattered over a pool far bigger than the caches). Arithmetic in fp32; the softmax
+// subtracts the row maximum like every reference does. The pool may hold fp32, bf16 or
+// fp16 (`--kv-cache-dtype`): 16-bit rows are widened to fp32 in registers as they are
+// loaded, so a 16-bit pool halves the bytes
 // this kernel reads (what it is bound by at long contexts).
 #include <immintrin.h>
 #include <math.h>
@@ -33,7 +35,7 @@
 
 namespace {
 
-constexpr int64_t kMaxGroup = 8;  // query heads per KV head held in registers at once
+constexpr int64_t kMaxGroup = 8;  // query heads per KV head, at most
 // Consecutive rows of one request attended together, at most. This build on the AMD EPYC
 // Zen 4 (30 layers, contexts of 512, fp32, ms, one row at a time -> together): 1 request
 // with 8 drafted tokens 7.9 -> 6.3, 4 with 4 18.7 -> 14.6, 16 with 2 53.4 -> 40.0; plain
@@ -100,46 +102,114 @@ struct Queries {
     const float* q;
     const int64_t* lens;
     int64_t count, group, row_stride, dim, stride;
-    int64_t offset(int64_t i) const { return i / group * row_stride + i % group * dim; }
-    int64_t len(int64_t i) const { return lens[i / group]; }
+    // offset(i) and len(i) of each query, worked out once (a division each; the passes
+    // ask for them at every row)
+    int64_t offsets[kMaxRows * kMaxGroup], query_lens[kMaxRows * kMaxGroup];
+    void tabulate() {
+        for (int64_t i = 0; i < count; i++) {
+            offsets[i] = i / group * row_stride + i % group * dim;
+            query_lens[i] = lens[i / group];
+        }
+    }
+    int64_t offset(int64_t i) const { return offsets[i]; }
+    int64_t len(int64_t i) const { return query_lens[i]; }
     int64_t longest() const { return lens[(count - 1) / group]; }
 };
 
-// scores[i * stride + s] = q_i . k(s) * scale for s < len(i), 8 positions per pass; the
-// rows kFar positions ahead are prefetched (the pool is far bigger than the caches and the
-// rows are scattered: without it the kernel waited on memory, ~4 GB/s).
+// A task's KV heads: heads [first, first + count) of the pool's kv_heads, whose rows lie one
+// after the other in a slot's row of the pool (kv_heads * dim values: every KV head's).
+struct Heads {
+    int64_t first, count, kv_heads;
+};
+
+// Queries a pass holds in registers (their sums, or their weights) while it reads a row.
+constexpr int64_t kPassQueries = 4;
+
+// to[8 j] = q_j . k lane by lane (the products summed over the dims, one FMA chain a lane)
+// for the M queries at q[j], a K row part of `dim` values at k: each K vector loaded once.
+template <typename Kv, int M>
+inline void dot_row(const float* const* q, const typename Kv::T* k, int64_t dim, __m256* to) {
+    __m256 acc[M];
+#pragma GCC unroll 4
+    for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 kv = Kv::load(k + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), kv, acc[j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < M; j++) to[8 * j] = acc[j];
+}
+
+// out[j][d] += w[j] * v[d] for the M outputs at out[j], a V row part of `dim` values at v:
+// each V vector loaded once.
+template <typename Kv, int M>
+inline void add_row(const __m256* w, const typename Kv::T* v, int64_t dim, float* const* out) {
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 vv = Kv::load(v + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < M; j++)
+            _mm256_storeu_ps(out[j] + d, _mm256_fmadd_ps(w[j], vv, _mm256_loadu_ps(out[j] + d)));
+    }
+}
+
+// scores[(h * count + i) * stride + s] = q_i . k(s) * scale for head h of the task's heads,
+// query i of that head, s < len(i). The rows are read in order, each slot's row whole (the
+// task's part of it: every KV head's where the task takes them all), each K vector once for
+// all the queries of its head: a pass over the pool in the order it lies, which the
+// hardware's prefetchers follow. Each query's sum over a row is one FMA chain per lane, in
+// the order of the dims; 8 rows' sums are reduced at once (hsum8). AMD EPYC Zen 3, one
+// thread streaming SmolLM2's pool (768-byte rows): 8 rows at a time, a head's part of each
+// in turn (this kernel before) 8-9 GB/s, row by row 14-16 GB/s, a plain sum 17-19 GB/s.
+// The task's rows kFar positions ahead are prefetched (the pool is far bigger than the
+// caches and the rows may be scattered: without it the kernel waited on memory).
 template <typename Kv>
-void scores_of(const Queries& qs, const typename Kv::T* k_pool, const int64_t* slots,
-               int64_t kv_heads, int64_t kh, float scale, float* scores) {
+void scores_of(const Queries& qs, const typename Kv::T* k_pool, const int64_t* slots, Heads heads,
+               float scale, float* scores, __m256* sums) {
     const __m256 vscale = _mm256_set1_ps(scale);
     using T = typename Kv::T;
-    const int64_t len = qs.longest(), dim = qs.dim;
+    const int64_t len = qs.longest(), dim = qs.dim, count = qs.count;
+    const int64_t row = heads.kv_heads * dim, span = heads.count * dim;
+    const T* base = k_pool + heads.first * dim;
     for (int64_t s = 0; s < len && s < kFar<T>; s++)  // the first rows, past the loop's prefetches
-        prefetch_row_l2(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
+        prefetch_row_l2(base + slots[s] * row, span);
     for (int64_t s0 = 0; s0 < len; s0 += 8) {
         const int64_t n = len - s0 < 8 ? len - s0 : 8;
-        for (int64_t s = s0 + kFar<T>; s < len && s < s0 + kFar<T> + 8; s++)
-            prefetch_row_l2(k_pool + (slots[s] * kv_heads + kh) * dim, dim);
-        const typename Kv::T* k[8];
-        for (int64_t t = 0; t < 8; t++) k[t] = k_pool + (slots[s0 + (t < n ? t : 0)] * kv_heads + kh) * dim;
-        for (int64_t i = 0; i < qs.count; i++) {
-            const int64_t m = qs.len(i) - s0 < 8 ? qs.len(i) - s0 : 8;  // this query's
-            if (m <= 0) continue;
-            const float* qg = qs.q + qs.offset(i);
-            float* row = scores + i * qs.stride;
-            __m256 acc[8];
-            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 8) {
-                __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, Kv::load(k[t] + d), acc[t]);
+        // sums[(h * count + i) * 8 + t]: query i of head h on row s0 + t (rows past the
+        // last, t >= n, repeat row s0: their lanes are not stored)
+        for (int64_t t = 0; t < 8; t++) {
+            const int64_t s = s0 + (t < n ? t : 0);
+            if (t < n && s + kFar<T> < len) prefetch_row_l2(base + slots[s + kFar<T>] * row, span);
+            const T* k = base + slots[s] * row;
+            for (int64_t h = 0; h < heads.count; h++) {
+                for (int64_t i0 = 0; i0 < count; i0 += kPassQueries) {
+                    const int64_t m = count - i0 < kPassQueries ? count - i0 : kPassQueries;
+                    if (s0 >= qs.len(i0 + m - 1)) continue;  // past all of these queries
+                    const float* qg[kPassQueries];
+                    for (int64_t j = 0; j < m; j++) qg[j] = qs.q + qs.offset(i0 + j) + h * qs.group * dim;
+                    __m256* to = sums + (h * count + i0) * 8 + t;
+                    switch (m) {
+                        case 1: dot_row<Kv, 1>(qg, k + h * dim, dim, to); break;
+                        case 2: dot_row<Kv, 2>(qg, k + h * dim, dim, to); break;
+                        case 3: dot_row<Kv, 3>(qg, k + h * dim, dim, to); break;
+                        default: dot_row<Kv, kPassQueries>(qg, k + h * dim, dim, to); break;
+                    }
+                }
             }
-            __m256 sums = _mm256_mul_ps(hsum8(acc), vscale);
-            if (m == 8) {
-                _mm256_storeu_ps(row + s0, sums);
-            } else {
-                alignas(32) float tmp[8];
-                _mm256_store_ps(tmp, sums);
-                for (int64_t t = 0; t < m; t++) row[s0 + t] = tmp[t];
+        }
+        for (int64_t h = 0; h < heads.count; h++) {
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t m = qs.len(i) - s0 < 8 ? qs.len(i) - s0 : 8;  // this query's
+                if (m <= 0) continue;
+                float* out = scores + (h * count + i) * qs.stride;
+                const __m256 all = _mm256_mul_ps(hsum8(sums + (h * count + i) * 8), vscale);
+                if (m == 8) {
+                    _mm256_storeu_ps(out + s0, all);
+                } else {
+                    alignas(32) float tmp[8];
+                    _mm256_store_ps(tmp, all);
+                    for (int64_t t = 0; t < m; t++) out[s0 + t] = tmp[t];
+                }
             }
         }
     }
@@ -174,37 +244,62 @@ void softmax(float* row, int64_t len) {
     for (; s < len; s++) row[s] *= 1.0f / hsum(vtotal);
 }
 
-// out_i = sum_{s < len(i)} p[i * stride + s] * v(s) for queries first..first+count-1
-// (count <= kMaxGroup), 32 dims per pass with every query's accumulators in registers, in
-// the order of s; the first pass prefetches whole rows ahead.
+// out_i = sum_{s < len(i)} p[(h * count + i) * stride + s] * v(s) for each head h of the
+// task's and query i of that head: the rows in order, each read whole (as scores_of reads
+// K), each V vector once for the queries of its head, their sums kept in out (in cache: a
+// head's queries' outputs are 3 x 64 floats at SmolLM2's shape) and added to in the order
+// of s, one FMA per lane and row. AMD EPYC Zen 3, one thread, SmolLM2's pool: a block of
+// rows a head's 32 dims at a time (this kernel before) 9-10 GB/s, row by row 13-14 GB/s.
 template <typename Kv>
-void weighted_values(const float* p, const Queries& qs, int64_t first, int64_t count,
-                     const typename Kv::T* v_pool, const int64_t* slots, int64_t kv_heads,
-                     int64_t kh, float* out) {
-    const int64_t dim = qs.dim, stride = qs.stride;
-    const int64_t shortest = qs.len(first), len = qs.len(first + count - 1);
-    const float* pg = p + first * stride;
-    constexpr int64_t far = kFar<typename Kv::T>;
-    for (int64_t s = 0; s < len && s < far; s++)
-        prefetch_row_l2(v_pool + (slots[s] * kv_heads + kh) * dim, dim);
-    for (int64_t d = 0; d < dim; d += 32) {
-        __m256 acc[kMaxGroup][4];
-        for (int64_t g = 0; g < count; g++)
-            for (int i = 0; i < 4; i++) acc[g][i] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < len; s++) {
-            if (d == 0 && s + far < len) prefetch_row_l2(v_pool + (slots[s + far] * kv_heads + kh) * dim, dim);
-            const typename Kv::T* v = v_pool + (slots[s] * kv_heads + kh) * dim + d;
-            __m256 vv[4];
-            for (int i = 0; i < 4; i++) vv[i] = Kv::load(v + 8 * i);
-            for (int64_t g = 0; g < count; g++) {
-                if (s >= shortest && s >= qs.len(first + g)) continue;  // past this query's
-                __m256 w = _mm256_broadcast_ss(pg + g * stride + s);
-                for (int i = 0; i < 4; i++) acc[g][i] = _mm256_fmadd_ps(w, vv[i], acc[g][i]);
+void weighted_values(const float* p, const Queries& qs, const typename Kv::T* v_pool,
+                     const int64_t* slots, Heads heads, float* out) {
+    using T = typename Kv::T;
+    const int64_t dim = qs.dim, stride = qs.stride, len = qs.longest(), count = qs.count;
+    const int64_t row = heads.kv_heads * dim, span = heads.count * dim;
+    const T* base = v_pool + heads.first * dim;
+    constexpr int64_t far = kFar<T>;
+    for (int64_t s = 0; s < len && s < far; s++) prefetch_row_l2(base + slots[s] * row, span);
+    for (int64_t h = 0; h < heads.count; h++)
+        for (int64_t i = 0; i < count; i++)
+            for (int64_t d = 0; d < dim; d += 8)
+                _mm256_storeu_ps(out + qs.offset(i) + h * qs.group * dim + d, _mm256_setzero_ps());
+    for (int64_t s = 0; s < len; s++) {
+        if (s + far < len) prefetch_row_l2(base + slots[s + far] * row, span);
+        const T* v = base + slots[s] * row;
+        for (int64_t h = 0; h < heads.count; h++) {
+            for (int64_t i0 = 0; i0 < count; i0 += kPassQueries) {
+                int64_t m = 0;  // of these queries, those that attend s (lengths not decreasing)
+                float* og[kPassQueries];
+                __m256 w[kPassQueries];
+                for (int64_t j = 0; j < kPassQueries && i0 + j < count; j++) {
+                    if (s >= qs.len(i0 + j)) continue;
+                    og[m] = out + qs.offset(i0 + j) + h * qs.group * dim;
+                    w[m++] = _mm256_broadcast_ss(p + (h * count + i0 + j) * stride + s);
+                }
+                switch (m) {
+                    case 0: break;
+                    case 1: add_row<Kv, 1>(w, v + h * dim, dim, og); break;
+                    case 2: add_row<Kv, 2>(w, v + h * dim, dim, og); break;
+                    case 3: add_row<Kv, 3>(w, v + h * dim, dim, og); break;
+                    default: add_row<Kv, kPassQueries>(w, v + h * dim, dim, og); break;
+                }
             }
         }
-        for (int64_t g = 0; g < count; g++)
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + qs.offset(first + g) + d + 8 * i, acc[g][i]);
     }
+}
+
+// A task takes all of a piece's KV heads where the pieces alone keep every thread busy
+// (at least two each), else one (a few requests' rows: every thread gets some). All of
+// them: each slot's row of K and V read whole, in order, once. AMD EPYC Zen 3 (AVX2),
+// SmolLM2 fp32, the kernel alone over 30 layers' pools of 544 positions a request (huge
+// pages, each request's slots in a run), 2 threads, ms, medians of 14 alternated, bit for
+// bit the same: a head a task, 8 rows and a head's part of them at a time (this kernel
+// before) -> a head a task, row by row -> all a task, row by row: 4 requests 10.6 -> 10.0
+// -> 6.5; 16 requests 32.9 -> 32.7 -> 20.7; 32 requests 68.4 -> 69.5 -> 42.7 (a decode step
+// of 16, `radixserve bench step-breakdown`, 72 -> 60 ms; of 32, 180 -> 110). Slots
+// scattered over the pool at random: 34-43 -> 36-38 (noisy).
+inline int64_t heads_a_task(int64_t pieces, int64_t kv_heads, int num_threads) {
+    return pieces >= 2 * (int64_t)num_threads ? kv_heads : 1;
 }
 
 template <typename Kv>
@@ -218,27 +313,32 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     // one request's rows a piece: consecutive batch rows (the plan's order is the batch's)
     const auto plan = decode_pieces::plan(table, table_stride, rows, seq_lens, batch, window, kMaxRows,
                                           kv_heads, num_threads, decode_pieces::kOwnRowsOnly);
-    const int64_t tasks = plan.pieces.size() * kv_heads;
+    const int64_t span = heads_a_task(plan.pieces.size(), kv_heads, num_threads);
+    const int64_t per_piece = kv_heads / span, tasks = plan.pieces.size() * per_piece;
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores;  // (Q, S) of the current task
+        std::vector<float> scores;  // (span, Q, S) of the current task
+        std::vector<float> sums;  // (span, Q, 8) vectors of scores_of, 32-byte aligned in it
         int64_t lens[kMaxRows];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t b0 = plan.pieces[task / kv_heads].first, nrows = plan.pieces[task / kv_heads].rows;
-            const int64_t kh = task % kv_heads;
+            const auto& piece = plan.pieces[task / per_piece];
+            const int64_t b0 = piece.first, nrows = piece.rows;
+            const Heads task_heads{task % per_piece * span, span, kv_heads};
             // a piece of several rows has no window: each attends from position 0
             const int64_t first_pos = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
             for (int64_t r = 0; r < nrows; r++) lens[r] = seq_lens[b0 + r] - first_pos;
             const int64_t* slots = table + rows[b0] * table_stride + first_pos;
-            const int64_t first = (b0 * heads + kh * group) * dim;  // row 0's head 0
-            const Queries qs{q + first, lens, nrows * group, group, heads * dim, dim, lens[nrows - 1]};
-            scores.resize(qs.count * qs.stride);
-            scores_of<Kv>(qs, k_pool, slots, kv_heads, kh, scale, scores.data());
-            for (int64_t i = 0; i < qs.count; i++) softmax(scores.data() + i * qs.stride, qs.len(i));
-            for (int64_t i = 0; i < qs.count; i += kMaxGroup)
-                weighted_values<Kv>(scores.data(), qs, i, std::min(kMaxGroup, qs.count - i), v_pool,
-                                    slots, kv_heads, kh, out + first);
+            const int64_t first = (b0 * heads + task_heads.first * group) * dim;  // row 0's first head
+            Queries qs{q + first, lens, nrows * group, group, heads * dim, dim, lens[nrows - 1]};
+            qs.tabulate();
+            scores.resize(span * qs.count * qs.stride);
+            sums.resize(span * qs.count * 8 * 8 + 8);
+            const auto aligned = ((uintptr_t)sums.data() + 31) & ~(uintptr_t)31;
+            scores_of<Kv>(qs, k_pool, slots, task_heads, scale, scores.data(), (__m256*)aligned);
+            for (int64_t i = 0; i < span * qs.count; i++)
+                softmax(scores.data() + i * qs.stride, qs.len(i % qs.count));
+            weighted_values<Kv>(scores.data(), qs, v_pool, slots, task_heads, out + first);
         }
     }
 }
