@@ -291,9 +291,18 @@ FP32_BLOCKED_ROWS = 64
 # kernel: 26.6 -> 25.1 at 1 row, 28.8 -> 26.6 at 4, 35.7 -> 30.5 at 8, 52.3 -> 45.2 at 16,
 # 80.6 -> 76.4 at 32, 170.2 -> 142.2 at 64, 281 -> 258 at 128, 568 -> 507 at 256; but 914
 # -> 961 at 512 and 2,019 -> 1,936 at 1,024 (MKL 1,950): even past 256 rows. Its coded form
-# (CODED_LINEAR) there: 20.2 at 1 row, 22.0 at 4, but 33.3 at 8, 47.2 at 16, 80.4 at 32,
-# 147.7 at 64: behind the plain kernel at a decode batch's rows, so not taken on AVX2; nor is
-# the lookup kernel (CODED_LUT: a 2 x 512 prefill 1,865 ms on MKL, 2,388 on its best build).
+# (CODED_LINEAR) there, first measured: 20.2 at 1 row, 22.0 at 4, but 33.3 at 8, 47.2 at 16,
+# 80.4 at 32, 147.7 at 64 (behind the plain kernel at a decode batch's rows); measured again
+# (a later session, the same CPU, `benchmarks/fp32_blocked_vs_plan.py`, three runs, blocked
+# -> coded): 22.1-23.6 -> 12.9-18.0 at 1 row, 23.2-25.5 -> 18.7-20.2 at 8, 31.5-38.4 ->
+# 27.5-39.0 at 16, 40.4-50.3 -> 37.0-50.9 at 24, 89.6-99.4 -> 88.2-92.4 at 64, 176 -> 167 at
+# 128, 323 -> 336 at 256; and whole decode steps (544 positions, the plan without -> with
+# the coded form, medians of 11 x 3 steps alternated in one process, two runs, the same
+# greedy tokens): 31.5, 23.6 -> 25.2, 16.7 ms at 1 running; 26.1 -> 19.2 at 4; 42.5, 39.3
+# -> 45.6, 34.1 at 8; 59.1, 60.3 -> 56.3, 58.4 at 16; 92.0, 86.7 -> 90.3, 83.4 at 24. So
+# the coded form takes the blocked kernel's rows here too (and no fp32 blocked copy of a
+# coded weight is made). Not the lookup kernel (CODED_LUT: a 2 x 512 prefill 1,865 ms on
+# MKL, 2,388 on its best build).
 # Decode steps (`bench step-breakdown --context-len 544`, fp32, unprofiled ms, the plan before
 # -> this one, runs alternated on a noisy machine): 38.6, 43.6 -> 37.2, 36.3 at 1 running;
 # 123.6-126.3 -> 84.6-121.4 at 16; 385-565 -> 326-410 at 64 (from 33 rows the plan before
@@ -514,7 +523,7 @@ class KernelPlan:
             blocked_rows=blocked_rows,
             blocked_isa=blocked_isa,
             blocked_exact_rows=FP32_EXACT_ROWS_AVX2 if fp32_blocked and not wide else None,
-            coded_linear=fp32_blocked and wide,
+            coded_linear=fp32_blocked,
             coded_amx_rows=CODED_AMX_ROWS if fp32_blocked and cpu.amx_bf16 else 0,
             coded_lut_rows=CODED_LUT_ROWS if fp32_blocked and wide and not cpu.amx_bf16 else 0,
             decode_layers=attention and on_x86 and fused_dtype,

@@ -106,8 +106,9 @@ def test_kernel_plan_per_cpu():
     # where it cannot be built); decode attention for any pool; the fused
     # element-wise ops (fp32 and bf16 models alike), their 8-lane build; the extend
     # kernel's AVX2 build where the pool is fp32 as the model; with decode attention and
-    # fused ops for the model's dtype, a decode step's layers driven from one C++ call; no
-    # codes read (FP32_LINEAR_AVX2)
+    # fused ops for the model's dtype, a decode step's layers driven from one C++ call;
+    # weights that are GGUF codes read as their codes in the blocked kernel's rows, but no
+    # lookup kernel for prefills (FP32_LINEAR_AVX2)
     avx2_fp32 = KernelPlan(
         *(True, True, FEW_ROWS_MAX, 48),
         fused_elementwise="avx2",
@@ -115,6 +116,7 @@ def test_kernel_plan_per_cpu():
         blocked_rows=FP32_BLOCKED_ROWS,
         blocked_isa="avx2",
         blocked_exact_rows=FP32_EXACT_ROWS_AVX2,
+        coded_linear=True,
     )
     assert KernelPlan.choose("auto", CPU, f32, bf16, amd) == avx2_fp32
     assert KernelPlan.choose("auto", CPU, f32, f32, amd) == dataclasses.replace(
