@@ -238,7 +238,7 @@ def test_a_requests_verified_rows_equal_each_row_alone(isa, pool_dtype, q_dtype,
 @pytest.mark.parametrize("pool_dtype, q_dtype", [(torch.float32,) * 2, (BF16,) * 2, (BF16, None)])
 def test_requests_sharing_a_cached_prefix_equal_each_alone(isa, pool_dtype, q_dtype):
     """Requests whose first slots are one cached prefix (a system prompt) are attended
-    together by the AVX-512 kernel, that prefix's K/V read once for all of them: each
+    together by both builds of the kernel, that prefix's K/V read once for all of them: each
     request's output has the same bits as alone, whatever the batch's order; and it
     matches softmax(q K^T) V over its own slots."""
     kernel = decode_attention_kernel(isa=isa)

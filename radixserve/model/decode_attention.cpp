@@ -14,8 +14,9 @@
 // whole, once, the rows in order, each K and V vector once for the G query heads that
 // share it; the consecutive rows of one request that a verification step brings (a decode
 // step's token and its drafted tokens, speculative decoding) make one task too, each row
-// read once for all their queries. Each query's sums run in the same order as alone
-// (bit-identical). Scores of 8 positions are reduced at once (one transposed reduction
+// read once for all their queries, and so do requests whose first slots are one cached
+// prefix (kMinShared), its rows read once for all of them. Each query's sums run in the
+// same order as alone (bit-identical). Scores of 8 positions are reduced at once (one transposed reduction
 // instead of 8), exp is a vectorized polynomial, and rows are prefetched ahead (they may
 // be scattered over a pool far bigger than the caches). Arithmetic in fp32; the softmax
 // subtracts the row maximum like every reference does. The pool may hold fp32, bf16 or
@@ -41,6 +42,17 @@ constexpr int64_t kMaxGroup = 8;  // query heads per KV head, at most
 // with 8 drafted tokens 7.9 -> 6.3, 4 with 4 18.7 -> 14.6, 16 with 2 53.4 -> 40.0; plain
 // decode steps unchanged (not measured on an AVX2-only CPU).
 constexpr int64_t kMaxRows = 16;
+// Rows of different requests whose first kMinShared slots are the same (a cached prefix:
+// the requests of one system prompt) are attended together too (decode_pieces.h): the
+// prefix's K and V rows read once for all their queries, each row's own positions after it
+// on their own, each query's sums in the same order as alone: bit-identical. AMD EPYC Zen 3,
+// SmolLM2 fp32, the kernel alone over 30 layers' pools of 544 positions a request, 2
+// threads, ms, each request apart -> together (medians of 14 alternated): 16 requests in
+// pairs sharing 512 positions 17.6 -> 14.8, 32 of them 40.3 -> 35.3; 16 in fours sharing
+// 256 20.5 -> 19.0; nothing shared 17.8-24.5 -> 17.8-24.2. (A prefix read again by the
+// next request of a layer's call comes from L3 here: what sharing saves is less than the
+// bytes.)
+constexpr int64_t kMinShared = 64;
 // Rows are prefetched kFar positions ahead into L2, not into L1 (the figures in
 // decode_attention_avx512.cpp; this build on the same AMD EPYC Zen 4, 30 layers x 16
 // requests x 544 positions, L2 + L1 8 ahead -> L2 alone, ms: fp32 26.1 -> 21.5, bf16 14.3 ->
@@ -94,26 +106,37 @@ inline void prefetch_row_l2(const T* p, int64_t dim) {
     for (int64_t b = 0; b < dim * (int64_t)sizeof(T); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T1);
 }
 
-// One task's queries: query i is head i % group of the task's KV head in its row i / group;
-// its values at q + offset(i), its output at out + offset(i) (a row's heads `dim` apart,
-// rows `row_stride` apart); it attends positions [0, lens[row]) of the slots (rows of one
-// request differ by their drafted tokens: lengths not decreasing). Scores `stride` apart.
+// One task's queries: query i is head i % group of the task's first KV head in its piece
+// row r = i / group, batch row batch_rows[r]; its values at q + offset(i), its output at out
+// + offset(i) (a batch row's heads `dim` apart, batch rows `row_stride` apart; the task's
+// next KV head's queries `group * dim` further), and it attends positions [0, lens[r]) of
+// slots[r] (the rows' lengths differ: drafted tokens, other requests; rows in increasing
+// length). Below `shared` every row's slots are the longest row's: one request's rows, or
+// requests sharing a cached prefix, whose K and V rows there are read once for all. Each
+// query's scores are `stride` apart.
 struct Queries {
     const float* q;
     const int64_t* lens;
-    int64_t count, group, row_stride, dim, stride;
+    const int64_t* batch_rows;
+    const int64_t* const* slots;
+    int64_t count, group, row_stride, dim, stride, shared;
     // offset(i) and len(i) of each query, worked out once (a division each; the passes
-    // ask for them at every row)
+    // ask for them at every position)
     int64_t offsets[kMaxRows * kMaxGroup], query_lens[kMaxRows * kMaxGroup];
     void tabulate() {
         for (int64_t i = 0; i < count; i++) {
-            offsets[i] = i / group * row_stride + i % group * dim;
+            offsets[i] = batch_rows[i / group] * row_stride + i % group * dim;
             query_lens[i] = lens[i / group];
         }
     }
     int64_t offset(int64_t i) const { return offsets[i]; }
     int64_t len(int64_t i) const { return query_lens[i]; }
-    int64_t longest() const { return lens[(count - 1) / group]; }
+    int64_t rows() const { return count / group; }
+    int64_t longest() const { return lens[rows() - 1]; }
+    const int64_t* common() const { return slots[rows() - 1]; }
+    // positions [0, split()) are read once for every query (from the longest row's slots),
+    // the rest row by row: whole blocks of 8 below it
+    int64_t split() const { return longest() <= shared ? longest() : shared / 8 * 8; }
 };
 
 // A task's KV heads: heads [first, first + count) of the pool's kv_heads, whose rows lie one
@@ -130,14 +153,14 @@ constexpr int64_t kPassQueries = 4;
 template <typename Kv, int M>
 inline void dot_row(const float* const* q, const typename Kv::T* k, int64_t dim, __m256* to) {
     __m256 acc[M];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < M; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
         const __m256 kv = Kv::load(k + d);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < M; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[j] + d), kv, acc[j]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < M; j++) to[8 * j] = acc[j];
 }
 
@@ -147,58 +170,69 @@ template <typename Kv, int M>
 inline void add_row(const __m256* w, const typename Kv::T* v, int64_t dim, float* const* out) {
     for (int64_t d = 0; d < dim; d += 8) {
         const __m256 vv = Kv::load(v + d);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < M; j++)
             _mm256_storeu_ps(out[j] + d, _mm256_fmadd_ps(w[j], vv, _mm256_loadu_ps(out[j] + d)));
     }
 }
 
-// scores[(h * count + i) * stride + s] = q_i . k(s) * scale for head h of the task's heads,
-// query i of that head, s < len(i). The rows are read in order, each slot's row whole (the
-// task's part of it: every KV head's where the task takes them all), each K vector once for
-// all the queries of its head: a pass over the pool in the order it lies, which the
-// hardware's prefetchers follow. Each query's sum over a row is one FMA chain per lane, in
-// the order of the dims; 8 rows' sums are reduced at once (hsum8). AMD EPYC Zen 3, one
-// thread streaming SmolLM2's pool (768-byte rows): 8 rows at a time, a head's part of each
-// in turn (this kernel before) 8-9 GB/s, row by row 14-16 GB/s, a plain sum 17-19 GB/s.
-// The task's rows kFar positions ahead are prefetched (the pool is far bigger than the
-// caches and the rows may be scattered: without it the kernel waited on memory).
+// f<M>(args...) for a count m of 1..kPassQueries known only at run time.
+#define BY_COUNT(m, f, ...)                         \
+    switch (m) {                                    \
+        case 1: f<Kv, 1>(__VA_ARGS__); break;       \
+        case 2: f<Kv, 2>(__VA_ARGS__); break;       \
+        case 3: f<Kv, 3>(__VA_ARGS__); break;       \
+        case 4: f<Kv, 4>(__VA_ARGS__); break;       \
+        default: f<Kv, kPassQueries>(__VA_ARGS__); break; \
+    }
+
+// The task's part of each slot's row (a K or V pool's rows at `base`, `row` values apart).
+template <typename T>
+struct Rows {
+    const T* base;
+    int64_t row, span;
+    const T* at(int64_t slot) const { return base + slot * row; }
+    void fetch(int64_t slot) const { prefetch_row_l2(at(slot), span); }  // into L2
+};
+
+// Queries [first, end) of each of the task's heads on the positions [from, to) of `slots`,
+// 8 at a time: scores[(h * count + i) * stride + s] = q_i . k(s) * scale for s < len(i).
+// The rows are read in order, each slot's row whole (the task's part of it: every KV head's
+// where the task takes them all), each K vector once for the queries of its head: a pass
+// over the pool in the order it lies, which the hardware's prefetchers follow. Each query's
+// sum over a row is one FMA chain per lane, in the order of the dims; 8 positions' sums are
+// reduced at once (hsum8). AMD EPYC Zen 3, one thread streaming SmolLM2's pool (768-byte
+// rows): 8 rows at a time, a head's part of each in turn (this kernel before) 8-9 GB/s, row
+// by row 14-16 GB/s, a plain sum 17-19 GB/s. Rows kFar positions ahead are prefetched (the
+// pool is far bigger than the caches and the rows may be scattered: without it the kernel
+// waited on memory), those of the stretch's first kFar before it starts.
 template <typename Kv>
-void scores_of(const Queries& qs, const typename Kv::T* k_pool, const int64_t* slots, Heads heads,
-               float scale, float* scores, __m256* sums) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    using T = typename Kv::T;
-    const int64_t len = qs.longest(), dim = qs.dim, count = qs.count;
-    const int64_t row = heads.kv_heads * dim, span = heads.count * dim;
-    const T* base = k_pool + heads.first * dim;
-    for (int64_t s = 0; s < len && s < kFar<T>; s++)  // the first rows, past the loop's prefetches
-        prefetch_row_l2(base + slots[s] * row, span);
-    for (int64_t s0 = 0; s0 < len; s0 += 8) {
-        const int64_t n = len - s0 < 8 ? len - s0 : 8;
-        // sums[(h * count + i) * 8 + t]: query i of head h on row s0 + t (rows past the
-        // last, t >= n, repeat row s0: their lanes are not stored)
+void scores_stretch(const Queries& qs, Rows<typename Kv::T> k, const int64_t* slots, int64_t from,
+                    int64_t to, int64_t first, int64_t end, Heads heads, __m256 vscale,
+                    float* scores, __m256* sums) {
+    constexpr int64_t far = kFar<typename Kv::T>;
+    const int64_t dim = qs.dim, count = qs.count;
+    for (int64_t s = from; s < to && s < from + far; s++) k.fetch(slots[s]);
+    for (int64_t s0 = from; s0 < to; s0 += 8) {
+        const int64_t n = to - s0 < 8 ? to - s0 : 8;
+        // sums[(h * count + i) * 8 + t]: query i of head h on position s0 + t (t >= n
+        // repeats s0: their lanes are not stored)
         for (int64_t t = 0; t < 8; t++) {
             const int64_t s = s0 + (t < n ? t : 0);
-            if (t < n && s + kFar<T> < len) prefetch_row_l2(base + slots[s + kFar<T>] * row, span);
-            const T* k = base + slots[s] * row;
+            if (t < n && s + far < to) k.fetch(slots[s + far]);
+            const typename Kv::T* row = k.at(slots[s]);
             for (int64_t h = 0; h < heads.count; h++) {
-                for (int64_t i0 = 0; i0 < count; i0 += kPassQueries) {
-                    const int64_t m = count - i0 < kPassQueries ? count - i0 : kPassQueries;
+                for (int64_t i0 = first; i0 < end; i0 += kPassQueries) {
+                    const int64_t m = end - i0 < kPassQueries ? end - i0 : kPassQueries;
                     if (s0 >= qs.len(i0 + m - 1)) continue;  // past all of these queries
                     const float* qg[kPassQueries];
                     for (int64_t j = 0; j < m; j++) qg[j] = qs.q + qs.offset(i0 + j) + h * qs.group * dim;
-                    __m256* to = sums + (h * count + i0) * 8 + t;
-                    switch (m) {
-                        case 1: dot_row<Kv, 1>(qg, k + h * dim, dim, to); break;
-                        case 2: dot_row<Kv, 2>(qg, k + h * dim, dim, to); break;
-                        case 3: dot_row<Kv, 3>(qg, k + h * dim, dim, to); break;
-                        default: dot_row<Kv, kPassQueries>(qg, k + h * dim, dim, to); break;
-                    }
+                    BY_COUNT(m, dot_row, qg, row + h * dim, dim, sums + (h * count + i0) * 8 + t)
                 }
             }
         }
         for (int64_t h = 0; h < heads.count; h++) {
-            for (int64_t i = 0; i < count; i++) {
+            for (int64_t i = first; i < end; i++) {
                 const int64_t m = qs.len(i) - s0 < 8 ? qs.len(i) - s0 : 8;  // this query's
                 if (m <= 0) continue;
                 float* out = scores + (h * count + i) * qs.stride;
@@ -213,6 +247,19 @@ void scores_of(const Queries& qs, const typename Kv::T* k_pool, const int64_t* s
             }
         }
     }
+}
+
+// The scores of every query of the task: below the split once for all (the longest row's
+// slots), then each row's own positions for its queries.
+template <typename Kv>
+void scores_of(const Queries& qs, Rows<typename Kv::T> k, Heads heads, float scale, float* scores,
+               __m256* sums) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int64_t split = qs.split();
+    scores_stretch<Kv>(qs, k, qs.common(), 0, split, 0, qs.count, heads, vscale, scores, sums);
+    for (int64_t r = 0; r < qs.rows(); r++)
+        scores_stretch<Kv>(qs, k, qs.slots[r], split, qs.lens[r], r * qs.group, (r + 1) * qs.group,
+                           heads, vscale, scores, sums);
 }
 
 // row[0..len) = softmax(row), in place.
@@ -244,48 +291,53 @@ void softmax(float* row, int64_t len) {
     for (; s < len; s++) row[s] *= 1.0f / hsum(vtotal);
 }
 
-// out_i = sum_{s < len(i)} p[(h * count + i) * stride + s] * v(s) for each head h of the
-// task's and query i of that head: the rows in order, each read whole (as scores_of reads
-// K), each V vector once for the queries of its head, their sums kept in out (in cache: a
-// head's queries' outputs are 3 x 64 floats at SmolLM2's shape) and added to in the order
-// of s, one FMA per lane and row. AMD EPYC Zen 3, one thread, SmolLM2's pool: a block of
-// rows a head's 32 dims at a time (this kernel before) 9-10 GB/s, row by row 13-14 GB/s.
+// out_i += sum_s p[(h * count + i) * stride + s] * v(s) over the positions [from, to) of
+// `slots` (s < len(i)) for queries [first, end) of each of the task's heads: the rows in
+// order, each read whole (as scores_stretch reads K), each V vector once for the queries of
+// its head, their sums kept in out (in cache: a head's queries' outputs are 3 x 64 floats
+// at SmolLM2's shape) and added to in the order of s, one FMA per lane and row. AMD EPYC
+// Zen 3, one thread, SmolLM2's pool: a block of rows a head's 32 dims at a time (this
+// kernel before) 9-10 GB/s, row by row 13-14 GB/s.
 template <typename Kv>
-void weighted_values(const float* p, const Queries& qs, const typename Kv::T* v_pool,
-                     const int64_t* slots, Heads heads, float* out) {
-    using T = typename Kv::T;
-    const int64_t dim = qs.dim, stride = qs.stride, len = qs.longest(), count = qs.count;
-    const int64_t row = heads.kv_heads * dim, span = heads.count * dim;
-    const T* base = v_pool + heads.first * dim;
-    constexpr int64_t far = kFar<T>;
-    for (int64_t s = 0; s < len && s < far; s++) prefetch_row_l2(base + slots[s] * row, span);
-    for (int64_t h = 0; h < heads.count; h++)
-        for (int64_t i = 0; i < count; i++)
-            for (int64_t d = 0; d < dim; d += 8)
-                _mm256_storeu_ps(out + qs.offset(i) + h * qs.group * dim + d, _mm256_setzero_ps());
-    for (int64_t s = 0; s < len; s++) {
-        if (s + far < len) prefetch_row_l2(base + slots[s + far] * row, span);
-        const T* v = base + slots[s] * row;
+void values_stretch(const float* p, const Queries& qs, Rows<typename Kv::T> v, const int64_t* slots,
+                    int64_t from, int64_t to, int64_t first, int64_t end, Heads heads, float* out) {
+    constexpr int64_t far = kFar<typename Kv::T>;
+    const int64_t dim = qs.dim, stride = qs.stride, count = qs.count;
+    for (int64_t s = from; s < to && s < from + far; s++) v.fetch(slots[s]);
+    for (int64_t s = from; s < to; s++) {
+        if (s + far < to) v.fetch(slots[s + far]);
+        const typename Kv::T* row = v.at(slots[s]);
         for (int64_t h = 0; h < heads.count; h++) {
-            for (int64_t i0 = 0; i0 < count; i0 += kPassQueries) {
-                int64_t m = 0;  // of these queries, those that attend s (lengths not decreasing)
+            for (int64_t i0 = first; i0 < end; i0 += kPassQueries) {
+                int64_t m = 0;  // of these queries, those that attend s
                 float* og[kPassQueries];
                 __m256 w[kPassQueries];
-                for (int64_t j = 0; j < kPassQueries && i0 + j < count; j++) {
+                for (int64_t j = 0; j < kPassQueries && i0 + j < end; j++) {
                     if (s >= qs.len(i0 + j)) continue;
                     og[m] = out + qs.offset(i0 + j) + h * qs.group * dim;
                     w[m++] = _mm256_broadcast_ss(p + (h * count + i0 + j) * stride + s);
                 }
-                switch (m) {
-                    case 0: break;
-                    case 1: add_row<Kv, 1>(w, v + h * dim, dim, og); break;
-                    case 2: add_row<Kv, 2>(w, v + h * dim, dim, og); break;
-                    case 3: add_row<Kv, 3>(w, v + h * dim, dim, og); break;
-                    default: add_row<Kv, kPassQueries>(w, v + h * dim, dim, og); break;
-                }
+                if (m > 0) BY_COUNT(m, add_row, w, row + h * dim, dim, og)
             }
         }
     }
+}
+
+// out_i = sum_{s < len(i)} p_i(s) * v(s) for every query of the task: its outputs zeroed,
+// then the positions below the split for all (the longest row's slots), then each row's own
+// for its queries: each query's sum in the order of its positions, as alone.
+template <typename Kv>
+void weighted_values(const float* p, const Queries& qs, Rows<typename Kv::T> v, Heads heads,
+                     float* out) {
+    const int64_t dim = qs.dim, split = qs.split();
+    for (int64_t h = 0; h < heads.count; h++)
+        for (int64_t i = 0; i < qs.count; i++)
+            for (int64_t d = 0; d < dim; d += 8)
+                _mm256_storeu_ps(out + qs.offset(i) + h * qs.group * dim + d, _mm256_setzero_ps());
+    values_stretch<Kv>(p, qs, v, qs.common(), 0, split, 0, qs.count, heads, out);
+    for (int64_t r = 0; r < qs.rows(); r++)
+        values_stretch<Kv>(p, qs, v, qs.slots[r], split, qs.lens[r], r * qs.group, (r + 1) * qs.group,
+                           heads, out);
 }
 
 // A task takes all of a piece's KV heads where the pieces alone keep every thread busy
@@ -307,38 +359,45 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
             const int64_t* rows, const int64_t* seq_lens, float* out, int64_t batch,
             int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride, float scale,
             int num_threads, int64_t window) {
-    const typename Kv::T* k_pool = (const typename Kv::T*)k_pool_;
-    const typename Kv::T* v_pool = (const typename Kv::T*)v_pool_;
+    using T = typename Kv::T;
+    const T* k_pool = (const T*)k_pool_;
+    const T* v_pool = (const T*)v_pool_;
     const int64_t group = heads / kv_heads;
-    // one request's rows a piece: consecutive batch rows (the plan's order is the batch's)
     const auto plan = decode_pieces::plan(table, table_stride, rows, seq_lens, batch, window, kMaxRows,
-                                          kv_heads, num_threads, decode_pieces::kOwnRowsOnly);
+                                          kv_heads, num_threads, kMinShared);
     const int64_t span = heads_a_task(plan.pieces.size(), kv_heads, num_threads);
     const int64_t per_piece = kv_heads / span, tasks = plan.pieces.size() * per_piece;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores;  // (span, Q, S) of the current task
-        std::vector<float> sums;  // (span, Q, 8) vectors of scores_of, 32-byte aligned in it
+        std::vector<float> sums;    // (span, Q, 8) vectors of scores_stretch, 32-byte aligned in it
         int64_t lens[kMaxRows];
+        const int64_t* slots[kMaxRows];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const auto& piece = plan.pieces[task / per_piece];
-            const int64_t b0 = piece.first, nrows = piece.rows;
+            const decode_pieces::Piece& piece = plan.pieces[task / per_piece];
+            const int64_t* batch_rows = plan.order.data() + piece.first;
             const Heads task_heads{task % per_piece * span, span, kv_heads};
             // a piece of several rows has no window: each attends from position 0
+            const int64_t b0 = batch_rows[0];
             const int64_t first_pos = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
-            for (int64_t r = 0; r < nrows; r++) lens[r] = seq_lens[b0 + r] - first_pos;
-            const int64_t* slots = table + rows[b0] * table_stride + first_pos;
-            const int64_t first = (b0 * heads + task_heads.first * group) * dim;  // row 0's first head
-            Queries qs{q + first, lens, nrows * group, group, heads * dim, dim, lens[nrows - 1]};
+            for (int64_t r = 0; r < piece.rows; r++) {
+                lens[r] = seq_lens[batch_rows[r]] - first_pos;
+                slots[r] = table + rows[batch_rows[r]] * table_stride + first_pos;
+            }
+            const int64_t first = task_heads.first * group * dim;  // the task's first head
+            Queries qs{q + first, lens, batch_rows, slots, piece.rows * group, group, heads * dim,
+                       dim, lens[piece.rows - 1], piece.shared};
             qs.tabulate();
+            const Rows<T> k{k_pool + task_heads.first * dim, kv_heads * dim, span * dim};
+            const Rows<T> v{v_pool + task_heads.first * dim, kv_heads * dim, span * dim};
             scores.resize(span * qs.count * qs.stride);
             sums.resize(span * qs.count * 8 * 8 + 8);
             const auto aligned = ((uintptr_t)sums.data() + 31) & ~(uintptr_t)31;
-            scores_of<Kv>(qs, k_pool, slots, task_heads, scale, scores.data(), (__m256*)aligned);
+            scores_of<Kv>(qs, k, task_heads, scale, scores.data(), (__m256*)aligned);
             for (int64_t i = 0; i < span * qs.count; i++)
                 softmax(scores.data() + i * qs.stride, qs.len(i % qs.count));
-            weighted_values<Kv>(scores.data(), qs, v_pool, slots, task_heads, out + first);
+            weighted_values<Kv>(scores.data(), qs, v, task_heads, out + first);
         }
     }
 }

@@ -54,8 +54,9 @@ constexpr int64_t kMaxRows = 16;
 // -> together (medians of 10, alternated, two runs): 2 prefixes of 512 and 48 positions
 // each past them 11.1-9.9 -> 9.1-8.1; 4 such prefixes 13.3-11.6 -> 10.8-9.4; 8 (two
 // requests each) 18.8-16.2 -> 12.9-13.5; 4 prefixes of 256 and 300 past them 16.8-14.9 ->
-// 15.2-15.1 (a third run: 16.8 -> 17.7); nothing shared 22.0-22.5 -> 22.3-22.2. (The AVX2 build, decode_attention.cpp,
-// keeps one request per piece: the same change there measured 0.90-1.17x on this CPU.)
+// 15.2-15.1 (a third run: 16.8 -> 17.7); nothing shared 22.0-22.5 -> 22.3-22.2. (The AVX2
+// build, decode_attention.cpp, did the same here at 0.90-1.17x and kept one request a
+// piece until it read rows whole and in order; it groups them now.)
 constexpr int64_t kMinShared = 64;
 // Rows are prefetched kFar positions ahead into L2 (the AMX build's q . k also kAhead
 // ahead into L1). AMD EPYC Zen 4, SmolLM2 bf16 (3 KV heads: a head's 128-byte row every 384

@@ -21,9 +21,6 @@ struct Plan {
     std::vector<Piece> pieces;
 };
 
-// `min_shared` meaning: rows of different requests are never attended together.
-constexpr int64_t kOwnRowsOnly = INT64_MAX;
-
 // Leading positions where table rows a and b hold the same slots, below `len`.
 inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
     if (a == b) return len;
@@ -35,12 +32,11 @@ inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
 // The batch cut into pieces of at most max_rows rows, never under a sliding window:
 // - runs of rows of one request (the same table row, lengths not decreasing: a decode
 //   step's token and its drafted tokens, verified in one pass);
-// - with `min_shared` < kOwnRowsOnly, rows of different requests whose first min_shared
-//   slots are the same (a prefix cached once: the requests of one system prompt) too, so
-//   that its K and V are read once for all their queries: rows are sorted by their first
-//   slot (a request's own rows keep their order), then matched on their first min_shared
-//   slots; a piece's `shared` is then the prefix every row holds in common with its
-//   longest row. Per call: a sort of the batch and one pass over each grouped row's slots.
+// - rows of different requests whose first min_shared slots are the same (a prefix cached
+//   once: the requests of one system prompt) too, so that its K and V are read once for
+//   all their queries: rows are sorted by their first slot (a request's own rows keep
+//   their order), then matched on their first min_shared slots; a piece's `shared` is then
+//   the prefix every row holds in common with its longest row. Per call: a sort of the batch and one pass over each grouped row's slots.
 //   A run of rows that may go together is cut into pieces of about equal size.
 // Then the pieces with most rows are halved while pieces x KV heads leave a thread without
 // two tasks (one request's verified draft must still keep every thread busy).
@@ -52,8 +48,7 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
     plan.order.resize(batch);
     for (int64_t b = 0; b < batch; b++) plan.order[b] = b;
     const bool grouping = window == 0 && max_rows > 1;
-    const bool across = grouping && min_shared != kOwnRowsOnly;
-    if (across)  // rows that may share a prefix side by side
+    if (grouping)  // rows that may share a prefix side by side
         std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t x, int64_t y) {
             const bool long_x = seq_lens[x] >= min_shared, long_y = seq_lens[y] >= min_shared;
             if (long_x != long_y) return long_x;
@@ -78,7 +73,7 @@ inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows
         for (; grouping && end < batch; end++) {
             const int64_t b = plan.order[end], prev = plan.order[end - 1];
             if (rows[b] == rows[prev] && seq_lens[b] >= seq_lens[prev]) continue;  // its own
-            const int64_t need = across ? std::min(seq_lens[b], seq_lens[head]) : 0;
+            const int64_t need = std::min(seq_lens[b], seq_lens[head]);
             if (need < min_shared || same_slots(slots(b), slots(head), min_shared) < min_shared)
                 break;
         }
