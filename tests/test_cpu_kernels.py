@@ -272,6 +272,50 @@ def test_requests_sharing_a_cached_prefix_equal_each_alone(isa, pool_dtype, q_dt
         torch.testing.assert_close(together[i].float(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 1), (4, 4), (16, 2)])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("window", [0, 64])
+def test_every_kind_of_piece_equals_each_row_alone(heads, kv_heads, threads, window):
+    """The AVX2 build (whose tasks take all of a piece's KV heads, or one, by the pieces per
+    thread and their queries; the AVX-512 builds' pieces are tested above), query groups of
+    8 and of 1, on one thread and on more: three requests sharing a cached prefix, one
+    request's token with two drafted tokens and a request of its own, in one batch, with and
+    without a sliding window. Every row gets the bits it gets alone, and softmax(q K^T) V
+    over its own (last `window`) slots."""
+    kernel = decode_attention_kernel(isa="avx2")
+    gen = torch.Generator().manual_seed(5)
+    k_pool, v_pool = (torch.randn(1200, kv_heads, 64, generator=gen) for _ in range(2))
+    table = torch.zeros(5, 300, dtype=torch.int64)
+    free = 101
+    for row, length in enumerate([150, 180, 120, 90, 300]):
+        own = length - 100 if row < 3 else length  # rows 0-2: the prefix in slots 1..100
+        if row < 3:
+            table[row, :100] = torch.arange(1, 101)
+        table[row, length - own : length] = torch.arange(free, free + own)
+        free += own
+    rows = torch.tensor([2, 0, 4, 4, 4, 1, 3])
+    seq_lens = torch.tensor([120, 150, 298, 299, 300, 180, 90])
+    q = torch.randn(len(rows), heads, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernel(q, k_pool, v_pool, table, rows, seq_lens, 0.125, window)
+        alone = [
+            kernel(q[one], k_pool, v_pool, table, rows[one], seq_lens[one], 0.125, window)
+            for one in (slice(i, i + 1) for i in range(len(rows)))
+        ]
+    finally:
+        torch.set_num_threads(before)
+    for i, (row, length) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
+        assert torch.equal(together[i : i + 1], alone[i]), i
+        slots = table[row, max(0, length - window) if window else 0 : length]
+        keys = k_pool[slots].repeat_interleave(heads // kv_heads, dim=1)
+        values = v_pool[slots].repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,shd->hs", q[i], keys) * 0.125).softmax(-1)
+        expected = torch.einsum("hs,shd->hd", probs, values).reshape(-1)
+        torch.testing.assert_close(together[i], expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_decode_rows_of_a_mixed_extend_batch_use_the_kernel_alike(isa):
     """Jump-forward makes extend batches of one-token rows beside longer rows: the one-token

@@ -5,19 +5,20 @@
 //
 // for each request b of a decode batch (one query token each), its positions
 // s < seq_len[b] (with a sliding window W > 0: only seq_len[b] - W <= s), slot(b, s) =
-// req_to_token[row[b], s], and G = heads / kv_heads query heads per KV head (GQA). K and V are read where they lie in the pool: no gathered copy of
-// the batch's keys and values, no padding to the longest request, no mask. The torch path
+// req_to_token[row[b], s], and G = heads / kv_heads query heads per KV head (GQA). K and V
+// are read where they lie in the pool: no gathered copy of the batch's keys and values, no
+// padding to the longest request, no mask. The torch path
 // (index_select into a padded batch, then SDPA) spent 30% of a batch-64 decode step on this.
 //
-// One task per request, all its KV heads (per (request, KV head) where there are too few
-// requests to keep the threads busy: heads_a_task): each slot's row of K and V is read
-// whole, once, the rows in order, each K and V vector once for the G query heads that
-// share it; the consecutive rows of one request that a verification step brings (a decode
-// step's token and its drafted tokens, speculative decoding) make one task too, each row
-// read once for all their queries, and so do requests whose first slots are one cached
-// prefix (kMinShared), its rows read once for all of them. Each query's sums run in the
-// same order as alone (bit-identical). Scores of 8 positions are reduced at once (one transposed reduction
-// instead of 8), exp is a vectorized polynomial, and rows are prefetched ahead (they may
+// One task per piece of the batch, all its KV heads (a head a task where there are too few
+// pieces to keep the threads busy, or the piece's queries are many: heads_a_task): each
+// slot's row of K and V is read whole, once, the rows in order, each K and V vector once
+// for the G query heads that share it. A piece is a request's row, or the consecutive rows
+// of one request that a verification step brings (a decode step's token and its drafted
+// tokens, speculative decoding), or requests whose first slots are one cached prefix
+// (kMinShared): each shared row read once for all their queries. Each query's sums run in
+// the same order as alone (bit-identical). Scores of 8 positions are reduced at once (one
+// transposed reduction instead of 8), exp is a vectorized polynomial, and rows are prefetched ahead (they may
 // be scattered over a pool far bigger than the caches). Arithmetic in fp32; the softmax
 // subtracts the row maximum like every reference does. The pool may hold fp32, bf16 or
 // fp16 (`--kv-cache-dtype`): 16-bit rows are widened to fp32 in registers as they are
@@ -37,10 +38,10 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 8;  // query heads per KV head, at most
-// Consecutive rows of one request attended together, at most. This build on the AMD EPYC
-// Zen 4 (30 layers, contexts of 512, fp32, ms, one row at a time -> together): 1 request
-// with 8 drafted tokens 7.9 -> 6.3, 4 with 4 18.7 -> 14.6, 16 with 2 53.4 -> 40.0; plain
-// decode steps unchanged (not measured on an AVX2-only CPU).
+// Rows a piece holds, at most. For one request's consecutive rows, this build on the AMD
+// EPYC Zen 4 (30 layers, contexts of 512, fp32, ms, one row at a time -> together): 1
+// request with 8 drafted tokens 7.9 -> 6.3, 4 with 4 18.7 -> 14.6, 16 with 2 53.4 -> 40.0;
+// plain decode steps unchanged (not measured on an AVX2-only CPU).
 constexpr int64_t kMaxRows = 16;
 // Rows of different requests whose first kMinShared slots are the same (a cached prefix:
 // the requests of one system prompt) are attended together too (decode_pieces.h): the
@@ -58,7 +59,7 @@ constexpr int64_t kMinShared = 64;
 // requests x 544 positions, L2 + L1 8 ahead -> L2 alone, ms: fp32 26.1 -> 21.5, bf16 14.3 ->
 // 14.4; not measured on an AVX2-only CPU).
 // fp32 rows 32 positions ahead (8 KB of a 64-dim head's rows, as 64 bf16 positions are),
-// each pass's first rows fetched before it starts, as in the AVX-512 build. This build on an
+// each stretch's first rows fetched before it starts, as in the AVX-512 build. This build on an
 // AMD EPYC Zen 4, SmolLM2's shape, the kernel alone over 30 layers' pools (medians of 26
 // alternated, two runs, bit-identical): 8 prefixes of 2 requests 1.13-1.14x, nothing shared
 // 1.14x. (Not measured on an AVX2-only CPU.)
@@ -111,7 +112,8 @@ inline void prefetch_row_l2(const T* p, int64_t dim) {
 // + offset(i) (a batch row's heads `dim` apart, batch rows `row_stride` apart; the task's
 // next KV head's queries `group * dim` further), and it attends positions [0, lens[r]) of
 // slots[r] (the rows' lengths differ: drafted tokens, other requests; rows in increasing
-// length). Below `shared` every row's slots are the longest row's: one request's rows, or
+// length). Below `shared` (and its own length) every row's slots are the longest row's:
+// one request's rows, or
 // requests sharing a cached prefix, whose K and V rows there are read once for all. Each
 // query's scores are `stride` apart.
 struct Queries {
@@ -120,9 +122,10 @@ struct Queries {
     const int64_t* batch_rows;
     const int64_t* const* slots;
     int64_t count, group, row_stride, dim, stride, shared;
-    // offset(i) and len(i) of each query, worked out once (a division each; the passes
-    // ask for them at every position)
-    int64_t offsets[kMaxRows * kMaxGroup], query_lens[kMaxRows * kMaxGroup];
+    // offset(i) and len(i) of each query, worked out once into the caller's room for
+    // `count` of each (a division each; the passes ask for them at every position)
+    int64_t* offsets;
+    int64_t* query_lens;
     void tabulate() {
         for (int64_t i = 0; i < count; i++) {
             offsets[i] = batch_rows[i / group] * row_stride + i % group * dim;
@@ -233,7 +236,7 @@ void scores_stretch(const Queries& qs, Rows<typename Kv::T> k, const int64_t* sl
         }
         for (int64_t h = 0; h < heads.count; h++) {
             for (int64_t i = first; i < end; i++) {
-                const int64_t m = qs.len(i) - s0 < 8 ? qs.len(i) - s0 : 8;  // this query's
+                const int64_t m = std::min(n, qs.len(i) - s0);  // this query's
                 if (m <= 0) continue;
                 float* out = scores + (h * count + i) * qs.stride;
                 const __m256 all = _mm256_mul_ps(hsum8(sums + (h * count + i) * 8), vscale);
@@ -349,9 +352,17 @@ void weighted_values(const float* p, const Queries& qs, Rows<typename Kv::T> v, 
 // before) -> a head a task, row by row -> all a task, row by row: 4 requests 10.6 -> 10.0
 // -> 6.5; 16 requests 32.9 -> 32.7 -> 20.7; 32 requests 68.4 -> 69.5 -> 42.7 (a decode step
 // of 16, `radixserve bench step-breakdown`, 72 -> 60 ms; of 32, 180 -> 110). Slots
-// scattered over the pool at random: 34-43 -> 36-38 (noisy).
-inline int64_t heads_a_task(int64_t pieces, int64_t kv_heads, int num_threads) {
-    return pieces >= 2 * (int64_t)num_threads ? kv_heads : 1;
+// scattered over the pool at random: 34-43 -> 36-38 (noisy). A task's queries are read (and
+// its outputs added to) at every position: where every head's of the largest piece pass
+// kTaskQueryFloats (32 kB: SmolLM2's 3 heads x 3 queries x 64 dims a row are 576; a piece
+// of 16 drafted rows is 9,216), a head a task, as before (not measured).
+constexpr int64_t kTaskQueryFloats = 8192;
+inline int64_t heads_a_task(const decode_pieces::Plan& plan, int64_t kv_heads, int64_t group,
+                            int64_t dim, int num_threads) {
+    int64_t most = 0;  // rows of the largest piece
+    for (const auto& piece : plan.pieces) most = std::max(most, piece.rows);
+    const bool enough = (int64_t)plan.pieces.size() >= 2 * (int64_t)num_threads;
+    return enough && kv_heads * most * group * dim <= kTaskQueryFloats ? kv_heads : 1;
 }
 
 template <typename Kv>
@@ -365,12 +376,13 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
     const int64_t group = heads / kv_heads;
     const auto plan = decode_pieces::plan(table, table_stride, rows, seq_lens, batch, window, kMaxRows,
                                           kv_heads, num_threads, kMinShared);
-    const int64_t span = heads_a_task(plan.pieces.size(), kv_heads, num_threads);
+    const int64_t span = heads_a_task(plan, kv_heads, group, dim, num_threads);
     const int64_t per_piece = kv_heads / span, tasks = plan.pieces.size() * per_piece;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores;  // (span, Q, S) of the current task
         std::vector<float> sums;    // (span, Q, 8) vectors of scores_stretch, 32-byte aligned in it
+        std::vector<int64_t> offsets, query_lens;  // the task's Queries tables
         int64_t lens[kMaxRows];
         const int64_t* slots[kMaxRows];
 #pragma omp for schedule(dynamic, 1)
@@ -386,8 +398,10 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
                 slots[r] = table + rows[batch_rows[r]] * table_stride + first_pos;
             }
             const int64_t first = task_heads.first * group * dim;  // the task's first head
-            Queries qs{q + first, lens, batch_rows, slots, piece.rows * group, group, heads * dim,
-                       dim, lens[piece.rows - 1], piece.shared};
+            offsets.resize(piece.rows * group);
+            query_lens.resize(piece.rows * group);
+            Queries qs{q + first, lens, batch_rows, slots, piece.rows * group, group, heads * dim, dim,
+                       lens[piece.rows - 1], piece.shared - first_pos, offsets.data(), query_lens.data()};
             qs.tabulate();
             const Rows<T> k{k_pool + task_heads.first * dim, kv_heads * dim, span * dim};
             const Rows<T> v{v_pool + task_heads.first * dim, kv_heads * dim, span * dim};

@@ -34,10 +34,12 @@ inline int64_t same_slots(const int64_t* a, const int64_t* b, int64_t len) {
 //   step's token and its drafted tokens, verified in one pass);
 // - rows of different requests whose first min_shared slots are the same (a prefix cached
 //   once: the requests of one system prompt) too, so that its K and V are read once for
-//   all their queries: rows are sorted by their first slot (a request's own rows keep
-//   their order), then matched on their first min_shared slots; a piece's `shared` is then
-//   the prefix every row holds in common with its longest row. Per call: a sort of the batch and one pass over each grouped row's slots.
-//   A run of rows that may go together is cut into pieces of about equal size.
+//   all their queries: rows of min_shared positions or more are sorted by their first slot
+//   (a request's own rows keep their order), the shorter ones after them, then matched on
+//   their first min_shared slots; a piece's `shared` is then the prefix every row holds in
+//   common with its longest row. Per call: a sort of the batch and one pass over each
+//   grouped row's slots. A run of rows that may go together is cut into pieces of about
+//   equal size.
 // Then the pieces with most rows are halved while pieces x KV heads leave a thread without
 // two tasks (one request's verified draft must still keep every thread busy).
 inline Plan plan(const int64_t* table, int64_t table_stride, const int64_t* rows,
