@@ -142,12 +142,6 @@ struct Queries {
     int64_t split() const { return longest() <= shared ? longest() : shared / 8 * 8; }
 };
 
-// A task's KV heads: heads [first, first + count) of the pool's kv_heads, whose rows lie one
-// after the other in a slot's row of the pool (kv_heads * dim values: every KV head's).
-struct Heads {
-    int64_t first, count, kv_heads;
-};
-
 // Queries a pass holds in registers (their sums, or their weights) while it reads a row.
 constexpr int64_t kPassQueries = 4;
 
@@ -179,15 +173,17 @@ inline void add_row(const __m256* w, const typename Kv::T* v, int64_t dim, float
     }
 }
 
-// f<M>(args...) for a count m of 1..kPassQueries known only at run time.
-#define BY_COUNT(m, f, ...)                         \
-    switch (m) {                                    \
-        case 1: f<Kv, 1>(__VA_ARGS__); break;       \
-        case 2: f<Kv, 2>(__VA_ARGS__); break;       \
-        case 3: f<Kv, 3>(__VA_ARGS__); break;       \
-        case 4: f<Kv, 4>(__VA_ARGS__); break;       \
-        default: f<Kv, kPassQueries>(__VA_ARGS__); break; \
+// f(std::integral_constant<int, m>{}) for a count m of 1..kPassQueries known only at run
+// time: the passes' loops over their queries unrolled, their sums in registers.
+template <typename F>
+inline void with_count(int64_t m, F f) {
+    switch (m) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        default: f(std::integral_constant<int, kPassQueries>{}); break;
     }
+}
 
 // The task's part of each slot's row (a K or V pool's rows at `base`, `row` values apart).
 template <typename T>
@@ -211,7 +207,7 @@ struct Rows {
 // waited on memory), those of the stretch's first kFar before it starts.
 template <typename Kv>
 void scores_stretch(const Queries& qs, Rows<typename Kv::T> k, const int64_t* slots, int64_t from,
-                    int64_t to, int64_t first, int64_t end, Heads heads, __m256 vscale,
+                    int64_t to, int64_t first, int64_t end, int64_t heads, __m256 vscale,
                     float* scores, __m256* sums) {
     constexpr int64_t far = kFar<typename Kv::T>;
     const int64_t dim = qs.dim, count = qs.count;
@@ -224,17 +220,18 @@ void scores_stretch(const Queries& qs, Rows<typename Kv::T> k, const int64_t* sl
             const int64_t s = s0 + (t < n ? t : 0);
             if (t < n && s + far < to) k.fetch(slots[s + far]);
             const typename Kv::T* row = k.at(slots[s]);
-            for (int64_t h = 0; h < heads.count; h++) {
+            for (int64_t h = 0; h < heads; h++) {
                 for (int64_t i0 = first; i0 < end; i0 += kPassQueries) {
                     const int64_t m = end - i0 < kPassQueries ? end - i0 : kPassQueries;
                     if (s0 >= qs.len(i0 + m - 1)) continue;  // past all of these queries
                     const float* qg[kPassQueries];
                     for (int64_t j = 0; j < m; j++) qg[j] = qs.q + qs.offset(i0 + j) + h * qs.group * dim;
-                    BY_COUNT(m, dot_row, qg, row + h * dim, dim, sums + (h * count + i0) * 8 + t)
+                    __m256* into = sums + (h * count + i0) * 8 + t;
+                    with_count(m, [&](auto M) { dot_row<Kv, M()>(qg, row + h * dim, dim, into); });
                 }
             }
         }
-        for (int64_t h = 0; h < heads.count; h++) {
+        for (int64_t h = 0; h < heads; h++) {
             for (int64_t i = first; i < end; i++) {
                 const int64_t m = std::min(n, qs.len(i) - s0);  // this query's
                 if (m <= 0) continue;
@@ -252,17 +249,25 @@ void scores_stretch(const Queries& qs, Rows<typename Kv::T> k, const int64_t* sl
     }
 }
 
-// The scores of every query of the task: below the split once for all (the longest row's
-// slots), then each row's own positions for its queries.
+// body(slots, from, to, first, end) for each stretch of a task's positions in turn: below
+// the split once for every query (from the longest row's slots), then each row's own
+// positions for its queries. Each query's positions come in order, as alone.
+template <typename Body>
+inline void each_stretch(const Queries& qs, Body body) {
+    const int64_t split = qs.split();
+    body(qs.common(), 0, split, 0, qs.count);
+    for (int64_t r = 0; r < qs.rows(); r++)
+        body(qs.slots[r], split, qs.lens[r], r * qs.group, (r + 1) * qs.group);
+}
+
+// The scores of every query of the task, stretch by stretch.
 template <typename Kv>
-void scores_of(const Queries& qs, Rows<typename Kv::T> k, Heads heads, float scale, float* scores,
+void scores_of(const Queries& qs, Rows<typename Kv::T> k, int64_t heads, float scale, float* scores,
                __m256* sums) {
     const __m256 vscale = _mm256_set1_ps(scale);
-    const int64_t split = qs.split();
-    scores_stretch<Kv>(qs, k, qs.common(), 0, split, 0, qs.count, heads, vscale, scores, sums);
-    for (int64_t r = 0; r < qs.rows(); r++)
-        scores_stretch<Kv>(qs, k, qs.slots[r], split, qs.lens[r], r * qs.group, (r + 1) * qs.group,
-                           heads, vscale, scores, sums);
+    each_stretch(qs, [&](const int64_t* slots, int64_t from, int64_t to, int64_t first, int64_t end) {
+        scores_stretch<Kv>(qs, k, slots, from, to, first, end, heads, vscale, scores, sums);
+    });
 }
 
 // row[0..len) = softmax(row), in place.
@@ -303,14 +308,14 @@ void softmax(float* row, int64_t len) {
 // kernel before) 9-10 GB/s, row by row 13-14 GB/s.
 template <typename Kv>
 void values_stretch(const float* p, const Queries& qs, Rows<typename Kv::T> v, const int64_t* slots,
-                    int64_t from, int64_t to, int64_t first, int64_t end, Heads heads, float* out) {
+                    int64_t from, int64_t to, int64_t first, int64_t end, int64_t heads, float* out) {
     constexpr int64_t far = kFar<typename Kv::T>;
     const int64_t dim = qs.dim, stride = qs.stride, count = qs.count;
     for (int64_t s = from; s < to && s < from + far; s++) v.fetch(slots[s]);
     for (int64_t s = from; s < to; s++) {
         if (s + far < to) v.fetch(slots[s + far]);
         const typename Kv::T* row = v.at(slots[s]);
-        for (int64_t h = 0; h < heads.count; h++) {
+        for (int64_t h = 0; h < heads; h++) {
             for (int64_t i0 = first; i0 < end; i0 += kPassQueries) {
                 int64_t m = 0;  // of these queries, those that attend s
                 float* og[kPassQueries];
@@ -320,27 +325,25 @@ void values_stretch(const float* p, const Queries& qs, Rows<typename Kv::T> v, c
                     og[m] = out + qs.offset(i0 + j) + h * qs.group * dim;
                     w[m++] = _mm256_broadcast_ss(p + (h * count + i0 + j) * stride + s);
                 }
-                if (m > 0) BY_COUNT(m, add_row, w, row + h * dim, dim, og)
+                if (m > 0) with_count(m, [&](auto M) { add_row<Kv, M()>(w, row + h * dim, dim, og); });
             }
         }
     }
 }
 
 // out_i = sum_{s < len(i)} p_i(s) * v(s) for every query of the task: its outputs zeroed,
-// then the positions below the split for all (the longest row's slots), then each row's own
-// for its queries: each query's sum in the order of its positions, as alone.
+// then added to stretch by stretch (each query's sum in the order of its positions, as
+// alone).
 template <typename Kv>
-void weighted_values(const float* p, const Queries& qs, Rows<typename Kv::T> v, Heads heads,
+void weighted_values(const float* p, const Queries& qs, Rows<typename Kv::T> v, int64_t heads,
                      float* out) {
-    const int64_t dim = qs.dim, split = qs.split();
-    for (int64_t h = 0; h < heads.count; h++)
+    for (int64_t h = 0; h < heads; h++)
         for (int64_t i = 0; i < qs.count; i++)
-            for (int64_t d = 0; d < dim; d += 8)
-                _mm256_storeu_ps(out + qs.offset(i) + h * qs.group * dim + d, _mm256_setzero_ps());
-    values_stretch<Kv>(p, qs, v, qs.common(), 0, split, 0, qs.count, heads, out);
-    for (int64_t r = 0; r < qs.rows(); r++)
-        values_stretch<Kv>(p, qs, v, qs.slots[r], split, qs.lens[r], r * qs.group, (r + 1) * qs.group,
-                           heads, out);
+            for (int64_t d = 0; d < qs.dim; d += 8)
+                _mm256_storeu_ps(out + qs.offset(i) + h * qs.group * qs.dim + d, _mm256_setzero_ps());
+    each_stretch(qs, [&](const int64_t* slots, int64_t from, int64_t to, int64_t first, int64_t end) {
+        values_stretch<Kv>(p, qs, v, slots, from, to, first, end, heads, out);
+    });
 }
 
 // A task takes all of a piece's KV heads where the pieces alone keep every thread busy
@@ -389,7 +392,7 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
         for (int64_t task = 0; task < tasks; task++) {
             const decode_pieces::Piece& piece = plan.pieces[task / per_piece];
             const int64_t* batch_rows = plan.order.data() + piece.first;
-            const Heads task_heads{task % per_piece * span, span, kv_heads};
+            const int64_t first_head = task % per_piece * span;  // the task's KV heads: span from it
             // a piece of several rows has no window: each attends from position 0
             const int64_t b0 = batch_rows[0];
             const int64_t first_pos = window > 0 && seq_lens[b0] > window ? seq_lens[b0] - window : 0;
@@ -397,21 +400,21 @@ void attend(const float* q, const void* k_pool_, const void* v_pool_, const int6
                 lens[r] = seq_lens[batch_rows[r]] - first_pos;
                 slots[r] = table + rows[batch_rows[r]] * table_stride + first_pos;
             }
-            const int64_t first = task_heads.first * group * dim;  // the task's first head
+            const int64_t first = first_head * group * dim;  // the task's first query head
             offsets.resize(piece.rows * group);
             query_lens.resize(piece.rows * group);
             Queries qs{q + first, lens, batch_rows, slots, piece.rows * group, group, heads * dim, dim,
                        lens[piece.rows - 1], piece.shared - first_pos, offsets.data(), query_lens.data()};
             qs.tabulate();
-            const Rows<T> k{k_pool + task_heads.first * dim, kv_heads * dim, span * dim};
-            const Rows<T> v{v_pool + task_heads.first * dim, kv_heads * dim, span * dim};
+            const Rows<T> k{k_pool + first_head * dim, kv_heads * dim, span * dim};
+            const Rows<T> v{v_pool + first_head * dim, kv_heads * dim, span * dim};
             scores.resize(span * qs.count * qs.stride);
             sums.resize(span * qs.count * 8 * 8 + 8);
             const auto aligned = ((uintptr_t)sums.data() + 31) & ~(uintptr_t)31;
-            scores_of<Kv>(qs, k, task_heads, scale, scores.data(), (__m256*)aligned);
+            scores_of<Kv>(qs, k, span, scale, scores.data(), (__m256*)aligned);
             for (int64_t i = 0; i < span * qs.count; i++)
                 softmax(scores.data() + i * qs.stride, qs.len(i % qs.count));
-            weighted_values<Kv>(scores.data(), qs, v, task_heads, out + first);
+            weighted_values<Kv>(scores.data(), qs, v, span, out + first);
         }
     }
 }
