@@ -453,6 +453,30 @@ def test_extend_tasks_of_any_size_give_the_same_bits(
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("group", [2, 3, 4, 5, 7, 8])
+def test_each_query_head_gets_the_bits_it_gets_alone(group):
+    """The AVX2 build runs up to three query heads of a KV head together (each key's
+    broadcast serves them all); each head's output is still its own arithmetic: the bits
+    it gets as the only query head of its KV head."""
+    kernel = extend_attention_kernel(None, "avx2")
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, dim, prefix_lens, extend_lens = 2, 64, [0, 40], [70, 33]
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    k_pool = torch.randn(sum(lens) + 1, kv_heads, dim, generator=gen)
+    v_pool = torch.randn(sum(lens) + 1, kv_heads, dim, generator=gen)
+    slots = (torch.randperm(sum(lens), generator=gen) + 1).split(lens)
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for row, taken in enumerate(slots):
+        table[row, : len(taken)] = taken
+    batch = (torch.arange(len(lens)), torch.tensor(prefix_lens), torch.tensor(extend_lens))
+    q = torch.randn(sum(extend_lens), kv_heads * group, dim, generator=gen)
+    together = kernel(q, k_pool, v_pool, table, *batch, dim**-0.5).view(q.shape)
+    for g in range(group):
+        alone = kernel(q[:, g::group].contiguous(), k_pool, v_pool, table, *batch, dim**-0.5)
+        assert torch.equal(alone.view(-1, kv_heads, dim), together[:, g::group]), g
+
+
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=needs_avx512_bf16)])
 def test_extend_kernel_beside_decode_rows_and_windows(isa):
     """A mixed batch (one-token rows to the decode kernel, the rest to the extend kernel)

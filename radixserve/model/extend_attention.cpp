@@ -5,10 +5,20 @@
 //   out[t, h] = softmax_{s <= pos(t)}(q[t, h] . K[slot(b, s), h / G] * scale) . V[slot(b, s), h / G]
 //
 // A task is (request, KV head, block of 32 new tokens), costliest first; a lane group is 8
-// consecutive tokens of one query head. Scores of 8 keys come from 8 accumulators (an FMA
-// per dim with the key's value broadcast), the softmax runs online over blocks of 32 keys,
-// and P . V adds each key's probabilities times its value of a dim (broadcast) into the
-// output held transposed (dim, 8 lanes), all in fp32.
+// consecutive tokens of one query head. The lane groups of the same tokens of up to three
+// query heads (a KV head's) run together, a pass: their scores of 4 keys come from 12
+// accumulators (an FMA per dim with the key's value broadcast once for the three), the
+// softmax runs online over blocks of 32 keys, and P . V adds each key's probabilities
+// times its value of a dim (broadcast once for the three) into the outputs held
+// transposed (dim, 8 lanes), 4 dims a pass, all in fp32. Each query's sums are those it
+// would get alone (same terms, same order), so the bits are those of one lane group at a
+// time (8 keys' scores, 8 dims of P . V a pass: 9 loads for 8 FMAs where this makes 7 for
+// 12), which `benchmarks/attention_builds.py --kind extend` checks before it times the two.
+// AMD EPYC (Zen 3, AVX2), 2 threads, SmolLM2's heads (3 query heads a KV head), the
+// kernel over 30 layers' pools, one head a pass -> three, ms (medians of 10, alternated,
+// two runs): two prompts of 512 249.5, 223.0 -> 220.4, 189.6; 544 + 469 tokens 211.5,
+// 191.4 -> 179.5, 168.4; 16 x 32 tokens after 512 cached 237.3, 213.4 -> 197.0, 200.2; one
+// prompt of 2,048 1,576, 1,359 -> 1,302, 1,207.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -41,24 +51,46 @@ struct LaneGroup {
     alignas(32) float out[kMaxDim * kLanes];  // (D, 8): unnormalized output, transposed
 };
 
-// st[j] = the lane group's scores of keys[j] (j < 8), times scale
-inline void scores8(const LaneGroup& lg, const float* keys, int64_t dim, __m256 scale, __m256* st) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d++) {
-        const __m256 qd = _mm256_load_ps(lg.q + d * kLanes);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(keys + j * dim + d), acc[j]);
+// Query heads of one KV head whose lane groups (the same tokens) a pass takes together: each
+// key's and each value's broadcast then serves up to three lane groups (12 accumulators,
+// 3 query or probability vectors and the broadcast: AVX2's 16 registers), 7 loads for 12
+// FMAs where one lane group at a time made 9 for 8.
+constexpr int kPassHeads = 3;
+
+// The lane groups of a pass, each lane group's arithmetic as if it ran alone: every
+// score's and every output dim's sum runs over the same terms in the same order.
+template <int R>
+struct Pass {
+    LaneGroup* lg[R];
+};
+
+// st[r][j] = lane group r's scores of keys[j] (j < n8, a multiple of 8), times scale: each
+// a sum over the dims in order, one FMA a dim.
+template <int R>
+inline void scores(const Pass<R>& pass, const float* keys, int64_t n8, int64_t dim, __m256 scale,
+                   __m256 (*st)[kBlockK]) {
+    for (int64_t j0 = 0; j0 < n8; j0 += 4) {
+        __m256 acc[R][4];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+        const float* k = keys + j0 * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            __m256 qd[R];
+            for (int r = 0; r < R; r++) qd[r] = _mm256_load_ps(pass.lg[r]->q + d * kLanes);
+            for (int j = 0; j < 4; j++) {
+                const __m256 kj = _mm256_broadcast_ss(k + j * dim + d);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(qd[r], kj, acc[r][j]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) st[r][j0 + j] = _mm256_mul_ps(acc[r][j], scale);
     }
-    for (int j = 0; j < 8; j++) st[j] = _mm256_mul_ps(acc[j], scale);
 }
 
-// One key block [s0, s0 + n) for a lane group: online softmax and P . V. keys, values:
-// (kBlockK, D) the keys' rows (zero past the block's keys).
-void attend_block(LaneGroup& lg, const float* keys, const float* values, int64_t s0, int64_t n,
-                  int64_t dim, __m256 scale) {
-    __m256 st[kBlockK];
-    const int64_t n8 = (n + 7) / 8 * 8;
-    for (int64_t j = 0; j < n8; j += 8) scores8(lg, keys + j * dim, dim, scale, st + j);
+// A lane group's online softmax over one key block [s0, s0 + n8) of scores st: the causal
+// mask, the running max and sum updated, the block's probabilities into p (n8 x 8 lanes);
+// returns the factor the output held so far is scaled by.
+inline __m256 softmax_block(LaneGroup& lg, __m256* st, int64_t s0, int64_t n8, float* p) {
     // causal: key s is visible to lane l when s <= pos[l] (lane 0 has the lowest position)
     if (s0 + n8 - 1 > _mm256_cvtsi256_si32(lg.pos)) {
         const __m256 hidden_score = _mm256_set1_ps(-INFINITY);
@@ -73,7 +105,6 @@ void attend_block(LaneGroup& lg, const float* keys, const float* values, int64_t
     // every lane sees key 0 in the first block, so the max is finite from there on
     const __m256 new_max = _mm256_max_ps(lg.max, block_max);
     const __m256 alpha = exp8(_mm256_sub_ps(lg.max, new_max));  // max -inf at first: 0
-    alignas(32) float p[kBlockK * kLanes];
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < n8; j++) {
         __m256 e = exp8(_mm256_sub_ps(st[j], new_max));
@@ -82,16 +113,64 @@ void attend_block(LaneGroup& lg, const float* keys, const float* values, int64_t
     }
     lg.sum = _mm256_add_ps(_mm256_mul_ps(lg.sum, alpha), sum);
     lg.max = new_max;
-    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_mul_ps(_mm256_load_ps(lg.out + (d0 + i) * kLanes), alpha);
+    return alpha;
+}
+
+// P . V: each lane group's output (scaled by its alpha) plus its probabilities p[r] (n8 x 8
+// lanes) times the values' rows, 4 dims a pass over the keys, each dim's sum over the keys
+// in order.
+template <int R>
+inline void add_values(const Pass<R>& pass, const float (*p)[kBlockK * kLanes], const __m256* alpha,
+                       const float* values, int64_t n8, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 4) {
+        __m256 acc[R][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++)
+                acc[r][i] = _mm256_mul_ps(_mm256_load_ps(pass.lg[r]->out + (d0 + i) * kLanes), alpha[r]);
         for (int64_t j = 0; j < n8; j++) {
-            const __m256 pj = _mm256_load_ps(p + j * kLanes);
+            __m256 pj[R];
+            for (int r = 0; r < R; r++) pj[r] = _mm256_load_ps(p[r] + j * kLanes);
             const float* v = values + j * dim + d0;
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_broadcast_ss(v + i), acc[i]);
+            for (int i = 0; i < 4; i++) {
+                const __m256 vi = _mm256_broadcast_ss(v + i);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(pj[r], vi, acc[r][i]);
+            }
         }
-        for (int i = 0; i < 8; i++) _mm256_store_ps(lg.out + (d0 + i) * kLanes, acc[i]);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) _mm256_store_ps(pass.lg[r]->out + (d0 + i) * kLanes, acc[r][i]);
     }
+}
+
+// One key block [s0, s0 + n) for a pass's lane groups (the same tokens, so the same keys
+// visible): scores, online softmax and P . V. keys, values: (kBlockK, D) the keys' rows
+// (zero past the block's keys).
+template <int R>
+void attend_block(const Pass<R>& pass, const float* keys, const float* values, int64_t s0, int64_t n,
+                  int64_t dim, __m256 scale) {
+    const int64_t n8 = (n + 7) / 8 * 8;
+    __m256 st[R][kBlockK];
+    scores(pass, keys, n8, dim, scale, st);
+    alignas(32) float p[R][kBlockK * kLanes];
+    __m256 alpha[R];
+    for (int r = 0; r < R; r++) alpha[r] = softmax_block(*pass.lg[r], st[r], s0, n8, p[r]);
+    add_values(pass, p, alpha, values, n8, dim);
+}
+
+// The lane groups of query heads [g, g + R) of one token range (groups: head-major, `parts`
+// ranges a head) through one key block.
+template <int R>
+inline void attend_heads(std::vector<LaneGroup>& groups, int64_t g, int64_t part, int64_t parts,
+                         const float* keys, const float* values, int64_t s0, int64_t n,
+                         int64_t dim, __m256 scale) {
+    Pass<R> pass;
+    for (int r = 0; r < R; r++) pass.lg[r] = &groups[(g + r) * parts + part];
+    attend_block(pass, keys, values, s0, n, dim, scale);
+}
+
+// Heads a pass takes from the `left` of a KV head's query heads not yet taken: three, but
+// two and two of four (not three and one).
+inline int heads_of_pass(int64_t left) {
+    return left == 4 ? 2 : (int)std::min<int64_t>(kPassHeads, left);
 }
 
 void run_task(const Task& task, const float* q, const float* k_pool, const float* v_pool,
@@ -136,10 +215,20 @@ void run_task(const Task& task, const float* q, const float* k_pool, const float
                 memset(values + j * dim, 0, dim * 4);
             }
         }
-        for (int64_t i = 0; i < n_groups; i++) {
-            LaneGroup& lg = groups[i];
-            if (s0 < lg.key_end)
-                attend_block(lg, keys, values, s0, std::min(n, lg.key_end - s0), dim, vscale);
+        for (int64_t part = 0; part < parts; part++) {
+            const int64_t part_end = groups[part].key_end;  // every head's lane group alike
+            if (s0 >= part_end) continue;
+            const int64_t visible = std::min(n, part_end - s0);
+            for (int64_t g = 0; g < group;) {
+                const int heads = heads_of_pass(group - g);
+                if (heads == 3)
+                    attend_heads<3>(groups, g, part, parts, keys, values, s0, visible, dim, vscale);
+                else if (heads == 2)
+                    attend_heads<2>(groups, g, part, parts, keys, values, s0, visible, dim, vscale);
+                else
+                    attend_heads<1>(groups, g, part, parts, keys, values, s0, visible, dim, vscale);
+                g += heads;
+            }
         }
     }
     for (int64_t i = 0; i < n_groups; i++) {
