@@ -8,7 +8,8 @@ KV heads of 64 dims, 9 query heads, fp32, huge pages as the server's pool):
   them out), scattered at random, or in pairs sharing their first 512;
 - extend (`extend_attention.cpp` / `extend_attention_avx512.cpp`): the batches of the
   serving workloads' prefills: two prompts of 512, a step's end of one prompt and start of
-  the next (544 + 469), 16 questions of 32 tokens after 512 cached, one prompt of 2,048.
+  the next (544 + 469), 16 questions of 32 tokens after a cached prefix of 512 they share,
+  one prompt of 2,048; both builds' bits are first compared on several head shapes.
 
     .venv/bin/python benchmarks/attention_builds.py [--kind decode|extend] [--base HEAD~1] \
         [--requests 4,16,32] [--repeats 14]
@@ -100,21 +101,44 @@ def decode_cases(builds: dict[str, DecodeKernel], args: argparse.Namespace) -> N
             q = torch.randn(count, HEADS, DIM)
             layers = [(q, pool(slots), pool(slots), *batch, SCALE) for _ in range(LAYERS)]
             compare(f"{layout:18s} {count:3d} requests", builds, layers, args.repeats)
+            del layers  # before the next batch's pools
+
+
+def extend_batch(prefixes: list[int], extends: list[int]) -> tuple[int, tuple]:
+    """Slots a pool needs and (table, rows, prefix_lens, extend_lens) for requests whose
+    slots run in order, all sharing the first request's prefix (as the shared-prefix
+    workload's questions share their system prompt's cached K/V) where they have one."""
+    lens = [p + e for p, e in zip(prefixes, extends, strict=True)]
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    first = 1
+    for row, (prefix, n) in enumerate(zip(prefixes, lens, strict=True)):
+        table[row, :n] = torch.arange(first, first + n)
+        first += n
+        if row and prefix and prefix <= prefixes[0]:
+            table[row, :prefix] = table[0, :prefix]
+    batch = (table, torch.arange(len(lens)), torch.tensor(prefixes), torch.tensor(extends))
+    return first, batch
+
+
+# (query heads, KV heads, head size) whose bits both builds must agree on before timing:
+# one, two, three and eight query heads a KV head (each way the kernel groups them)
+EXTEND_SHAPES = [(8, 8, 64), (8, 4, 64), (9, 3, 64), (16, 2, 128), (8, 1, 256)]
 
 
 def extend_cases(builds: dict[str, ExtendKernel], args: argparse.Namespace) -> None:
+    slots, batch = extend_batch([0, 40, 512], [70, 33, 32])
+    for heads, kv_heads, dim in EXTEND_SHAPES:
+        k_pool, v_pool = (torch.randn(slots, kv_heads, dim) for _ in range(2))
+        q = torch.randn(135, heads, dim)
+        outs = [kernel(q, k_pool, v_pool, *batch, dim**-0.5) for kernel in builds.values()]
+        assert torch.equal(outs[0], outs[1]), f"the builds' outputs differ at {heads, kv_heads}"
+    print(f"same bits at (heads, KV heads, dim) {EXTEND_SHAPES}")
     for label, (prefixes, extends) in EXTENDS.items():
-        lens = [p + e for p, e in zip(prefixes, extends, strict=True)]
-        slots = sum(lens) + 1
-        table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
-        first = 1
-        for row, n in enumerate(lens):
-            table[row, :n] = torch.arange(first, first + n)
-            first += n
-        batch = (table, torch.arange(len(lens)), torch.tensor(prefixes), torch.tensor(extends))
+        slots, batch = extend_batch(prefixes, extends)
         q = torch.randn(sum(extends), HEADS, DIM)
         layers = [(q, pool(slots), pool(slots), *batch, SCALE) for _ in range(LAYERS)]
         compare(f"{label:22s}", builds, layers, args.repeats)
+        del layers
 
 
 def main() -> None:

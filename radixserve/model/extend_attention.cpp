@@ -13,7 +13,8 @@
 // transposed (dim, 8 lanes), 4 dims a pass, all in fp32. Each query's sums are those it
 // would get alone (same terms, same order), so the bits are those of one lane group at a
 // time (8 keys' scores, 8 dims of P . V a pass: 9 loads for 8 FMAs where this makes 7 for
-// 12), which `benchmarks/attention_builds.py --kind extend` checks before it times the two.
+// 12; a KV head of one query head keeps that), which `benchmarks/attention_builds.py --kind
+// extend --base 55c1955` checks on several head shapes before it times the two.
 // AMD EPYC (Zen 3, AVX2), 2 threads, SmolLM2's heads (3 query heads a KV head), the
 // kernel over 30 layers' pools, one head a pass -> three, ms (medians of 10, alternated,
 // two runs): two prompts of 512 249.5, 223.0 -> 220.4, 189.6; 544 + 469 tokens 211.5,
@@ -64,26 +65,33 @@ struct Pass {
     LaneGroup* lg[R];
 };
 
+// Keys (scores) or dims (P . V) a pass takes at a time: 4 for 2 or 3 lane groups (8 or 12
+// accumulators), 8 for one alone (8 accumulators, as many as keep Zen 3's two FMA pipes busy
+// through their 4-cycle latency; 4 would leave them half idle).
+template <int R>
+constexpr int kStepOf = R == 1 ? 8 : 4;
+
 // st[r][j] = lane group r's scores of keys[j] (j < n8, a multiple of 8), times scale: each
 // a sum over the dims in order, one FMA a dim.
 template <int R>
 inline void scores(const Pass<R>& pass, const float* keys, int64_t n8, int64_t dim, __m256 scale,
                    __m256 (*st)[kBlockK]) {
-    for (int64_t j0 = 0; j0 < n8; j0 += 4) {
-        __m256 acc[R][4];
+    constexpr int kStep = kStepOf<R>;
+    for (int64_t j0 = 0; j0 < n8; j0 += kStep) {
+        __m256 acc[R][kStep];
         for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+            for (int j = 0; j < kStep; j++) acc[r][j] = _mm256_setzero_ps();
         const float* k = keys + j0 * dim;
         for (int64_t d = 0; d < dim; d++) {
             __m256 qd[R];
             for (int r = 0; r < R; r++) qd[r] = _mm256_load_ps(pass.lg[r]->q + d * kLanes);
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < kStep; j++) {
                 const __m256 kj = _mm256_broadcast_ss(k + j * dim + d);
                 for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(qd[r], kj, acc[r][j]);
             }
         }
         for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) st[r][j0 + j] = _mm256_mul_ps(acc[r][j], scale);
+            for (int j = 0; j < kStep; j++) st[r][j0 + j] = _mm256_mul_ps(acc[r][j], scale);
     }
 }
 
@@ -117,33 +125,35 @@ inline __m256 softmax_block(LaneGroup& lg, __m256* st, int64_t s0, int64_t n8, f
 }
 
 // P . V: each lane group's output (scaled by its alpha) plus its probabilities p[r] (n8 x 8
-// lanes) times the values' rows, 4 dims a pass over the keys, each dim's sum over the keys
-// in order.
+// lanes) times the values' rows, kStep dims a pass over the keys, each dim's sum over the
+// keys in order.
 template <int R>
 inline void add_values(const Pass<R>& pass, const float (*p)[kBlockK * kLanes], const __m256* alpha,
                        const float* values, int64_t n8, int64_t dim) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 4) {
-        __m256 acc[R][4];
+    constexpr int kStep = kStepOf<R>;
+    for (int64_t d0 = 0; d0 < dim; d0 += kStep) {
+        __m256 acc[R][kStep];
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < kStep; i++)
                 acc[r][i] = _mm256_mul_ps(_mm256_load_ps(pass.lg[r]->out + (d0 + i) * kLanes), alpha[r]);
         for (int64_t j = 0; j < n8; j++) {
             __m256 pj[R];
             for (int r = 0; r < R; r++) pj[r] = _mm256_load_ps(p[r] + j * kLanes);
             const float* v = values + j * dim + d0;
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < kStep; i++) {
                 const __m256 vi = _mm256_broadcast_ss(v + i);
                 for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(pj[r], vi, acc[r][i]);
             }
         }
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < 4; i++) _mm256_store_ps(pass.lg[r]->out + (d0 + i) * kLanes, acc[r][i]);
+            for (int i = 0; i < kStep; i++) _mm256_store_ps(pass.lg[r]->out + (d0 + i) * kLanes, acc[r][i]);
     }
 }
 
 // One key block [s0, s0 + n) for a pass's lane groups (the same tokens, so the same keys
-// visible): scores, online softmax and P . V. keys, values: (kBlockK, D) the keys' rows
-// (zero past the block's keys).
+// visible): scores, online softmax and P . V. keys, values: (kBlockK, D) the block's keys'
+// rows, zero past the task's; keys from n to n8 (later than every valid lane's position)
+// are masked.
 template <int R>
 void attend_block(const Pass<R>& pass, const float* keys, const float* values, int64_t s0, int64_t n,
                   int64_t dim, __m256 scale) {
