@@ -376,6 +376,9 @@ def test_every_backend_and_dataset(server, sharegpt_file, tmp_path, capsys, back
     assert decode["decode_steps"] > 0 and decode["ms_per_step"] > 0
     shares = decode["forward_share"] + decode["scheduler_share"] + decode["loop_share"]
     assert 0 < decode["forward_share"] <= 1 and abs(shares - 1) < 1e-6
+    # and the prefill batches' forward time per prompt token (mixed ones among them)
+    assert 0 <= decode["mixed_steps"] <= decode["prefill_batches"]
+    assert decode["prefill_forward_s"] > 0 and decode["prefill_ms_per_token"] > 0
     if dataset == "random-ids":
         assert all(r["prompt_tokens"] == r["prompt_len"] for r in requests)
     if dataset in ("generated-shared-prefix", "multi-turn"):

@@ -858,25 +858,39 @@ async def _scheduler_state(client: httpx2.AsyncClient, base_url: str) -> dict | 
 
 
 def decode_breakdown(before: dict | None, after: dict | None) -> dict[str, float] | None:
-    """Where the server's decode steps went during the run: the model's forward pass, the
-    rest of the scheduler's step (batch building, sampling, stop checks, outputs), and the
-    process loop around it (receiving requests, sending outputs)."""
+    """Where the server's decode-only steps went during the run: the model's forward pass,
+    the rest of the scheduler's step (batch building, sampling, stop checks, outputs), and
+    the process loop around it (receiving requests, sending outputs). (A mixed step, a
+    prefill chunk carrying the running requests' decode, counts as a prefill batch.) With
+    the prefill batches' forward time per prompt token, where the server reports it."""
     if before is None or after is None:
         return None
-    steps = after["decode_steps"] - before["decode_steps"]
+    mixed = after.get("mixed_steps", 0) - before.get("mixed_steps", 0)
+    steps = after["decode_steps"] - before["decode_steps"] - mixed
     forward = after["decode_forward_seconds"] - before["decode_forward_seconds"]
     step = after["decode_step_seconds"] - before["decode_step_seconds"]
     key = "decode_loop_seconds"
     loop = after[key] - before[key] if key in after and key in before else step
     if steps <= 0 or loop <= 0:
         return None
-    return {
+    figures = {
         "decode_steps": steps,
         "ms_per_step": 1000 * loop / steps,
         "forward_share": forward / loop,
         "scheduler_share": (step - forward) / loop,
         "loop_share": (loop - step) / loop,
     }
+    tokens = after.get("prefill_forward_tokens", 0) - before.get("prefill_forward_tokens", 0)
+    if tokens > 0:
+        prefill = after["prefill_forward_seconds"] - before["prefill_forward_seconds"]
+        figures |= {
+            "prefill_batches": after["prefill_batches"] - before["prefill_batches"],
+            "mixed_steps": mixed,
+            "prefill_forward_s": prefill,
+            "prefill_ms_per_token": 1000 * prefill / tokens,
+            "decode_forward_s": forward,
+        }
+    return figures
 
 
 async def _timed_run(
@@ -920,7 +934,12 @@ def print_report(config: dict[str, Any], f: Figures) -> None:
             line("  measured / optimum", f.cache_hit_rate / optimum, ".1%")
     decode = config.get("server_decode")
     if decode:
-        line("Server decode steps", decode["decode_steps"])
+        if "prefill_batches" in decode:
+            line("Server prefill batches", decode["prefill_batches"])
+            line("  with the running requests' decode", decode["mixed_steps"])
+            line("  forward (s)", decode["prefill_forward_s"], ".1f")
+            line("  forward per prompt token (ms)", decode["prefill_ms_per_token"], ".2f")
+        line("Server decode-only steps", decode["decode_steps"])
         line("Server decode step (ms)", decode["ms_per_step"], ".1f")
         line("  in the forward pass", decode["forward_share"], ".1%")
         line("  scheduler outside the forward", decode["scheduler_share"], ".1%")

@@ -90,7 +90,8 @@ def _measure(engine, args: argparse.Namespace, batch: int) -> dict[str, float]:
         engine.generate(input_ids=prompts, sampling_params=params)
         wall = time.perf_counter() - start
         after = engine.get_server_info()["internal_states"][0]
-        n = after["decode_steps"] - before["decode_steps"]
+        mixed = after["mixed_steps"] - before["mixed_steps"]  # counted as prefill time
+        n = after["decode_steps"] - before["decode_steps"] - mixed
         decode = after["decode_step_seconds"] - before["decode_step_seconds"]
         steps.append(decode / max(n, 1))
         prefills.append(wall - decode)

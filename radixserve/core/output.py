@@ -197,6 +197,10 @@ class SchedulerStats(msgspec.Struct):
     decode_step_seconds: float = 0.0
     decode_forward_seconds: float = 0.0
     decode_loop_seconds: float = 0.0
+    # prefill batches (mixed ones too, their decode rows included): the forward pass's
+    # seconds and the prompt tokens they extended by
+    prefill_forward_seconds: float = 0.0
+    prefill_forward_tokens: int = 0
     kv_total: int = 0
     kv_free: int = 0
     kv_tree_evictable: int = 0

@@ -405,8 +405,11 @@ class Scheduler:
             want_all + [False] * len(decoding),
             hidden if any_hidden else None,
         )
+        start = time.perf_counter()
         out = self.runner.forward(batch)
         logits = out.logits
+        self.stats.prefill_forward_seconds += time.perf_counter() - start
+        self.stats.prefill_forward_tokens += sum(map(len, extends))
         if any_hidden:
             self._take_hidden(reqs + decoding, hidden, starts, out.hidden)
         last_rows, num_rows = self._after_prefill(reqs, extends, want_all, starts, logits)
