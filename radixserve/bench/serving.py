@@ -888,7 +888,6 @@ def decode_breakdown(before: dict | None, after: dict | None) -> dict[str, float
             "mixed_steps": mixed,
             "prefill_forward_s": prefill,
             "prefill_ms_per_token": 1000 * prefill / tokens,
-            "decode_forward_s": forward,
         }
     return figures
 

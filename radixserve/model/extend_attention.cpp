@@ -10,7 +10,7 @@
 // accumulators (an FMA per dim with the key's value broadcast once for the three), the
 // softmax runs online over blocks of 32 keys, and P . V adds each key's probabilities
 // times its value of a dim (broadcast once for the three) into the outputs held
-// transposed (dim, 8 lanes), 4 dims a pass, all in fp32. Each query's sums are those it
+// transposed (dim, 8 lanes), 4 dims a pass (8 for a head alone), all in fp32. Each query's sums are those it
 // would get alone (same terms, same order), so the bits are those of one lane group at a
 // time (8 keys' scores, 8 dims of P . V a pass: 9 loads for 8 FMAs where this makes 7 for
 // 12; a KV head of one query head keeps that), which `benchmarks/attention_builds.py --kind
@@ -150,13 +150,17 @@ inline void add_values(const Pass<R>& pass, const float (*p)[kBlockK * kLanes], 
     }
 }
 
-// One key block [s0, s0 + n) for a pass's lane groups (the same tokens, so the same keys
+// One key block [s0, s0 + n) for the lane groups of query heads [g, g + R) of one token
+// range (groups: head-major, `parts` ranges a head; the same tokens, so the same keys
 // visible): scores, online softmax and P . V. keys, values: (kBlockK, D) the block's keys'
 // rows, zero past the task's; keys from n to n8 (later than every valid lane's position)
 // are masked.
 template <int R>
-void attend_block(const Pass<R>& pass, const float* keys, const float* values, int64_t s0, int64_t n,
-                  int64_t dim, __m256 scale) {
+void attend_heads(std::vector<LaneGroup>& groups, int64_t g, int64_t part, int64_t parts,
+                  const float* keys, const float* values, int64_t s0, int64_t n, int64_t dim,
+                  __m256 scale) {
+    Pass<R> pass;
+    for (int r = 0; r < R; r++) pass.lg[r] = &groups[(g + r) * parts + part];
     const int64_t n8 = (n + 7) / 8 * 8;
     __m256 st[R][kBlockK];
     scores(pass, keys, n8, dim, scale, st);
@@ -164,17 +168,6 @@ void attend_block(const Pass<R>& pass, const float* keys, const float* values, i
     __m256 alpha[R];
     for (int r = 0; r < R; r++) alpha[r] = softmax_block(*pass.lg[r], st[r], s0, n8, p[r]);
     add_values(pass, p, alpha, values, n8, dim);
-}
-
-// The lane groups of query heads [g, g + R) of one token range (groups: head-major, `parts`
-// ranges a head) through one key block.
-template <int R>
-inline void attend_heads(std::vector<LaneGroup>& groups, int64_t g, int64_t part, int64_t parts,
-                         const float* keys, const float* values, int64_t s0, int64_t n,
-                         int64_t dim, __m256 scale) {
-    Pass<R> pass;
-    for (int r = 0; r < R; r++) pass.lg[r] = &groups[(g + r) * parts + part];
-    attend_block(pass, keys, values, s0, n, dim, scale);
 }
 
 // Heads a pass takes from the `left` of a KV head's query heads not yet taken: three, but
