@@ -5,12 +5,19 @@ steps alone, as a model it did not take ran before), alternating step by step; p
 median step time of each and their ratio per batch size. Both ways compute the same
 logits bit for bit (tests/test_decode_layers.py), so only the time differs.
 
+With `--arriving N [N ...]`, mixed steps instead: each of the B running requests' one
+decode row and, after them, whole prompts of those lengths arriving (the step a continuous
+batch runs when requests arrive; past 256 rows, on AVX2 CPUs, its products go to MKL,
+which the driver calls as torch's F.linear does), the same step timed again and again.
+
 Any model folder the runner loads (default: SmolLM2). A Qwen3-shaped model with random
 weights (the driver now takes per-head q/k norms) is made by `--random-qwen3 DIR`:
 Qwen3-0.6B's layer shapes (28 layers, hidden 1024, 16 heads of 128, 8 KV heads,
 intermediate 3072) over the tests' 512-token vocabulary.
 
     .venv/bin/python benchmarks/decode_driver_ab.py --random-qwen3 /tmp/qwen3 --dtype float32
+    .venv/bin/python benchmarks/decode_driver_ab.py --batch-sizes 16 --context-len 544 \
+        --arriving 544 310 --steps 10
 """
 
 from __future__ import annotations
@@ -90,6 +97,41 @@ def step_times(
     return timed
 
 
+def mixed_times(
+    runner: ModelRunner, batch: int, context: int, arriving: list[int], steps: int
+) -> tuple[list[float], list[float]]:
+    """(driver, Python layers) seconds of `steps` runs each, alternating, of one mixed step:
+    `batch` requests' decode rows after `context` cached tokens, then prompts of the
+    `arriving` lengths whole (the same step each time: its K/V go to the same slots)."""
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    vocab = runner.model.config.vocab_size
+    gen = torch.Generator().manual_seed(batch + sum(arriving))
+    tokens = lambda n: torch.randint(3, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    running = [Req(f"r{i}", tokens(context), params) for i in range(batch)]
+    new = [Req(f"a{i}", tokens(n), params) for i, n in enumerate(arriving)]
+    model, driver = runner.model, runner.model.decode_layers
+    timed: tuple[list[float], list[float]] = ([], [])
+    try:
+        for req in running:
+            runner.forward(builder.extend([req], [req.input_ids]))
+        step = builder.extend(
+            running + new, [tokens(1) for _ in running] + [r.input_ids for r in new]
+        )
+        for run in range(2 * steps + 4):  # the first two of each way warm up
+            way = run % 2
+            model.decode_layers = driver if way == 0 else None
+            start = time.perf_counter()
+            runner.forward(step)
+            if run >= 4:
+                timed[way].append(time.perf_counter() - start)
+    finally:
+        model.decode_layers = driver
+        for req in running + new:
+            builder.release(req)
+    return timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None)
@@ -98,6 +140,10 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--arriving", type=int, nargs="+", default=None, metavar="N",
+        help="mixed steps: prompts of these lengths arrive beside the running requests' rows",
+    )  # fmt: skip
     args = parser.parse_args()
     path = args.model_path
     if args.random_qwen3 is not None:
@@ -108,9 +154,15 @@ def main() -> None:
         raise SystemExit("the driver does not take this model (or this CPU's plan)")
     print(f"cpu: {cpu_info().summary()}  threads: {torch.get_num_threads()}")
     print(f"model: {runner.model_folder}  dtype: {args.dtype}  context: {args.context_len}")
+    if args.arriving:
+        rows = [f"{b} + {'+'.join(map(str, args.arriving))}" for b in args.batch_sizes]
+        print(f"mixed steps: running decode rows + arriving prompts' tokens: {', '.join(rows)}")
     print(f"{'running':>8} {'driver ms':>10} {'python ms':>10} {'python/driver':>14}")
     for batch in args.batch_sizes:
-        driver, python = step_times(runner, batch, args.context_len, args.steps)
+        if args.arriving:
+            driver, python = mixed_times(runner, batch, args.context_len, args.arriving, args.steps)
+        else:
+            driver, python = step_times(runner, batch, args.context_len, args.steps)
         d, p = 1e3 * statistics.median(driver), 1e3 * statistics.median(python)
         print(f"{batch:>8} {d:>10.2f} {p:>10.2f} {p / d:>13.2f}x", flush=True)
 

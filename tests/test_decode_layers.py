@@ -257,6 +257,50 @@ def test_steps_with_lora_adapters_are_the_python_layers(
     assert runner.allocator.num_free == runner.allocator.size
 
 
+LARGE_CASES = [
+    ("llama", FP32, "auto"),
+    ("llama", FP32, "avx2-blocked"),
+    ("llama", FP32, "avx2"),
+    ("qwen2", FP32, "avx2-blocked"),  # q/k/v biases: F.linear adds them, the driver declines
+    ("llama", "bfloat16", "auto"),
+]
+
+
+@pytest.mark.parametrize(("arch", "dtype", "plan"), LARGE_CASES)
+def test_large_prompts_and_mixed_steps_are_the_python_layers_bit_for_bit(
+    tiny_model_dirs, arch, dtype, plan, monkeypatch
+):
+    """Steps of SMALL_BATCH_ROWS to MAX_ROWS rows (a prefill chunk, a large mixed step)
+    whose products the Python layers give to torch's F.linear (the AVX2 plans past the
+    blocked kernel's rows): the driver calls torch's own sgemm for them as F.linear does,
+    with the same bits, where no product has a bias; with one, or where another kernel than
+    F.linear and the driver's has the rows, it leaves the step to Python."""
+    runner = make_runner(tiny_model_dirs[arch], dtype, plan, monkeypatch)
+    if not runner.kernels.extend_attention:  # bf16 on a CPU without AVX512-BF16
+        pytest.skip("this CPU's plan has no extend kernel for the model's dtype")
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    biased = any(m.bias is not None for m in linears)
+    builder = BatchBuilder(runner.allocator, runner.req_to_token, runner.device)
+    gen = torch.Generator().manual_seed(len(arch) + len(plan))
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    new = lambda n: torch.randint(3, 500, (n,), generator=gen).tolist()  # noqa: E731
+    reqs = [Req(f"r{i}", new(n), params) for i, n in enumerate((300, 2, 5))]
+    try:
+        for tokens, rows in (
+            ([r.input_ids for r in reqs], 307),  # prompts
+            ([new(1), new(1), new(600)], 602),  # two decode rows, then 600 new tokens
+            ([new(1), new(1), new(MAX_ROWS - 2)], MAX_ROWS),
+        ):
+            logits, python, taken = both_ways(runner, builder.extend(reqs, tokens))
+            by_torch = dtype == FP32 and not driver_takes(runner, rows)
+            assert taken == (driver_takes(runner, rows) or (by_torch and not biased)), rows
+            assert torch.equal(logits, python), rows
+    finally:
+        for req in reqs:
+            builder.release(req)
+    assert runner.allocator.num_free == runner.allocator.size
+
+
 def test_the_driver_leaves_other_steps_and_models_to_python(tiny_model_dirs):
     config = Config.from_flat(  # another decoder (sandwich norms, Gemma's norms, GELU)
         model_path=str(tiny_model_dirs["gemma3"]), max_total_tokens=1024, dtype=FP32

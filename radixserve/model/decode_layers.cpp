@@ -41,6 +41,13 @@ using ExtendAttention = void (*)(const void* q, const void* k_pool, const void* 
                                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                  int64_t table_stride, float scale, int threads, int dtype);
 
+// BLAS's sgemm (Fortran interface): the one torch's fp32 F.linear reaches on CPU (MKL's,
+// inside libtorch_cpu), C = alpha op(A) op(B) + beta C, column-major, 32-bit sizes
+using Sgemm = void (*)(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
 // A linear layer's entry in a layer's row (decode_layers.py LINEAR_FIELDS): the kernel, the
 // weight (its layout), the bias or 0, and how the kernel is called.
 struct Linear {
@@ -50,17 +57,27 @@ constexpr int64_t kOneRow = -2;  // fp32_gemv: (x, w, bias, out, n, k, threads)
 constexpr int64_t kRows = -1;    // (x, w, bias, out, m, n, k, threads)
 // as kRows, a gate/up kernel whose out is silu(gate) * up (n: its width, half the weight's)
 constexpr int64_t kActRows = -3;
+// fn: torch's sgemm (Sgemm), the weight torch's own (n, k), no bias: the call torch's
+// F.linear makes for x (m, k) @ w.T (out^T = w x^T in BLAS's column-major terms), with
+// BLAS's threads (torch sets them with its own)
+constexpr int64_t kTorchGemm = -4;
 // kind >= 0: a chunked kernel (fp32_linear.cpp), kind its chunk of columns
 
 void linear(const Linear& l, const void* x, void* out, int64_t m, int64_t n, int64_t k,
             int threads) {
     const void *w = (const void*)l.weight, *bias = (const void*)l.bias;
-    if (l.kind == kOneRow)
+    if (l.kind == kOneRow) {
         ((LinearOneRow)l.fn)(x, w, bias, out, n, k, threads);
-    else if (l.kind == kRows || l.kind == kActRows)
+    } else if (l.kind == kTorchGemm) {
+        const int rows = (int)m, features = (int)n, columns = (int)k;
+        const float one = 1.0f, zero = 0.0f;
+        ((Sgemm)l.fn)("T", "N", &features, &rows, &columns, &one, (const float*)w, &columns,
+                      (const float*)x, &columns, &zero, (float*)out, &features);
+    } else if (l.kind == kRows || l.kind == kActRows) {
         ((LinearRows)l.fn)(x, w, bias, out, m, n, k, threads);
-    else
+    } else {
         ((LinearChunked)l.fn)(x, w, bias, out, m, n, k, threads, l.kind);
+    }
 }
 
 // A layer's row (decode_layers.py LAYER_FIELDS): its norms' weights, its pool's K and V
@@ -228,6 +245,15 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
                                      threads);
         if (p->gate_up.kind == kActRows) {
             linear(p->gate_up, h, act, n, inter, hidden, threads);
+        } else if (p->gate_up.kind == kTorchGemm) {
+            // as the Python MLP takes a product of these rows to torch (GatedMLP._local):
+            // gate and up each their half of the weight's product, one after the other
+            Linear half = p->gate_up;
+            char* up = at(gate_up, n * inter, es);
+            linear(half, h, gate_up, n, inter, hidden, threads);
+            half.weight = (int64_t)at((char*)half.weight, inter * hidden, es);
+            linear(half, h, up, n, inter, hidden, threads);
+            ((SiluMul)s.silu_mul)(gate_up, up, act, n, inter, inter, threads);
         } else {
             linear(p->gate_up, h, gate_up, n, 2 * inter, hidden, threads);
             add_lora(s, lora, kGateUp, row_owner, h, n, hidden, gate_up, at(gate_up, inter, es),

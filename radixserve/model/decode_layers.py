@@ -11,11 +11,14 @@ bit for bit the Python model's. Decode steps, and steps of up to MAX_ROWS rows w
 tokens after cached prefixes (a mixed step's arriving requests beside its decode rows, an
 extend batch) where the extend-attention kernel attends them: ~10 ms of Python a step
 matters there too (a step of 15 decode rows and one arriving request's 32 tokens takes
-~90 ms). A step whose last layer runs for its logits rows alone (`LastRows`) runs it so
-here too, as the Python layers do. Steps it does not take (larger prefills, which are
-compute-bound and whose MLP goes in chunks, rows gathered by index, a layer whose product
-goes to torch, tensor parallelism, sliding windows, K/V being loaded back, a pool of
-another dtype than the model) run the Python model as before.
+~90 ms). Products the Python layers give to torch's F.linear itself (fp32, no bias, from
+256 rows: MKL's rows on AVX2 CPUs) it gives to the sgemm F.linear calls, called as torch
+calls it: a large mixed step's ~450 Python calls go too. A step whose last layer runs for
+its logits rows alone (`LastRows`) runs it so here too, as the Python layers do. Steps it
+does not take (larger prefills, which are compute-bound and whose MLP goes in chunks, rows
+gathered by index, a layer whose product goes to oneDNN or to torch some other way, tensor
+parallelism, sliding windows, K/V being loaded back, a pool of another dtype than the
+model) run the Python model as before.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from radixserve.model.cpu_kernels import (
     BlockedLinear,
     FusedOps,
     LinearKernel,
+    function_address,
     load_kernel,
     profiled,
 )
@@ -45,8 +49,9 @@ STEP_FIELDS = 14  # decode_layers.cpp's Step
 SEGMENT_FIELDS = 8  # decode_layers.cpp's Segment
 CUT_FIELDS = 7  # decode_layers.cpp's Cut
 # how a linear kernel is called (decode_layers.cpp); ACT_ROWS_KIND: as ROWS_KIND, the
-# gate/up product's kernel with SiLU * up applied (out: the activation)
-ROWS_KIND, ONE_ROW_KIND, ACT_ROWS_KIND = -1, -2, -3
+# gate/up product's kernel with SiLU * up applied (out: the activation); TORCH_GEMM_KIND:
+# torch's own BLAS sgemm, called as its F.linear calls it (`torch_sgemm_address`)
+ROWS_KIND, ONE_ROW_KIND, ACT_ROWS_KIND, TORCH_GEMM_KIND = -1, -2, -3, -4
 MAX_ROWS = MLP_CHUNK_ROWS  # past it the Python MLP goes a chunk of rows at a time
 # the most rows of a step with LoRA adapters the driver takes: fused_ops.cpp's lora_add
 # runs on the vector units (4 rows at a time), where torch's products in the Python layers
@@ -219,7 +224,7 @@ class DecodeLayers:
                 attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
                 mlp.gate_up_proj, mlp.down_proj,
             ):  # fmt: skip
-                fields = self._linear_fields(linear, rows)
+                fields = self._linear_fields(linear, rows, torch_gemm=act_in_product)
                 if linear is mlp.gate_up_proj and act_in_product and mlp.act_in_product(probe):
                     fields = [linear.blocked.silu_mul_address, fields[1], 0, ACT_ROWS_KIND]
                 if fields is None:
@@ -235,9 +240,11 @@ class DecodeLayers:
         assert len(step) == STEP_FIELDS and all(len(r) == LAYER_FIELDS for r in layers)
         return torch.tensor(step, dtype=torch.int64), torch.tensor(layers, dtype=torch.int64)
 
-    def _linear_fields(self, linear, rows: int) -> list[int] | None:
+    def _linear_fields(self, linear, rows: int, torch_gemm: bool = True) -> list[int] | None:
         """(kernel, weight, bias, kind) of the C kernel `linear.forward` calls for `rows`
-        rows, or None where it calls something else (oneDNN, torch)."""
+        rows, or None where it calls something else (oneDNN; torch but for F.linear's own
+        sgemm where `torch_gemm`: not under adapters, whose Python MLP takes its gate/up
+        product whole)."""
         from radixserve.model.layers import Linear
 
         if not isinstance(linear, Linear):
@@ -253,11 +260,48 @@ class DecodeLayers:
         ):
             return None
         kernel = linear.kernels.pick(x)
+        if kernel is None:
+            return self._torch_gemm_fields(linear, rows) if torch_gemm else None
         if not isinstance(kernel, LinearKernel) or self.dtype != torch.float32:
             return None
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
         kind = ROWS_KIND if kernel.takes_rows else ONE_ROW_KIND
         return [kernel.address, linear.weight.data_ptr(), bias, kind]
+
+    def _torch_gemm_fields(self, linear, rows: int) -> list[int] | None:
+        """(torch's sgemm, weight, 0, TORCH_GEMM_KIND) where the Python layers give
+        `linear`'s product of `rows` rows to torch's F.linear itself (fp32 and no bias, whose
+        sums on CPU are BLAS's sgemm's: the driver calls that sgemm as torch calls it, for
+        the same bits), else None. From SMALL_BATCH_ROWS rows: below, the Python MLP takes
+        its gate/up product transposed (GatedMLP._local), another order of the sums. The
+        products of a large mixed step (AVX2 CPUs: past FP32_EXACT_ROWS_AVX2, MKL's rows):
+        its ~450 Python calls (~8% of such a step's time on an AMD EPYC Zen 3) go."""
+        from radixserve.model.layers import SMALL_BATCH_ROWS
+
+        weight, address = linear.weight, torch_sgemm_address()
+        if address is None or self.dtype != torch.float32 or rows < SMALL_BATCH_ROWS:
+            return None
+        if linear.bias is not None or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        if not weight.is_contiguous() or weight.device.type != "cpu":
+            return None
+        return [address, weight.data_ptr(), 0, TORCH_GEMM_KIND]
+
+
+@functools.cache
+def torch_sgemm_address() -> int | None:
+    """The address of the BLAS sgemm (Fortran interface) inside torch's CPU library, which
+    its fp32 matrix products call (MKL's, in the x86 wheels), or None where the library
+    exports none or torch takes fp32 products elsewhere (oneDNN in reduced precision)."""
+    if torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+        return None
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    function = getattr(library, "sgemm_", None)
+    return None if function is None else function_address(function)
 
 
 def _segment_fields(view) -> torch.Tensor:
