@@ -118,6 +118,11 @@ def mixed_times(
         step = builder.extend(
             running + new, [tokens(1) for _ in running] + [r.input_ids for r in new]
         )
+        taken = []
+        model.decode_layers = lambda *a, **k: taken.append(driver(*a, **k)) or taken[-1]
+        runner.forward(step)
+        if taken[-1] is None:
+            raise SystemExit("the driver does not take this mixed step (too many rows?)")
         for run in range(2 * steps + 4):  # the first two of each way warm up
             way = run % 2
             model.decode_layers = driver if way == 0 else None

@@ -406,13 +406,15 @@ CODED_LUT_MARGIN = 1.1
 # decode rows + one request's 32 new tokens after a cached 512 90.6, 91.6 -> 79.7, 82.0;
 # with two such requests (78 rows) 125.1, 137.2 -> 124.9, 117.3. Up to 1,024 rows (past
 # them the Python MLP goes in chunks, and a step's products dwarf the calls between).
-# Where the Python layers give a product to torch's F.linear (fp32, no bias, 256 rows or
-# more: on AVX2 CPUs past FP32_EXACT_ROWS_AVX2, MKL's), the driver calls the sgemm F.linear
+# Where the Python layers give a product of 256 rows or more to torch's F.linear (fp32, no
+# bias: on AVX2 CPUs MKL's rows, past the blocked kernel's), the driver calls the sgemm F.linear
 # calls, as it calls it (the same bits), rather than leave the step to Python. AMD EPYC
 # (Zen 3, AVX2 only), 2 threads, SmolLM2 fp32, a mixed step of 16 decode rows (544 cached)
 # and two arriving prompts of 544 and 310 tokens (870 rows), ms, medians of 10 alternated
 # (`benchmarks/decode_driver_ab.py --batch-sizes 16 --context-len 544 --arriving 544 310`),
-# Python layers -> one call: 1639 -> 1511, 1689 -> 1527 (1.08x, 1.11x). `bench serving`, 64
+# Python layers -> one call: 1639 -> 1511, 1689 -> 1527, 1610 -> 1596, 1835 -> 1726, 2221 ->
+# 2174, 1746 -> 1646 (1.01-1.11x, six runs; the Python calls cost more when the machine is
+# busier, the worker thread waking late for each of the ~450 kernels). `bench serving`, 64
 # prompts of 544 sharing nothing, 16 streams, req/s without -> with, three rounds
 # alternated: 0.77 -> 0.84, 0.75 -> 0.81, 0.82 -> 0.81 (prefill forward 73.3 -> 66.9 s,
 # 76.4 -> 69.3, 68.5 -> 69.4).
@@ -483,9 +485,9 @@ class KernelPlan:
     # AVX512-BF16 (extend_attention_avx512.cpp) (see EXTEND_ATTENTION)
     extend_attention: bool = False
     # a step's decoder layers driven from one C++ call (decode_layers.cpp) where every
-    # kernel of the step is one of the above (decode steps; mixed and extend steps of up to
-    # 1,024 rows where the extend kernel runs): the same kernels in the same order, without
-    # ~300 Python calls a step (see DECODE_LAYERS)
+    # kernel of the step is one of the above or torch's F.linear's own sgemm (decode steps;
+    # mixed and extend steps of up to 1,024 rows where the extend kernel runs): the same
+    # kernels in the same order, without ~300 Python calls a step (see DECODE_LAYERS)
     decode_layers: bool = False
 
     @classmethod

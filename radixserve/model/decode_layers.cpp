@@ -2,7 +2,8 @@
 // rows (a decode step's one-token rows; or a mixed step's, or an extend batch's, new tokens
 // after their cached prefixes), through the same kernels, in the same order, on the same
 // buffers' values as the Python model calls them one by one (cpu_kernels.py: the blocked or
-// row linear kernels, fused_ops.cpp, the decode- and extend-attention kernels), so the
+// row linear kernels, fused_ops.cpp, the decode- and extend-attention kernels; torch's own
+// BLAS sgemm where the Python layers call F.linear), so the
 // hidden states come out bit for bit as they do there. What it saves is what lies between
 // the kernels: ~10 Python calls, ctypes conversions and torch allocations per layer
 // (SmolLM2: 30 layers, ~300 calls a step). Built and loaded by cpu_kernels.py; it calls the
@@ -248,6 +249,7 @@ void decode_layers(const int64_t* step_fields, const int64_t* layer_fields, int6
         } else if (p->gate_up.kind == kTorchGemm) {
             // as the Python MLP takes a product of these rows to torch (GatedMLP._local):
             // gate and up each their half of the weight's product, one after the other
+            // (never with adapters: decode_layers.py gives no kTorchGemm to such a step)
             Linear half = p->gate_up;
             char* up = at(gate_up, n * inter, es);
             linear(half, h, gate_up, n, inter, hidden, threads);

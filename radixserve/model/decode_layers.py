@@ -64,9 +64,9 @@ LORA_MAX_ROWS = {torch.bfloat16: 256, torch.float32: 256}
 
 class DecodeLayers:
     """The decoder stack of a Llama-family `model` (LlamaForCausalLM, Qwen2ForCausalLM,
-    Qwen3ForCausalLM: its per-head q/k norms too) for decode and small extend steps, through
-    `library` (decode_layers.cpp) and the kernels the model was given. `__call__` returns
-    None for a step it does not take."""
+    Qwen3ForCausalLM: its per-head q/k norms too) for decode steps and extend or mixed steps
+    of up to MAX_ROWS rows, through `library` (decode_layers.cpp) and the kernels the model
+    was given. `__call__` returns None for a step it does not take."""
 
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module, fused: FusedOps) -> None:
         self._run = library.decode_layers
@@ -83,6 +83,10 @@ class DecodeLayers:
         self.dtype = model.embed_tokens.weight.dtype
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.scratch_per_row = self.hidden + 2 * q_width + 2 * kv_width + 3 * self.intermediate
+        # the scratch's stretches (each a multiple of these widths from a torch allocation)
+        # start 64-byte aligned, as torch's own tensors do: MKL's sums may depend on it
+        widths = (self.hidden, q_width, kv_width, self.intermediate)
+        self._aligned = all(width * 4 % 64 == 0 for width in widths)  # (fp32's products alone)
         # (rows, threads, pool address) → (step fields, layer fields), or None where some
         # product of that many rows does not go to a C kernel
         self._plans: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -174,7 +178,9 @@ class DecodeLayers:
     def _plan_for(
         self, rows: int, threads: int, view, act_in_product: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        key = (rows, threads, view.pool_k[0].data_ptr(), act_in_product)
+        # (torch's fp32 precision: where it turns to bf16 or tf32, F.linear leaves MKL)
+        precision = torch.backends.mkldnn.matmul.fp32_precision
+        key = (rows, threads, view.pool_k[0].data_ptr(), act_in_product, precision)
         if key not in self._plans:
             self._plans[key] = self._plan(rows, threads, view, act_in_product)
         return self._plans[key]
@@ -281,6 +287,8 @@ class DecodeLayers:
         weight, address = linear.weight, torch_sgemm_address()
         if address is None or self.dtype != torch.float32 or rows < SMALL_BATCH_ROWS:
             return None
+        if not self._aligned or torch.backends.mkldnn.matmul.fp32_precision not in IEEE_FP32:
+            return None
         if linear.bias is not None or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
         if not weight.is_contiguous() or weight.device.type != "cpu":
@@ -288,20 +296,28 @@ class DecodeLayers:
         return [address, weight.data_ptr(), 0, TORCH_GEMM_KIND]
 
 
+# torch's settings of fp32 matrix products under which F.linear stays on BLAS's sgemm (the
+# others send it to oneDNN in bf16 or tf32)
+IEEE_FP32 = ("none", "ieee")
+
+
 @functools.cache
 def torch_sgemm_address() -> int | None:
     """The address of the BLAS sgemm (Fortran interface) inside torch's CPU library, which
     its fp32 matrix products call (MKL's, in the x86 wheels), or None where the library
-    exports none or torch takes fp32 products elsewhere (oneDNN in reduced precision)."""
-    if torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
-        return None
+    exports none, or where another sgemm loaded ahead of it (an LD_PRELOAD'ed BLAS) would
+    take torch's own calls instead."""
     path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
         library = ctypes.CDLL(str(path))
     except OSError:
         return None
     function = getattr(library, "sgemm_", None)
-    return None if function is None else function_address(function)
+    if function is None:
+        return None
+    ahead = getattr(ctypes.CDLL(None), "sgemm_", None)  # the process's global symbols
+    address = function_address(function)
+    return None if ahead is not None and function_address(ahead) != address else address
 
 
 def _segment_fields(view) -> torch.Tensor:
