@@ -26,6 +26,7 @@ import argparse
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,6 +65,28 @@ def random_qwen3(folder: Path) -> Path:
     return folder
 
 
+def alternated(
+    runner: ModelRunner, steps: int, batch_of: Callable[[int], object]
+) -> tuple[list[float], list[float]]:
+    """(driver, Python layers) seconds of `steps` forwards each of the batch `batch_of(run)`
+    gives for each run, the two ways alternating run by run (the first two of each way warm
+    up)."""
+    model, driver = runner.model, runner.model.decode_layers
+    timed: tuple[list[float], list[float]] = ([], [])
+    try:
+        for run in range(2 * steps + 4):
+            batch = batch_of(run)
+            way = run % 2
+            model.decode_layers = driver if way == 0 else None
+            start = time.perf_counter()
+            runner.forward(batch)
+            if run >= 4:
+                timed[way].append(time.perf_counter() - start)
+    finally:
+        model.decode_layers = driver
+    return timed
+
+
 def step_times(
     runner: ModelRunner, batch: int, context: int, steps: int
 ) -> tuple[list[float], list[float]]:
@@ -76,25 +99,18 @@ def step_times(
         Req(f"r{i}", torch.randint(3, vocab, (context,), generator=gen).tolist(), params)
         for i in range(batch)
     ]
-    model, driver = runner.model, runner.model.decode_layers
-    timed: tuple[list[float], list[float]] = ([], [])
+
+    def next_step(run: int):
+        for req in reqs:
+            req.output_ids.append(5)
+        return builder.decode(reqs)
+
     try:
         runner.forward(builder.extend(reqs, [r.input_ids for r in reqs]))
-        for step in range(2 * steps + 4):  # the first two of each way warm up
-            for req in reqs:
-                req.output_ids.append(5)
-            decode = builder.decode(reqs)
-            way = step % 2
-            model.decode_layers = driver if way == 0 else None
-            start = time.perf_counter()
-            runner.forward(decode)
-            if step >= 4:
-                timed[way].append(time.perf_counter() - start)
+        return alternated(runner, steps, next_step)
     finally:
-        model.decode_layers = driver
         for req in reqs:
             builder.release(req)
-    return timed
 
 
 def mixed_times(
@@ -111,7 +127,6 @@ def mixed_times(
     running = [Req(f"r{i}", tokens(context), params) for i in range(batch)]
     new = [Req(f"a{i}", tokens(n), params) for i, n in enumerate(arriving)]
     model, driver = runner.model, runner.model.decode_layers
-    timed: tuple[list[float], list[float]] = ([], [])
     try:
         for req in running:
             runner.forward(builder.extend([req], [req.input_ids]))
@@ -120,21 +135,16 @@ def mixed_times(
         )
         taken = []
         model.decode_layers = lambda *a, **k: taken.append(driver(*a, **k)) or taken[-1]
-        runner.forward(step)
+        try:
+            runner.forward(step)
+        finally:
+            model.decode_layers = driver
         if taken[-1] is None:
             raise SystemExit("the driver does not take this mixed step (too many rows?)")
-        for run in range(2 * steps + 4):  # the first two of each way warm up
-            way = run % 2
-            model.decode_layers = driver if way == 0 else None
-            start = time.perf_counter()
-            runner.forward(step)
-            if run >= 4:
-                timed[way].append(time.perf_counter() - start)
+        return alternated(runner, steps, lambda run: step)
     finally:
-        model.decode_layers = driver
         for req in running + new:
             builder.release(req)
-    return timed
 
 
 def main() -> None:
