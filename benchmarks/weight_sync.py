@@ -2,10 +2,7 @@
 weights given from disk (`update_weights_from_disk`, a checkpoint folder) against the same
 weights given as tensors in memory (`update_weights_from_tensor`), alternating, each
 followed by a greedy generation that checks the new weights serve. Also pause (retract) →
-update → continue with a request running. With `--baseline`, each round also updates from
-disk with `coded_runs`' probe off (every row of every weight checked for GGUF codes, as
-before 0dd73a6), so the probe's gain is a ratio within one run. Prints each round and the
-medians.
+update → continue with a request running. Prints each round and the medians.
 
     .venv/bin/python benchmarks/weight_sync.py --rounds 5            # the default model
     .venv/bin/python benchmarks/weight_sync.py --model-path DIR --dtype float32
@@ -28,7 +25,6 @@ from safetensors.torch import save_file
 
 from radixserve import Engine
 from radixserve.hardware import cpu_info
-from radixserve.model import cpu_kernels
 from radixserve.model.loader import iter_safetensors
 
 PROMPT = [(7 * i) % 500 + 20 for i in range(64)]
@@ -55,7 +51,6 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--baseline", action="store_true", help="also time it without the probe")
     args = parser.parse_args()
     print(cpu_info().summary())
     with Engine(args.model_path, progress=False, dtype=args.dtype) as engine:
@@ -66,20 +61,13 @@ def main() -> None:
         print(f"model {folder} ({len(tensors)} tensors, {mib:.0f} MiB), dtype {args.dtype}")
         run = lambda: engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]  # noqa: E731
         expected = None
-        disk, memory, paused, unprobed = [], [], [], []
+        disk, memory, paused = [], [], []
         for i in range(args.rounds):
             assert engine.update_weights_from_disk(str(folder))["success"]  # back to the old
             seconds, result = timed(lambda: engine.update_weights_from_disk(str(work / "new")))
             assert result["success"], result
             expected = expected or run()
             disk.append(seconds)
-            if args.baseline:  # the same update with every row checked for codes
-                assert engine.update_weights_from_disk(str(folder))["success"]
-                probe, cpu_kernels.CODED_PROBE_ROWS = cpu_kernels.CODED_PROBE_ROWS, 1 << 62
-                seconds, result = timed(lambda: engine.update_weights_from_disk(str(work / "new")))
-                cpu_kernels.CODED_PROBE_ROWS = probe
-                assert result["success"] and run() == expected, result
-                unprobed.append(seconds)
             assert engine.update_weights_from_disk(str(folder))["success"]
             seconds, result = timed(lambda: engine.update_weights_from_tensor(tensors))
             assert result["success"] and run() == expected, result
@@ -97,10 +85,9 @@ def main() -> None:
             seconds, _ = timed(sync)
             list(stream)
             paused.append(seconds)
-            without = f", from disk without the probe {unprobed[-1]:.2f} s" if unprobed else ""
             print(
                 f"round {i}: from disk {disk[-1]:.2f} s, from tensors {memory[-1]:.2f} s, "
-                f"pause+update+continue {paused[-1]:.2f} s{without}"
+                f"pause+update+continue {paused[-1]:.2f} s"
             )
         shutil.rmtree(work, ignore_errors=True)
     d, m, p = (statistics.median(x) for x in (disk, memory, paused))
@@ -108,9 +95,6 @@ def main() -> None:
         f"medians of {args.rounds}: from disk {d:.2f} s, from tensors {m:.2f} s "
         f"({d / m:.2f}x), pause(retract)+update(tensors)+continue {p:.2f} s"
     )
-    if unprobed:
-        u = statistics.median(unprobed)
-        print(f"from disk without the probe {u:.2f} s: the probe makes it {u / d:.1f}x faster")
 
 
 if __name__ == "__main__":

@@ -153,13 +153,16 @@ def _run_batch(args: argparse.Namespace, log_level: str) -> int:
 
 
 def _serve(args: argparse.Namespace, log_level: str) -> int:
-    from radixserve.model.loader import ModelLoadError
-    from radixserve.server.launch import launch_server
+    from radixserve.server.children import prestart
 
     try:
         config = config_from_args(args, SERVER_PARTS)
-        return launch_server(config, log_level)
-    except (ModelLoadError, ValueError, OSError) as e:
+        # the scheduler starts on the model before this process imports the HTTP side
+        prestarted = prestart(config, log_level) if config.parallel.node_rank == 0 else None
+        from radixserve.server.launch import launch_server
+
+        return launch_server(config, log_level, prestarted=prestarted)
+    except (ValueError, OSError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -287,7 +287,8 @@ def serve_and_run(
 ) -> dict[str, Any]:
     """Serve the model on a private port and key in this thread while a client thread runs
     the batches, then stops the server (SIGTERM: it drains and exits)."""
-    from radixserve.server.launch import bind_socket, launch_server
+    from radixserve.server.children import bind_socket
+    from radixserve.server.launch import launch_server
 
     with bind_socket("127.0.0.1", 0) as probe:  # a free port for the private server
         port = probe.getsockname()[1]

@@ -100,12 +100,28 @@ def test_layer_imports_only_lower_layers(layer):
                 )
 
 
-def test_only_the_launch_module_knows_every_process():
+def test_only_the_children_module_knows_every_process():
     roles = {"radixserve.server.scheduler_process", "radixserve.server.detokenizer"}
     knowers = [
         file.name for file in sorted(PACKAGE.rglob("*.py")) if roles & imported_modules(file)
     ]
-    assert knowers == ["launch.py"], knowers
+    assert knowers == ["children.py"], knowers
+
+
+def test_the_children_load_no_http_code():
+    """A spawned child imports the module of its entry (server/children.py): the scheduler
+    and the detokenizer must not load FastAPI, uvicorn or the routes with it."""
+    code = (
+        "import importlib, sys\n"
+        "from radixserve.server.children import CHILD_MAINS\n"
+        "for entry in CHILD_MAINS.values(): importlib.import_module(entry.__module__)\n"
+        "import radixserve.server.detokenizer, radixserve.server.scheduler_process\n"
+        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn')"
+        " or m.startswith(('radixserve.server.routes', 'radixserve.server.http',"
+        " 'radixserve.server.launch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == []
 
 
 @pytest.mark.parametrize("name", sorted(ROOT_FORBIDDEN))

@@ -23,6 +23,7 @@ from radixserve.core.req import Req
 from radixserve.hardware import CODED_LUT_ROWS, cpu_info
 from radixserve.model import layers
 from radixserve.model.cpu_kernels import (
+    CODE_RANGE,
     CodedAmxLinear,
     CodedLinear,
     CodedLutLinear,
@@ -331,6 +332,30 @@ def test_the_coded_product_is_the_blocked_ones_bit_for_bit(rows, n, k, chunk, fo
             assert torch.equal(coded(x, codes, n, bias), FP32(x, blocked, n, bias))
     finally:
         FP32.chunk, coded.chunk = previous
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+def test_coded_runs_gives_codes_that_give_the_weight_back(form):
+    """coded_runs' (d, m, q): (d * q) + m (two roundings) is the weight bit for bit, q an
+    int16 in the form's range; a run of one value is d = 0, q = 0; a value that is not
+    finite, or one an ulp off a run's codes, makes the weight no codes."""
+    gen = torch.Generator().manual_seed(11)
+    weight = as_codes(torch.randn(48, 160, generator=gen), form)
+    weight[5, 64:96] = 0.75 if form == "q4_1" else 0.0
+    found = coded_runs(weight, form)
+    assert found is not None
+    d, m, q = found
+    low, high = CODE_RANGE[form]
+    assert q.dtype == torch.int16 and int(q.min()) >= low and int(q.max()) <= high
+    back = (d[..., None] * q.float() + m[..., None]).view(48, 160)
+    assert torch.equal(back.view(torch.int32), weight.view(torch.int32))
+    assert float(d[5, 2]) == 0.0 and not q[5, 2].any()
+    for bad in (float("inf"), float("nan"), "ulp"):
+        broken = weight.clone()
+        value = torch.nextafter(broken[40, 100], torch.tensor(9.0)) if bad == "ulp" else bad
+        broken[40, 100] = value
+        assert coded_runs(broken, form) is None
 
 
 @needs_fp32_kernel

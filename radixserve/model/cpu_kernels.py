@@ -495,6 +495,7 @@ CODED_RUN = 32
 CODED_RUN_BYTES = {"q4_1": 384, "q8_0": 576}
 # each form's codes: (least, greatest) q
 CODE_RANGE = {"q4_1": (0, 15), "q8_0": (-128, 127)}
+CODED_FORMS = tuple(CODE_RANGE)  # coded_find.cpp's numbers for them
 
 
 class CodedLinear(BlockedLinear):
@@ -557,50 +558,40 @@ class CodedLinear(BlockedLinear):
         return codes.reshape(-1).contiguous()
 
 
-# rows `coded_runs` tries first: the whole check of a weight of SmolLM2's takes ~40 ms, four
-# times over where it is no codes (every candidate d fails), ~8 s a model
-CODED_PROBE_ROWS = 16
 # a weight's codes as `coded_runs` finds them: (d, m, q)
 Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
     """(d, m, q) with (d * q) + m == weight bit for bit in every run of CODED_RUN columns of
-    a row, q in the form's CODE_RANGE (int16), or None. Q4_1: m is the run's least value (q
-    = 0 there), d the step that takes it to the greatest in 15 steps; Q8_0: m = 0 (adding it
-    is exact), d the greatest magnitude over 127 (q = +-127 there); d as the GGUF stores it
-    (fp16) or as fp32 computes it."""
+    a row, q in the form's CODE_RANGE (int16), or None (also where no C++ compiler builds
+    the finder: the kernels that read codes are not built then either). Q4_1: m is the
+    run's least value (q = 0 there), d the step that takes it to the greatest in 15 steps;
+    Q8_0: m = 0 (adding it is exact), d the greatest magnitude over 127 (q = +-127 there); d
+    as the GGUF stores it (fp16) or as fp32 computes it (coded_find.cpp)."""
+    find = _code_finder()
     n, k = weight.shape
-    if n > CODED_PROBE_ROWS and coded_runs(weight[:CODED_PROBE_ROWS], form) is None:
-        return None  # weights that are no codes (a trainer's) show it in their first rows
-    runs = weight.view(n, k // CODED_RUN, CODED_RUN)
-    low, high = CODE_RANGE[form]
-    if form == "q4_1":
-        m = runs.amin(-1)
-        step = (runs.amax(-1) - m) / high
-    else:
-        m = torch.zeros(runs.shape[:2])
-        step = runs.abs().amax(-1) / high
-    half = step.half()
-    candidates = (half.float(), step, torch.nextafter(half, half.new_tensor(0.0)).float(),
-                  torch.nextafter(half, half.new_tensor(65504.0)).float())  # fmt: skip
-    exact, d_found, q_found = None, m, None
-    for d in candidates:
-        flat = d == 0  # a run of one value: q = 0
-        q = torch.round((runs - m[..., None]) / torch.where(flat, 1.0, d)[..., None])
-        q = q.clamp_(low, high).masked_fill_(flat[..., None], 0)
-        back = d[..., None] * q + m[..., None]  # two roundings, as the kernel decodes
-        hit = (back.view(torch.int32) == runs.view(torch.int32)).all(-1)
-        if exact is None:  # the first candidate: the GGUF's fp16 d (every run, usually)
-            exact, d_found, q_found = hit, d, q.to(torch.int16)
-        else:
-            hit &= ~exact
-            d_found = torch.where(hit, d, d_found)
-            q_found = torch.where(hit[..., None], q.to(torch.int16), q_found)
-            exact |= hit
-        if bool(exact.all()):
-            return d_found, m, q_found
-    return None
+    if find is None or k % CODED_RUN or weight.dtype != torch.float32:
+        return None
+    weight = weight.detach().contiguous()
+    d, m = torch.empty(n, k // CODED_RUN), torch.empty(n, k // CODED_RUN)
+    q = torch.empty(n, k // CODED_RUN, CODED_RUN, dtype=torch.int16)
+    pointers = (t.data_ptr() for t in (d, m, q))
+    found = find(weight.data_ptr(), n, k, CODED_FORMS.index(form), *pointers)
+    return (d, m, q) if found else None
+
+
+@functools.cache
+def _code_finder() -> Callable[..., int] | None:
+    """coded_find.cpp's `coded_find`, or None where it cannot be built."""
+    library = load_kernel("coded_find")
+    if library is None:
+        return None
+    find = library.coded_find
+    find.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    find.argtypes += [ctypes.c_void_p] * 3
+    find.restype = ctypes.c_int
+    return find
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""The one module that knows every process: it starts the scheduler and the detokenizer,
-serves HTTP in this (main) process, watches the children, and stops everything together.
+"""The server: it serves HTTP in this (main) process, starts the detokenizer (and the
+other replicas and ranks) once scheduler 0 names the model's folder, watches the children,
+and stops everything together. Scheduler 0 and the port come from `children.prestart`.
 
 - The port is bound before anything loads, so a busy port fails at once.
 - /health answers 503 until both children report Ready, then 200.
@@ -16,13 +17,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 
 import psutil
 import uvicorn
@@ -30,11 +31,12 @@ import zmq
 import zmq.asyncio
 
 from radixserve.chat_roles import derive_chat_roles
-from radixserve.config import Config, rank_addr
+from radixserve.config import Config
 from radixserve.core.req import seed_draws
 from radixserve.lora.registry import check_names
 from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
+from radixserve.server.children import Prestarted, prestart, replica_config, spawn_child
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
@@ -53,40 +55,6 @@ logger = logging.getLogger("radixserve.server")
 WATCH_INTERVAL_S = 0.2
 BATCH_END_TIMEOUT_S = 10.0  # a draining server waits this long for batches to end
 CHILD_STOP_TIMEOUT_S = 5.0
-
-
-def _scheduler_main(*args: object) -> None:
-    """The scheduler process's entry; imported there only, so this (HTTP) process never
-    loads the model code."""
-    from radixserve.server.scheduler_process import run_scheduler
-
-    run_scheduler(*args)  # type: ignore[arg-type]
-
-
-def _tp_main(*args: object) -> None:
-    """A tensor-parallel rank other than 0 (model code, imported there only)."""
-    from radixserve.server.scheduler_process import run_tp_rank
-
-    run_tp_rank(*args)  # type: ignore[arg-type]
-
-
-def _detokenizer_main(*args: object) -> None:
-    from radixserve.server.detokenizer import run_detokenizer
-
-    run_detokenizer(*args)  # type: ignore[arg-type]
-
-
-CHILD_MAINS = {"scheduler": _scheduler_main, "tp": _tp_main, "detokenizer": _detokenizer_main}
-
-
-def replica_config(config: Config, dp_rank: int) -> Config:
-    """Replica `dp_rank`'s config: under tensor parallelism, where its ranks meet."""
-    if config.parallel.tp_size == 1:
-        return config
-    parallel = dataclasses.replace(
-        config.parallel, dist_init_addr=rank_addr(config.parallel, dp_rank)
-    )
-    return dataclasses.replace(config, parallel=parallel)
 
 
 def with_model_path(config: Config, folder: str) -> Config:
@@ -111,44 +79,39 @@ def served_model_name(config: Config) -> str:
     return str(config.model.model_path)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def launch_server(
     config: Config,
     log_level: str = "info",
     launched: Callable[[Launcher], None] | None = None,
+    prestarted: Prestarted | None = None,
 ) -> int:
     """Run the server until it is stopped; the exit code: 0 after a clean stop, 1 if a
     process died or failed to start. `launched` is given the launcher first (to stop it
-    from another thread: `request_stop`)."""
+    from another thread: `request_stop`). `prestarted`: the port, endpoints and scheduler
+    0 that `children.prestart` began before this module was imported (`radixserve serve`);
+    begun here otherwise."""
     if config.parallel.node_rank > 0:
         return launch_node(config, log_level)
-    template = config.server.chat_template
-    chat_template = None if template is None else read_chat_template(template)  # fails early
-    check_names(config.lora, reserved=(served_model_name(config),))
-    sock = bind_socket(config.server.host, config.server.port)
-    endpoints = Endpoints.fresh(config.parallel.dp_size)
-    launcher = Launcher(config, endpoints, sock, log_level, chat_template)
+    try:
+        template = config.server.chat_template
+        chat_template = None if template is None else read_chat_template(template)
+        check_names(config.lora, reserved=(served_model_name(config),))
+        if prestarted is None:
+            prestarted = prestart(config, log_level)
+    except BaseException:
+        if prestarted is not None:  # a bad flag: the scheduler it began stops at once
+            prestarted.undo()
+        raise
+    launcher = Launcher(config, prestarted.endpoints, prestarted.sock, log_level, chat_template)
+    launcher.adopt("scheduler0", "scheduler", prestarted.scheduler)
     if launched is not None:
         launched(launcher)
     try:
         return asyncio.run(launcher.run())
     finally:
         launcher.stop_children()
-        endpoints.cleanup()
-        sock.close()
+        prestarted.endpoints.cleanup()
+        prestarted.sock.close()
 
 
 class Launcher:
@@ -168,8 +131,8 @@ class Launcher:
         self.exit_code = 0
         self.stopping = False  # a signal asked to stop (draining)
         self.failed = False  # a process died or could not start
-        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
-        self.roles: dict[str, str] = {}  # child name → its role (CHILD_MAINS)
+        self.children: dict[str, BaseProcess] = {}
+        self.roles: dict[str, str] = {}  # child name → its role (children.CHILD_MAINS)
         self._loop: asyncio.AbstractEventLoop | None = None  # while run() runs
         self._loop_lock = threading.Lock()
         self._stop_early = False  # request_stop came before run()
@@ -244,13 +207,12 @@ class Launcher:
         return self.exit_code
 
     async def start(self) -> None:
-        """Start the scheduler (it finds or converts the model, then loads it), then, once
-        it names the model's folder, the other data-parallel replicas (on that folder, so
+        """Once scheduler 0 (started first: it finds or converts the model, then loads it)
+        names the model's folder, start the other data-parallel replicas (on that folder, so
         none converts it again), the detokenizer and the tokenizer; all while HTTP already
         answers (503 "starting")."""
         parallel = self.config.parallel
         replicas = [replica_config(self.config, d) for d in range(parallel.dp_size)]
-        self.start_child("scheduler0", "scheduler", replicas[0], 0)
         folder = await self.manager.model_folder
         for d, replica in enumerate(replicas):
             on_folder = with_model_path(replica, str(folder))
@@ -293,14 +255,12 @@ class Launcher:
         self.fail(f"cannot start: {type(error).__name__}: {error}")
 
     def start_child(self, name: str, role: str, first_arg: object, *rest: object) -> None:
-        """Start the child `name` running `role`'s entry (CHILD_MAINS)."""
-        child = multiprocessing.get_context("spawn").Process(
-            target=CHILD_MAINS[role],
-            args=(first_arg, self.endpoints, self.log_level, os.getpid(), *rest),
-            name=f"radixserve-{name}",
-            daemon=True,
-        )
-        child.start()
+        """Start the child `name` running `role`'s entry (children.CHILD_MAINS)."""
+        args = (first_arg, self.endpoints, self.log_level, os.getpid(), *rest)
+        self.adopt(name, role, spawn_child(name, role, args))
+
+    def adopt(self, name: str, role: str, child: BaseProcess) -> None:
+        """Watch and stop `child` as one of this server's."""
         self.children[name] = child
         self.roles[name] = role
 
@@ -399,16 +359,6 @@ def launch_node(config: Config, log_level: str = "info") -> int:
     parallel = config.parallel
     first = parallel.node_rank * parallel.ranks_per_node
     ranks = range(first, first + parallel.ranks_per_node)
-    spawn = multiprocessing.get_context("spawn")
-    children = {
-        rank: spawn.Process(
-            target=_tp_main,
-            args=(config, None, log_level, os.getpid(), rank),
-            name=f"radixserve-tp{rank}",
-            daemon=True,
-        )
-        for rank in ranks
-    }
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
@@ -417,8 +367,10 @@ def launch_node(config: Config, log_level: str = "info") -> int:
         parallel.node_rank, parallel.nnodes, ranks[0], ranks[-1], parallel.tp_size,
         parallel.dist_init_addr,
     )  # fmt: skip
-    for child in children.values():
-        child.start()
+    children = {
+        rank: spawn_child(f"tp{rank}", "tp", (config, None, log_level, os.getpid(), rank))
+        for rank in ranks
+    }
     exit_code = 0
     while not stop:
         ended = [(rank, c.exitcode) for rank, c in children.items() if not c.is_alive()]

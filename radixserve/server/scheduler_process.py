@@ -27,6 +27,11 @@ from radixserve.server.messages import Failed, ModelFolder, Ready, TokenOutBatch
 
 logger = logging.getLogger(__name__)
 
+# how long a scheduler that cannot start waits for main to take the reason: scheduler 0
+# starts before main binds its end of the queue (children.prestart), and a bad model path
+# can fail before main has imported the HTTP side (~5 s); main stops it sooner if it fails
+FAILED_LINGER_MS = 30_000
+
 
 class ZmqTransport:
     """The scheduler loop's transport in the server: one PULL socket in, PUSH sockets to
@@ -80,7 +85,7 @@ def run_scheduler(
         scheduler = Scheduler.from_config(runner, config)
     except (ModelLoadError, ValueError, OSError, zmq.ZMQError, TensorParallelError) as e:
         to_main.send(Failed("scheduler", str(e)))
-        ctx.destroy(linger=1000)
+        ctx.destroy(linger=FAILED_LINGER_MS)
         raise SystemExit(1) from e
     transport = ZmqTransport(inbox, Sender(ctx, endpoints.detokenizer), to_main, parent_pid)
     loop = SchedulerLoop(

@@ -1,0 +1,120 @@
+"""The server's child processes, and the start of the first one before the HTTP process
+loads its own modules.
+
+Each child's entry imports its own code when it runs: a spawned child imports the module
+of its entry, so entries kept here (with no heavy import) spare the scheduler and the
+detokenizer the HTTP side's modules (FastAPI, uvicorn, the OpenAI routes, llguidance's
+tokenizer tables), and the HTTP process never loads the model's.
+
+`prestart` binds the port, makes the queues' endpoints and starts scheduler 0 at once:
+`radixserve serve` calls it before it imports `launch.py`, so that the model loads while
+this process imports the HTTP side (~5 s of a cached start on a 2-core AMD EPYC, where the
+scheduler used to start only after it: `benchmarks/server_ready.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+from radixserve.config import Config, rank_addr
+from radixserve.server.ipc import Endpoints
+
+
+def _scheduler_main(*args: object) -> None:
+    from radixserve.server.scheduler_process import run_scheduler
+
+    run_scheduler(*args)  # type: ignore[arg-type]
+
+
+def _tp_main(*args: object) -> None:
+    """A tensor-parallel rank other than 0."""
+    from radixserve.server.scheduler_process import run_tp_rank
+
+    run_tp_rank(*args)  # type: ignore[arg-type]
+
+
+def _detokenizer_main(*args: object) -> None:
+    from radixserve.server.detokenizer import run_detokenizer
+
+    run_detokenizer(*args)  # type: ignore[arg-type]
+
+
+CHILD_MAINS = {"scheduler": _scheduler_main, "tp": _tp_main, "detokenizer": _detokenizer_main}
+
+
+def spawn_child(name: str, role: str, args: tuple) -> BaseProcess:
+    """Start the child `name` (a daemon) running `role`'s entry (CHILD_MAINS) on `args`."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=CHILD_MAINS[role], args=args, name=f"radixserve-{name}", daemon=True
+    )
+    child.start()
+    return child
+
+
+def replica_config(config: Config, dp_rank: int) -> Config:
+    """Replica `dp_rank`'s config: under tensor parallelism, where its ranks meet."""
+    if config.parallel.tp_size == 1:
+        return config
+    parallel = dataclasses.replace(
+        config.parallel, dist_init_addr=rank_addr(config.parallel, dp_rank)
+    )
+    return dataclasses.replace(config, parallel=parallel)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Prestarted:
+    """What `prestart` made: the bound port, the endpoints, scheduler 0's process."""
+
+    sock: socket.socket
+    endpoints: Endpoints
+    scheduler: BaseProcess
+
+    def undo(self) -> None:
+        """Stop the scheduler and free what was made, where the server does not go on."""
+        if self.scheduler.is_alive():
+            self.scheduler.terminate()
+        self.scheduler.join(5.0)
+        if self.scheduler.is_alive():
+            self.scheduler.kill()
+            self.scheduler.join(1.0)
+        self.endpoints.cleanup()
+        self.sock.close()
+
+
+def prestart(config: Config, log_level: str) -> Prestarted:
+    """Bind the port (a busy port fails here, before anything loads), then start scheduler
+    0, which finds (or converts) the model and loads it. Its messages to this process wait
+    in its queue until the launcher binds its own end."""
+    sock = bind_socket(config.server.host, config.server.port)
+    try:
+        endpoints = Endpoints.fresh(config.parallel.dp_size)
+    except OSError:
+        sock.close()
+        raise
+    try:
+        args = (replica_config(config, 0), endpoints, log_level, os.getpid(), 0)
+        scheduler = spawn_child("scheduler0", "scheduler", args)
+    except BaseException:
+        endpoints.cleanup()
+        sock.close()
+        raise
+    return Prestarted(sock, endpoints, scheduler)
