@@ -509,10 +509,16 @@ class CodedLinear(BlockedLinear):
     (fp32_linear.cpp CODED; figures: radixserve/hardware.py CODED_LINEAR). Any other
     weight: `pack` returns None."""
 
-    def __init__(self, blocked: BlockedLinear, library: ctypes.CDLL, form: str = "q4_1") -> None:
+    def __init__(
+        self,
+        blocked: BlockedLinear,
+        library: ctypes.CDLL,
+        form: str = "q4_1",
+        folder: Path | None = None,  # where the kernels are built (coded_runs' too)
+    ) -> None:
         prefix = "fp32_coded" if form == "q4_1" else "fp32_coded8"
         super().__init__(library, prefix, torch.float32, k_multiple=CODED_RUN, chunked=True)
-        self.blocked, self.form = blocked, form
+        self.blocked, self.form, self.folder = blocked, form, folder
         self.chunk, self.reproduces_torch = blocked.chunk, blocked.reproduces_torch
 
     def fits(self, weight: torch.Tensor) -> bool:
@@ -532,7 +538,7 @@ class CodedLinear(BlockedLinear):
         some run of it is no (d * q) + m of this form."""
         if not self.fits(weight):
             return None
-        return coded_runs(weight.detach().float().contiguous(), self.form)
+        return coded_runs(weight.detach().float().contiguous(), self.form, self.folder)
 
     def pack(  # type: ignore[override]
         self, weight: torch.Tensor, found: Codes | None = None
@@ -562,14 +568,16 @@ class CodedLinear(BlockedLinear):
 Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
+def coded_runs(
+    weight: torch.Tensor, form: str = "q4_1", folder: Path | None = None
+) -> Codes | None:
     """(d, m, q) with (d * q) + m == weight bit for bit in every run of CODED_RUN columns of
     a row, q in the form's CODE_RANGE (int16), or None (also where no C++ compiler builds
     the finder: the kernels that read codes are not built then either). Q4_1: m is the
     run's least value (q = 0 there), d the step that takes it to the greatest in 15 steps;
     Q8_0: m = 0 (adding it is exact), d the greatest magnitude over 127 (q = +-127 there); d
-    as the GGUF stores it (fp16) or as fp32 computes it (coded_find.cpp)."""
-    find = _code_finder()
+    as the GGUF stores it (fp16) or as fp32 computes it (coded_find.cpp, built in `folder`)."""
+    find = _code_finder(folder)
     n, k = weight.shape
     if find is None or k % CODED_RUN or weight.dtype != torch.float32:
         return None
@@ -582,9 +590,9 @@ def coded_runs(weight: torch.Tensor, form: str = "q4_1") -> Codes | None:
 
 
 @functools.cache
-def _code_finder() -> Callable[..., int] | None:
+def _code_finder(folder: Path | None = None) -> Callable[..., int] | None:
     """coded_find.cpp's `coded_find`, or None where it cannot be built."""
-    library = load_kernel("coded_find")
+    library = load_kernel("coded_find", folder)
     if library is None:
         return None
     find = library.coded_find
@@ -603,7 +611,7 @@ def coded_linear(
     blocked = fp32_linear(folder, isa)
     if blocked is None:
         return None
-    return CodedLinear(blocked, load_kernel("fp32_linear", folder, isa=isa), form)
+    return CodedLinear(blocked, load_kernel("fp32_linear", folder, isa=isa), form, folder)
 
 
 class CodedAmxLinear:
@@ -615,7 +623,8 @@ class CodedAmxLinear:
     column (fp32_coded_amx.cpp; figures: radixserve/hardware.py CODED_AMX). A weight that
     is no such codes, or of a shape the kernel does not take: `pack` returns None."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, folder: Path | None = None) -> None:
+        self.folder = folder  # where the kernels are built (coded_runs' too)
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._split = library.fp32_amx_split
         self._split.argtypes = [p, p, p, i64, i64, i64, c_int]
@@ -640,7 +649,8 @@ class CodedAmxLinear:
             return None
         if found is None:
             w = weight.detach().float().contiguous()
-            found = next(filter(None, (coded_runs(w, form) for form in CODE_RANGE)), None)
+            forms = (coded_runs(w, form, self.folder) for form in CODE_RANGE)
+            found = next(filter(None, forms), None)
             if found is None:
                 return None
         d, m, q = found
@@ -699,7 +709,7 @@ def coded_amx_linear(folder: Path | None = None) -> CodedAmxLinear | None:
     if amx_linear(folder) is None:  # asks Linux for the tile state, once per process
         return None
     library = load_kernel("fp32_coded_amx", folder, isa="amx")
-    return None if library is None else CodedAmxLinear(library)
+    return None if library is None else CodedAmxLinear(library, folder)
 
 
 # What a coded-prefill kernel (CodedAmxLinear, CodedLutLinear) takes after x for one product:
@@ -716,7 +726,10 @@ class CodedLutLinear:
     `lanes`: rows of x a vector (8, or 16 where built for AVX-512); `chunk`: groups of 8
     columns whose tables a pass over the features reads."""
 
-    def __init__(self, library: ctypes.CDLL, lanes: int, chunk: int) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, lanes: int, chunk: int, folder: Path | None = None
+    ) -> None:
+        self.folder = folder  # where the kernels are built (coded_runs' too)
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._linears = library.fp32_lut_coded_linears
         self._linears.argtypes = [p, p, c_int, i64, i64, c_int, c_int, c_int]
@@ -732,7 +745,7 @@ class CodedLutLinear:
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % CODED_RUN:
             return None
         if found is None:
-            found = coded_runs(weight.detach().float().contiguous(), "q4_1")
+            found = coded_runs(weight.detach().float().contiguous(), "q4_1", self.folder)
         if found is None:
             return None
         d, m, q = found
@@ -790,7 +803,7 @@ def coded_lut_linear(
     """`CodedLutLinear` with `lanes` rows a vector (16: the AVX-512 build; 8: the AVX2 one)
     and `chunk` groups a chunk, where this CPU runs and the machine builds it."""
     library = load_kernel("fp32_coded_lut", folder, isa="avx512" if lanes == 16 else "avx2")
-    return None if library is None else CodedLutLinear(library, lanes, chunk)
+    return None if library is None else CodedLutLinear(library, lanes, chunk, folder)
 
 
 @dataclass(frozen=True)
