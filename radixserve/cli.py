@@ -159,8 +159,12 @@ def _serve(args: argparse.Namespace, log_level: str) -> int:
         config = config_from_args(args, SERVER_PARTS)
         # the scheduler starts on the model before this process imports the HTTP side
         prestarted = prestart(config, log_level) if config.parallel.node_rank == 0 else None
-        from radixserve.server.launch import launch_server
-
+        try:
+            from radixserve.server.launch import launch_server
+        except BaseException:  # (Ctrl-C meanwhile): nothing is left behind
+            if prestarted is not None:
+                prestarted.undo()
+            raise
         return launch_server(config, log_level, prestarted=prestarted)
     except (ValueError, OSError) as e:
         print(f"radixserve: error: {e}", file=sys.stderr)

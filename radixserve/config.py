@@ -816,6 +816,17 @@ class Config:
                 "(its host tiers copy whole KV slots)"
             )
 
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the API: --served-model-name, else the model path as given, as
+        SGLang and vLLM report it (clients such as SGLang's bench_serving load the tokenizer
+        from this id when they are not given one)."""
+        if self.server.served_model_name:
+            return self.server.served_model_name
+        if self.model.model_path is None:
+            return "SmolLM2-135M-Instruct"
+        return str(self.model.model_path)
+
     def to_flat(self) -> dict[str, Any]:
         """Every field by name, as /get_server_info reports them (the API key redacted)."""
         flat: dict[str, Any] = {}

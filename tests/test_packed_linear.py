@@ -372,7 +372,7 @@ def test_only_weights_that_are_codes_are_read_as_codes(form):
     assert coded.pack(torch.randn(64, 96, generator=gen)) is None
     if form == "q4_1":
         assert coded.pack(as_codes(torch.randn(64, 96, generator=gen), other)) is None
-    for row in (3, 17):  # in the rows coded_runs probes first, and past them
+    for row in (3, 17):  # an early run, and a later one
         nudged = weight.clone()
         nudged[row, 40] = torch.nextafter(nudged[row, 40], torch.tensor(float("inf")))
         assert coded.pack(nudged) is None

@@ -535,6 +535,23 @@ def test_busy_port_fails_fast(tiny):
     assert_all_gone(children)
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (("--served-model-name", "m", "--lora-paths", "m=/nowhere"), "the served model's name"),
+        (("--chat-template", "no template here"), "--chat-template"),
+    ],
+)
+def test_bad_flags_of_the_main_process_fail_before_any_child_starts(tiny, flags, said):
+    """The scheduler starts before the main process imports the HTTP side
+    (server/children.prestart): what main checks must fail before it, not after."""
+    port = str(free_port())
+    cmd = serve_cmd("--port", port, "--model-path", tiny, *flags)
+    code, output, children = run_until_exit(cmd, 60)
+    assert code == 2 and said in output and "Traceback" not in output, output[-2000:]
+    assert not children, children
+
+
 def test_scheduler_that_cannot_load_the_model_fails_the_server(tmp_path, tiny):
     """config.json and tokenizer are fine (the main process loads them), the weights are not:
     the scheduler fails to start, and the whole server must exit non-zero."""

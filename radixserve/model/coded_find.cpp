@@ -7,9 +7,9 @@
 // d is tried as the GGUF stores it (the step rounded to fp16, first), as fp32 computes it,
 // then the two fp16 values beside the first; each run takes the first that gives it back.
 // q = round-half-even((w - m) / d), clamped to the form's range (0 for d = 0, a run of one
-// value). One pass over the weight on one thread (~0.1 s for SmolLM2-135M, where the same
-// in torch's ops took ~1.7 s and several times that while the server's other processes
-// started beside it); it stops at the first run that is no codes.
+// value). One pass over the weight on one thread (SmolLM2-135M's at load: ~0.3 s, where the
+// same in torch's ops took ~1.7 s, and several times that while the server's other
+// processes started beside it); it stops at the first run that is no codes.
 #include <immintrin.h>
 
 #include <cstdint>

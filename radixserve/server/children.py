@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from radixserve.config import Config, rank_addr
+from radixserve.lora.registry import check_names
 from radixserve.server.ipc import Endpoints
 
 
@@ -82,11 +83,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Prestarted:
-    """What `prestart` made: the bound port, the endpoints, scheduler 0's process."""
+    """What `prestart` made: the bound port, the endpoints, scheduler 0's process, and
+    --chat-template's text."""
 
     sock: socket.socket
     endpoints: Endpoints
     scheduler: BaseProcess
+    chat_template: str | None
 
     def undo(self) -> None:
         """Stop the scheduler and free what was made, where the server does not go on."""
@@ -101,9 +104,16 @@ class Prestarted:
 
 
 def prestart(config: Config, log_level: str) -> Prestarted:
-    """Bind the port (a busy port fails here, before anything loads), then start scheduler
-    0, which finds (or converts) the model and loads it. Its messages to this process wait
-    in its queue until the launcher binds its own end."""
+    """Check the flags the main process reads (--chat-template, the LoRA adapters' names)
+    and bind the port: each fails here, before anything loads. Then start scheduler 0,
+    which finds (or converts) the model and loads it; its messages to this process wait in
+    its queue until the launcher binds its own end."""
+    chat_template = None
+    if config.server.chat_template is not None:
+        from radixserve.tokenizer import read_chat_template  # (transformers: only for it)
+
+        chat_template = read_chat_template(config.server.chat_template)
+    check_names(config.lora, reserved=(config.served_model_name,))
     sock = bind_socket(config.server.host, config.server.port)
     try:
         endpoints = Endpoints.fresh(config.parallel.dp_size)
@@ -117,4 +127,4 @@ def prestart(config: Config, log_level: str) -> Prestarted:
         endpoints.cleanup()
         sock.close()
         raise
-    return Prestarted(sock, endpoints, scheduler)
+    return Prestarted(sock, endpoints, scheduler, chat_template)

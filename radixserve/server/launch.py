@@ -33,7 +33,6 @@ import zmq.asyncio
 from radixserve.chat_roles import derive_chat_roles
 from radixserve.config import Config
 from radixserve.core.req import seed_draws
-from radixserve.lora.registry import check_names
 from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
 from radixserve.server.children import Prestarted, prestart, replica_config, spawn_child
@@ -47,7 +46,6 @@ from radixserve.tokenizer import (
     TokenizerLoadError,
     load_tokenizer,
     longest_token_chars,
-    read_chat_template,
 )
 
 logger = logging.getLogger("radixserve.server")
@@ -69,16 +67,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-def served_model_name(config: Config) -> str:
-    if config.server.served_model_name:
-        return config.server.served_model_name
-    if config.model.model_path is None:
-        return "SmolLM2-135M-Instruct"
-    # As given, as SGLang and vLLM report it: clients such as SGLang's bench_serving load
-    # the tokenizer from this id when they are not given one.
-    return str(config.model.model_path)
-
-
 def launch_server(
     config: Config,
     log_level: str = "info",
@@ -92,20 +80,18 @@ def launch_server(
     begun here otherwise."""
     if config.parallel.node_rank > 0:
         return launch_node(config, log_level)
+    if prestarted is None:
+        prestarted = prestart(config, log_level)
     try:
-        template = config.server.chat_template
-        chat_template = None if template is None else read_chat_template(template)
-        check_names(config.lora, reserved=(served_model_name(config),))
-        if prestarted is None:
-            prestarted = prestart(config, log_level)
+        launcher = Launcher(
+            config, prestarted.endpoints, prestarted.sock, log_level, prestarted.chat_template
+        )
+        launcher.adopt("scheduler0", "scheduler", prestarted.scheduler)
+        if launched is not None:
+            launched(launcher)
     except BaseException:
-        if prestarted is not None:  # a bad flag: the scheduler it began stops at once
-            prestarted.undo()
+        prestarted.undo()
         raise
-    launcher = Launcher(config, prestarted.endpoints, prestarted.sock, log_level, chat_template)
-    launcher.adopt("scheduler0", "scheduler", prestarted.scheduler)
-    if launched is not None:
-        launched(launcher)
     try:
         return asyncio.run(launcher.run())
     finally:
@@ -170,7 +156,7 @@ class Launcher:
         senders = [Sender(sync_ctx, address) for address in self.endpoints.schedulers]
         dispatcher = Dispatcher(senders, self.config.parallel.load_balance_method)
         self.manager = TokenizerManager(dispatcher, Metrics())
-        app = build_app(self.manager, self.config, served_model_name(self.config))
+        app = build_app(self.manager, self.config, self.config.served_model_name)
         self.app = app
         self.loras = app.state.server.loras  # (names for --log-requests)
         self.server = _Server(

@@ -66,6 +66,10 @@ class ZmqTransport:
         return not self.stopping and parent_alive(self.parent_pid)
 
 
+def _stopped_while_starting(*_: object) -> None:
+    raise SystemExit(1)
+
+
 def run_scheduler(
     config: Config, endpoints: Endpoints, log_level: str, parent_pid: int, dp_rank: int = 0
 ) -> None:
@@ -74,6 +78,9 @@ def run_scheduler(
     keep_freed_memory()
     placed = place_process(config.parallel, dp_rank * config.parallel.ranks_per_node)
     logger.info("scheduler %d: %s", dp_rank, placed)
+    # stopped while it starts (main failed or was stopped meanwhile): unwind, so that a GGUF
+    # conversion under way removes its partial folder
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
     ctx = zmq.Context()
     to_main = Sender(ctx, endpoints.main)
     try:
