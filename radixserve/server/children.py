@@ -83,13 +83,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Prestarted:
-    """What `prestart` made: the bound port, the endpoints, scheduler 0's process, and
-    --chat-template's text."""
+    """What `prestart` made: the bound port, the endpoints, scheduler 0's process,
+    --chat-template's text, and each data-parallel replica's config (where its
+    tensor-parallel ranks meet: a free port is picked once, for scheduler 0 and for the
+    ranks started later alike)."""
 
     sock: socket.socket
     endpoints: Endpoints
     scheduler: BaseProcess
     chat_template: str | None
+    replicas: list[Config]
 
     def undo(self) -> None:
         """Stop the scheduler and free what was made, where the server does not go on."""
@@ -121,10 +124,11 @@ def prestart(config: Config, log_level: str) -> Prestarted:
         sock.close()
         raise
     try:
-        args = (replica_config(config, 0), endpoints, log_level, os.getpid(), 0)
+        replicas = [replica_config(config, d) for d in range(config.parallel.dp_size)]
+        args = (replicas[0], endpoints, log_level, os.getpid(), 0)
         scheduler = spawn_child("scheduler0", "scheduler", args)
     except BaseException:
         endpoints.cleanup()
         sock.close()
         raise
-    return Prestarted(sock, endpoints, scheduler, chat_template)
+    return Prestarted(sock, endpoints, scheduler, chat_template, replicas)

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,10 +34,10 @@ from radixserve.config import Config
 from radixserve.core.req import seed_draws
 from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
-from radixserve.server.children import Prestarted, prestart, replica_config, spawn_child
+from radixserve.server.children import Prestarted, prestart, spawn_child
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
-from radixserve.server.ipc import AsyncReceiver, Endpoints, Sender
+from radixserve.server.ipc import AsyncReceiver, Sender
 from radixserve.server.metrics import Metrics
 from radixserve.server.request_log import RequestLog
 from radixserve.server.tokenizer_manager import TokenizerManager
@@ -83,10 +82,7 @@ def launch_server(
     if prestarted is None:
         prestarted = prestart(config, log_level)
     try:
-        launcher = Launcher(
-            config, prestarted.endpoints, prestarted.sock, log_level, prestarted.chat_template
-        )
-        launcher.adopt("scheduler0", "scheduler", prestarted.scheduler)
+        launcher = Launcher(config, prestarted, log_level)
         if launched is not None:
             launched(launcher)
     except BaseException:
@@ -101,24 +97,20 @@ def launch_server(
 
 
 class Launcher:
-    def __init__(
-        self,
-        config: Config,
-        endpoints: Endpoints,
-        sock: socket.socket,
-        log_level: str,
-        chat_template: str | None = None,
-    ) -> None:
+    def __init__(self, config: Config, prestarted: Prestarted, log_level: str) -> None:
         self.config = config
-        self.chat_template = chat_template  # --chat-template's text, in place of the model's
-        self.endpoints = endpoints
-        self.sock = sock
+        # --chat-template's text, in place of the model's
+        self.chat_template = prestarted.chat_template
+        self.endpoints = prestarted.endpoints
+        self.sock = prestarted.sock
+        self.replicas = prestarted.replicas
         self.log_level = log_level
         self.exit_code = 0
         self.stopping = False  # a signal asked to stop (draining)
         self.failed = False  # a process died or could not start
         self.children: dict[str, BaseProcess] = {}
         self.roles: dict[str, str] = {}  # child name → its role (children.CHILD_MAINS)
+        self.adopt("scheduler0", "scheduler", prestarted.scheduler)
         self._loop: asyncio.AbstractEventLoop | None = None  # while run() runs
         self._loop_lock = threading.Lock()
         self._stop_early = False  # request_stop came before run()
@@ -198,9 +190,8 @@ class Launcher:
         none converts it again), the detokenizer and the tokenizer; all while HTTP already
         answers (503 "starting")."""
         parallel = self.config.parallel
-        replicas = [replica_config(self.config, d) for d in range(parallel.dp_size)]
         folder = await self.manager.model_folder
-        for d, replica in enumerate(replicas):
+        for d, replica in enumerate(self.replicas):
             on_folder = with_model_path(replica, str(folder))
             if d:
                 self.start_child(f"scheduler{d}", "scheduler", on_folder, d)
