@@ -18,6 +18,8 @@ import dataclasses
 import multiprocessing
 import os
 import socket
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -46,6 +48,7 @@ def _detokenizer_main(*args: object) -> None:
 
 
 CHILD_MAINS = {"scheduler": _scheduler_main, "tp": _tp_main, "detokenizer": _detokenizer_main}
+CHILD_STOP_TIMEOUT_S = 5.0  # how long stopped children may take to exit before SIGKILL
 
 
 def spawn_child(name: str, role: str, args: tuple) -> BaseProcess:
@@ -55,6 +58,20 @@ def spawn_child(name: str, role: str, args: tuple) -> BaseProcess:
     )
     child.start()
     return child
+
+
+def stop_processes(processes: Iterable[BaseProcess], deadline: float) -> None:
+    """SIGTERM each process, wait for them until `deadline` (time.monotonic()), then
+    SIGKILL what is left."""
+    processes = list(processes)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0.1))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
 
 
 def replica_config(config: Config, dp_rank: int) -> Config:
@@ -96,12 +113,7 @@ class Prestarted:
 
     def undo(self) -> None:
         """Stop the scheduler and free what was made, where the server does not go on."""
-        if self.scheduler.is_alive():
-            self.scheduler.terminate()
-        self.scheduler.join(5.0)
-        if self.scheduler.is_alive():
-            self.scheduler.kill()
-            self.scheduler.join(1.0)
+        stop_processes([self.scheduler], time.monotonic() + CHILD_STOP_TIMEOUT_S)
         self.endpoints.cleanup()
         self.sock.close()
 

@@ -34,7 +34,13 @@ from radixserve.config import Config
 from radixserve.core.req import seed_draws
 from radixserve.sampling_defaults import model_sampling_defaults
 from radixserve.server import routes_responses
-from radixserve.server.children import Prestarted, prestart, spawn_child
+from radixserve.server.children import (
+    CHILD_STOP_TIMEOUT_S,
+    Prestarted,
+    prestart,
+    spawn_child,
+    stop_processes,
+)
 from radixserve.server.dispatcher import Dispatcher
 from radixserve.server.http import build_app
 from radixserve.server.ipc import AsyncReceiver, Sender
@@ -51,7 +57,6 @@ logger = logging.getLogger("radixserve.server")
 
 WATCH_INTERVAL_S = 0.2
 BATCH_END_TIMEOUT_S = 10.0  # a draining server waits this long for batches to end
-CHILD_STOP_TIMEOUT_S = 5.0
 
 
 def with_model_path(config: Config, folder: str) -> Config:
@@ -319,14 +324,7 @@ class Launcher:
         schedulers = [c for name, c in self.children.items() if self.roles[name] == "scheduler"]
         others = [c for name, c in self.children.items() if self.roles[name] != "scheduler"]
         for group in (schedulers, others):
-            for child in group:
-                if child.is_alive():
-                    child.terminate()
-            for child in group:
-                child.join(max(deadline - time.monotonic(), 0.1))
-                if child.is_alive():
-                    child.kill()
-                    child.join(1.0)
+            stop_processes(group, deadline)
 
 
 def launch_node(config: Config, log_level: str = "info") -> int:
@@ -358,11 +356,5 @@ def launch_node(config: Config, log_level: str = "info") -> int:
             log("stopping: tensor-parallel rank %d exited with code %s", rank, code)
             break
         time.sleep(WATCH_INTERVAL_S)
-    for child in children.values():
-        if child.is_alive():
-            child.terminate()
-    for child in children.values():
-        child.join(CHILD_STOP_TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
+    stop_processes(children.values(), time.monotonic() + CHILD_STOP_TIMEOUT_S)
     return exit_code
