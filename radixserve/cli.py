@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     batch.add_argument("-o", "--output-file", required=True, help="where the results go")
     add_config_args(batch, SERVER_PARTS)
 
+    kernels = commands.add_parser(
+        "build-kernels",
+        parents=[logs],
+        help="compile the C++ kernels a server with these flags uses on this CPU (else its "
+        "first start does)",
+    )
+    add_config_args(kernels, RUNNER_PARTS)
+
     argv = sys.argv[1:] if argv is None else argv
     bench = commands.add_parser(
         "bench", parents=[logs], help="benchmarks (radixserve bench --help lists them)"
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "run-batch":
         return _run_batch(args, level)
+    if args.command == "build-kernels":
+        return _build_kernels(args)
     return benches[args.bench].run(args)
 
 
@@ -150,6 +160,29 @@ def _run_batch(args: argparse.Namespace, log_level: str) -> int:
     except (ModelLoadError, ValueError, OSError) as e:
         print(f"radixserve run-batch: error: {e}", file=sys.stderr)
         return 2
+
+
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Build the kernels of the plan a model runner with these flags chooses on this CPU,
+    one compiler per core; 1 where one of them did not build."""
+    from radixserve.hardware import KernelPlan, resolve_device_and_dtype, resolve_kv_dtype
+    from radixserve.model.cpu_kernels import build_kernels, plan_kernels
+
+    try:
+        config = config_from_args(args, RUNNER_PARTS)
+        device, dtype = resolve_device_and_dtype(config.model)
+    except ValueError as e:
+        print(f"radixserve build-kernels: error: {e}", file=sys.stderr)
+        return 2
+    kv_dtype = resolve_kv_dtype(config.cache, dtype)
+    plan = KernelPlan.choose(config.model.kernels, device, dtype, kv_dtype)
+    builds = plan_kernels(plan, dtype, config.model.quantization)
+    folder = config.model.cache_dir / "kernels"
+    paths = build_kernels(builds, folder)
+    print(f"{len(builds)} kernels for {device}/{dtype} on this CPU, in {folder}:")
+    for (name, isa), path in zip(builds, paths):
+        print(f"  {name} ({isa}): {path.name if path else 'not built (see the warning above)'}")
+    return 0 if all(paths) else 1
 
 
 def _serve(args: argparse.Namespace, log_level: str) -> int:

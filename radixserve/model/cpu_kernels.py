@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -22,7 +23,8 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.config import default_model_cache_dir
-from radixserve.hardware import cpu_info
+from radixserve.hardware import KernelPlan, cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -77,35 +79,54 @@ def kernel_dir() -> Path:
     return Path(default_model_cache_dir()) / "kernels"
 
 
-@functools.cache
-def load_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> ctypes.CDLL | None:
-    """The library built from `<name>.cpp` for `isa` (compiled into `folder` when not there
-    yet); None, with a warning that names the reason, where this machine cannot run or
-    build it."""
-    if not cpu_runs(isa):
-        logger.warning("this CPU lacks the %s kernel's instructions (%s): not used", name, isa)
-        return None
-    flags = (*KERNEL_FLAGS, *ISA_FLAGS[isa])
+def kernel_path(name: str, folder: Path | None = None, isa: str = "avx2") -> Path:
+    """Where the library built from `<name>.cpp` for `isa` is kept: named by a digest of its
+    source, the headers beside it and the flags, so that a changed kernel is built anew."""
     source_path = Path(__file__).with_name(f"{name}.cpp")
+    flags = (*KERNEL_FLAGS, *ISA_FLAGS[isa])
     source = source_path.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     digest = hashlib.sha256(source + headers + " ".join(flags).encode()).hexdigest()[:16]
-    folder = folder or kernel_dir()
-    path = folder / f"{name}-{digest}.so"
-    if not path.is_file():
-        compiler = shutil.which(os.environ.get("CXX", "c++"))
-        if compiler is None:
-            logger.warning("no C++ compiler (set CXX): the %s kernel is not used", name)
+    return (folder or kernel_dir()) / f"{name}-{digest}.so"
+
+
+_failed_builds: set[Path] = set()  # builds that failed in this process: not tried again
+
+
+def build_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> Path | None:
+    """The library built from `<name>.cpp` for `isa`, compiled into `folder` when it is not
+    there yet; None, with a warning that names the reason, where this machine cannot run or
+    build it. One build at a time per library, across threads and processes (a lock file
+    beside it): who comes second waits for the first's and takes it."""
+    if not cpu_runs(isa):
+        logger.warning("this CPU lacks the %s kernel's instructions (%s): not used", name, isa)
+        return None
+    path = kernel_path(name, folder, isa)
+    if path.is_file():
+        return path
+    if path in _failed_builds:
+        return None
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        logger.warning("no C++ compiler (set CXX): the %s kernel is not used", name)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():  # built while this one waited
+            return path
+        if path in _failed_builds:
             return None
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        source_path = Path(__file__).with_name(f"{name}.cpp")
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
             result = subprocess.run(
-                [compiler, *flags, str(source_path), "-o", str(built)],
+                [compiler, *KERNEL_FLAGS, *ISA_FLAGS[isa], str(source_path), "-o", str(built)],
                 capture_output=True,
                 text=True,
             )
             if result.returncode != 0:
+                _failed_builds.add(path)
                 logger.warning(
                     "building the %s kernel with %s failed; it is not used:\n%s",
                     name,
@@ -113,8 +134,100 @@ def load_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> cty
                     result.stderr[-2000:],
                 )
                 return None
-            os.replace(built, path)  # atomic: concurrent builders each install a whole file
-    return ctypes.CDLL(str(path))
+            os.replace(built, path)  # atomic: a reader sees no file or the whole file
+        # who waits on the unlinked lock, or makes a new one, finds the library when it locks
+        path.with_suffix(".lock").unlink(missing_ok=True)
+    return path
+
+
+@functools.cache
+def load_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> ctypes.CDLL | None:
+    """The library built from `<name>.cpp` for `isa` (`build_kernel`), loaded; None where
+    this machine cannot run or build it."""
+    path = build_kernel(name, folder, isa)
+    return None if path is None else ctypes.CDLL(str(path))
+
+
+def plan_kernels(
+    plan: KernelPlan, dtype: torch.dtype, quantization: str = "none"
+) -> list[tuple[str, str]]:
+    """The kernels ((source name, isa)) a model of `dtype` built by `runner.build_model`
+    under `plan` may load, in the order it asks for them: the first choice of each (a
+    fallback, say decode attention's AVX2 build where the AVX-512 one fails, is built when
+    asked for)."""
+    builds = []
+    if quantization == "int8":
+        builds.append(("int8_linear", "avx2"))
+    elif plan.blocked_rows and dtype in (torch.bfloat16, torch.float32):
+        blocked = "bf16_linear_amx" if dtype == torch.bfloat16 else "fp32_linear"
+        builds.append((blocked, plan.blocked_isa))
+        if plan.coded_linear:
+            builds.append(("coded_find", "avx2"))
+        if plan.coded_amx_rows:
+            builds.append(("fp32_coded_amx", "amx"))
+        elif plan.coded_lut_rows:  # measured at load: every build this CPU runs
+            builds += [("fp32_coded_lut", isa) for isa in ("avx512", "avx2") if cpu_runs(isa)]
+    if quantization != "int8":
+        builds += [("fp32_gemv", "avx2")] if plan.gemv else []
+        builds += [("fp32_gemm_small", "avx2")] if plan.few_rows_max else []
+    if plan.fused_elementwise:
+        builds.append(("fused_ops", plan.fused_elementwise))
+    if plan.decode_layers:
+        builds.append(("decode_layers", "avx2"))
+    isa = plan.decode_attention_isa
+    if plan.decode_attention:
+        builds.append(("decode_attention" if isa == "avx2" else "decode_attention_avx512", isa))
+    if plan.extend_attention:
+        builds.append(("extend_attention" if isa == "avx2" else "extend_attention_avx512", isa))
+    return builds
+
+
+def missing_kernels(
+    builds: Sequence[tuple[str, str]], folder: Path | None = None
+) -> list[tuple[str, str]]:
+    """Those of `builds` this CPU runs that are not built into `folder` yet."""
+    return [
+        (n, isa) for n, isa in builds if cpu_runs(isa) and not kernel_path(n, folder, isa).is_file()
+    ]
+
+
+def build_kernels(
+    builds: Sequence[tuple[str, str]], folder: Path | None = None, workers: int | None = None
+) -> list[Path | None]:
+    """Each of `builds` ((name, isa)) built into `folder` (`build_kernel`), `workers`
+    compilers at once (one per core by default)."""
+    workers = workers or len(os.sched_getaffinity(0))
+    with ThreadPoolExecutor(workers, thread_name_prefix="kernel-build") as pool:
+        return list(pool.map(lambda b: build_kernel(b[0], folder, b[1]), builds))
+
+
+@contextlib.contextmanager
+def kernels_building(
+    builds: Sequence[tuple[str, str]], folder: Path | None = None, workers: int | None = None
+) -> Iterator[list[tuple[str, str]]]:
+    """Within the block, those of `builds` ((name, isa), in the order they are wanted) not
+    yet built into `folder` are built in the background, `workers` compilers at once (one
+    per core by default; yields them): a first start compiles side by side while the model
+    loads, and `load_kernel` waits only for the one it asks for (or builds it itself where
+    none has begun). On leaving the block, builds not begun are dropped (the ones under way
+    end): what the block did not ask for stays unbuilt."""
+    missing = missing_kernels(builds, folder)
+    if not missing or shutil.which(os.environ.get("CXX", "c++")) is None:
+        yield []
+        return
+    workers = workers or len(os.sched_getaffinity(0))
+    logger.info(
+        "building %d kernels for this CPU into %s, %d at a time (later starts load them): %s",
+        len(missing), folder or kernel_dir(), workers,
+        ", ".join(f"{name} ({isa})" for name, isa in missing),
+    )  # fmt: skip
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="kernel-build")
+    for name, isa in missing:
+        pool.submit(build_kernel, name, folder, isa)
+    try:
+        yield missing
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class LinearKernel:

@@ -49,7 +49,9 @@ from radixserve.model.cpu_kernels import (
     fused_ops,
     gemm_small_kernel,
     gemv_kernel,
+    kernels_building,
     measure_coded_lut,
+    plan_kernels,
 )
 from radixserve.model.cuda_graph import DecodeGraphs
 from radixserve.model.decode_layers import DecodeLayers, decode_layers_library
@@ -147,6 +149,13 @@ class ModelRunner:
             logger.info("%s", cpu_info().summary())
         if config.model.quantization == "int8":
             check_int8_supported(self.device, self.dtype)
+        # a first start compiles the plan's kernels side by side while the model loads
+        builds = plan_kernels(self.kernels, self.dtype, config.model.quantization)
+        with kernels_building(builds, config.model.cache_dir / "kernels"):
+            self._load(config, progress)
+
+    def _load(self, config: Config, progress: bool) -> None:
+        """The model, its KV memory and its adapters (after the plan is chosen)."""
         start = time.perf_counter()
         self.model_folder = resolve_model_folder(
             config.model.model_path, config.model.cache_dir, progress=progress
