@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -98,7 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         return _run_batch(args, level)
     if args.command == "build-kernels":
         return _build_kernels(args)
+    # a benchmark stopped (SIGTERM: `timeout`, a job runner) unwinds, so that the servers
+    # it started are stopped as on its own exit, not left running
+    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
     return benches[args.bench].run(args)
+
+
+def _unwind_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _add_bench_parsers(bench: argparse.ArgumentParser) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def radixserve(*args: str) -> subprocess.CompletedProcess:
@@ -135,3 +136,46 @@ def test_run_batch_stopped_midway_resumes_when_run_again(tiny_model_dirs, tmp_pa
 
 def _files(folder) -> list:
     return list(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_the_server_it_started(tiny_model_dirs):
+    """`radixserve bench server-vs-engine` runs the Engine, then a server (a subprocess):
+    a SIGTERM to the benchmark while that server runs stops the server too."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "bench", "server-vs-engine", "--rounds", "1",
+         "--model-path", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+         "--num-groups", "2", "--prompts-per-group", "2", "--output-len", "4"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (servers := _children(bench.pid, "serve")):
+        assert bench.poll() is None and time.monotonic() < deadline, "no server was started"
+        time.sleep(0.1)
+    bench.send_signal(signal.SIGTERM)
+    _, said = bench.communicate(timeout=120)
+    assert bench.returncode == 128 + signal.SIGTERM, said
+    for pid in servers:
+        assert not _alive(pid), f"the server {pid} outlived the benchmark"
+
+
+def _children(pid: int, word: str) -> list[int]:
+    """The pids of `pid`'s children whose command line has `word`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and word.encode() in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

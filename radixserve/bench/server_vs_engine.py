@@ -140,6 +140,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> str:
+        try:
+            return self._wait_healthy()
+        except BaseException:  # (SIGTERM or Ctrl-C meanwhile too): no server left running
+            self.__exit__()
+            raise
+
+    def _wait_healthy(self) -> str:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -149,7 +156,6 @@ class Server:
                 return self.url
             except (urllib.error.URLError, OSError):  # refused, 503 while loading, timeout
                 time.sleep(0.5)
-        self.__exit__()
         raise RuntimeError("the server did not become healthy")
 
     def __exit__(self, *exc: object) -> None:
