@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import Any
 
 from radixserve.config import (
@@ -99,10 +100,19 @@ def main(argv: list[str] | None = None) -> int:
         return _run_batch(args, level)
     if args.command == "build-kernels":
         return _build_kernels(args)
-    # a benchmark stopped (SIGTERM: `timeout`, a job runner) unwinds, so that the servers
-    # it started are stopped as on its own exit, not left running
-    signal.signal(signal.SIGTERM, _unwind_on_sigterm)
-    return benches[args.bench].run(args)
+    return _run_bench(benches[args.bench], args)
+
+
+def _run_bench(bench: Any, args: argparse.Namespace) -> int:
+    """A benchmark stopped (SIGTERM: `timeout`, a job runner) unwinds, so that the servers
+    it started are stopped as on its own exit, not left running."""
+    if threading.current_thread() is not threading.main_thread():
+        return bench.run(args)
+    previous = signal.signal(signal.SIGTERM, _unwind_on_sigterm)
+    try:
+        return bench.run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _unwind_on_sigterm(signum: int, _frame: object) -> None:

@@ -67,8 +67,8 @@ class ModelConfig:
         "auto",
         "auto: on x86 CPUs with AVX2, the project's C++ kernels where they beat torch on this "
         "CPU (decode attention reading K/V where they lie in the pool; fp32 linear layers "
-        "of decode-sized products in the weights' own layout), built on first use (torch "
-        "where they cannot be); "
+        "of decode-sized products in the weights' own layout), built once (radixserve "
+        "build-kernels, or the first start that needs them; torch where they cannot be); "
         "torch: torch ops only.",
         choices=KERNELS,
     )

@@ -18,7 +18,12 @@ import torch
 
 from radixserve.cli import main
 from radixserve.config import Config
-from radixserve.hardware import KernelPlan, resolve_device_and_dtype, resolve_kv_dtype
+from radixserve.hardware import (
+    CpuInfo,
+    KernelPlan,
+    resolve_device_and_dtype,
+    resolve_kv_dtype,
+)
 from radixserve.model import cpu_kernels
 from radixserve.model.cpu_kernels import (
     build_kernel,
@@ -35,6 +40,8 @@ pytestmark = pytest.mark.skipif(
     reason="no C++ compiler, or a CPU without AVX2",
 )
 CHEAP = ("decode_layers", "avx2")  # the quickest kernel to build (~0.3 s)
+AVX2_AMD = "avx2 fma f16c"
+AVX512 = " avx512f avx512bw avx512vl avx512dq avx512_bf16"
 
 
 @pytest.fixture
@@ -55,6 +62,20 @@ def counted_compiler(tmp_path, monkeypatch):
     return calls
 
 
+def _running(argv: list[bytes]) -> list[int]:
+    """The live processes whose command line is `argv`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")[:-1]
+        except (OSError, IndexError):
+            continue
+        if cmdline == argv and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 def compiles(calls: Path) -> int:
     return len(calls.read_text().splitlines()) if calls.exists() else 0
 
@@ -68,12 +89,15 @@ def test_one_compile_for_builders_in_threads_and_another_process(tmp_path, count
          f".Path('{folder}'), '{CHEAP[1]}') is None)"],
         env=os.environ.copy(),
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while compiles(counted_compiler) == 0:  # the other process holds the lock and compiles
-        assert other.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    paths = build_kernels([CHEAP] * 3, folder, workers=3)
-    assert other.wait(120) == 0
+    try:
+        deadline = time.monotonic() + 120
+        while compiles(counted_compiler) == 0:  # the other process holds the lock, compiles
+            assert other.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        paths = build_kernels([CHEAP] * 3, folder, workers=3)
+        assert other.wait(120) == 0
+    finally:
+        other.kill()
     assert paths == [kernel_path(CHEAP[0], folder, CHEAP[1])] * 3
     assert compiles(counted_compiler) == 1
     assert sorted(p.name for p in folder.iterdir()) == [paths[0].name]  # no lock, no temp
@@ -94,31 +118,64 @@ def test_a_failed_build_warns_once_and_is_not_tried_again(tmp_path, monkeypatch,
     assert len(warnings) == 1 and "no such luck" in warnings[0].getMessage()
 
 
-def test_builds_not_begun_when_the_block_ends_are_dropped(tmp_path, counted_compiler):
+def wait_for_compiles(calls: Path, count: int = 1) -> None:
+    deadline = time.monotonic() + 120
+    while compiles(calls) < count:
+        assert time.monotonic() < deadline, "no compile began"
+        time.sleep(0.02)
+
+
+def test_leaving_the_block_kills_the_compile_under_way_and_drops_the_rest(
+    tmp_path, counted_compiler
+):
     folder = tmp_path / "kernels"
-    (tmp_path / "delay").write_text("0.5")
+    (tmp_path / "delay").write_text("30.25")  # the compiler "runs" until it is killed
     wanted = [CHEAP, ("fp32_gemv", "avx2"), ("coded_find", "avx2")]
+    start = time.monotonic()
     with kernels_building(wanted, folder, workers=1) as building:
         assert building == wanted
-    deadline = time.monotonic() + 120
-    while any(t.name.startswith("kernel-build") for t in threading.enumerate()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert kernel_path(CHEAP[0], folder, CHEAP[1]).is_file()  # under way: ends
-    assert not any(kernel_path(n, folder, isa).exists() for n, isa in wanted[1:])
-    assert compiles(counted_compiler) == 1
+        wait_for_compiles(counted_compiler)
+    assert time.monotonic() - start < 20  # not the 30 s compile
+    assert not any(t.name.startswith("kernel-build") for t in threading.enumerate())
+    compiler = int(counted_compiler.read_text().split()[0])
+    assert not Path(f"/proc/{compiler}").exists()  # killed and reaped
+    assert not _running([b"sleep", b"30.25"])  # and what it ran, with it
+    assert compiles(counted_compiler) == 1  # the others never began
+    assert not [p for p in folder.iterdir() if p.suffix != ".lock"]  # no library, no temp
+    (tmp_path / "delay").unlink()
     with kernels_building(wanted[:1], folder) as building:
-        assert building == []  # built already
+        assert building == wanted[:1]  # not built: built by the next start
+        assert cpu_kernels.load_kernel(CHEAP[0], folder, CHEAP[1]) is not None
+    with kernels_building(wanted[:1], folder) as building:
+        assert building == []
 
 
 def test_a_kernel_asked_for_while_its_build_runs_waits_for_that_build(tmp_path, counted_compiler):
     folder = tmp_path / "kernels"
     (tmp_path / "delay").write_text("1")
     with kernels_building([CHEAP], folder):
-        time.sleep(0.3)  # the background build has begun
+        wait_for_compiles(counted_compiler)  # the background build has begun
         library = cpu_kernels.load_kernel(CHEAP[0], folder, CHEAP[1])
     assert library is not None and library.decode_layers
     assert compiles(counted_compiler) == 1
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [AVX2_AMD, AVX2_AMD + AVX512, AVX2_AMD + AVX512 + " amx_bf16 amx_tile"],
+    ids=["avx2", "avx512", "amx"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cpus_plan_lists_sources_that_exist(flags, dtype):
+    cpu = CpuInfo("test cpu", "x86_64", "AVX2", frozenset(flags.split()), 2, "GenuineIntel")
+    plan = KernelPlan.choose("auto", torch.device("cpu"), dtype, dtype, cpu)
+    listed = plan_kernels(plan, dtype)
+    assert listed and len(set(listed)) == len(listed)
+    for name, isa in listed:
+        assert (Path(cpu_kernels.__file__).parent / f"{name}.cpp").is_file(), name
+        assert isa in cpu_kernels.ISA_FLAGS
+    if plan.coded_amx_rows:  # its kernel asks Linux for the tiles through the bf16 one's
+        assert listed.index(("bf16_linear_amx", "amx")) < listed.index(("fp32_coded_amx", "amx"))
 
 
 @pytest.mark.parametrize(

@@ -136,11 +136,13 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "radixserve", "--log-level", "warning", "serve"]
-        self.proc = subprocess.Popen([*cmd, "--port", str(self.port), *flags], env=os.environ)
+        self.cmd = [*cmd, "--port", str(self.port), *flags]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
         try:
+            self.proc = subprocess.Popen(self.cmd, env=os.environ)
             return self._wait_healthy()
         except BaseException:  # (SIGTERM or Ctrl-C meanwhile too): no server left running
             self.__exit__()
@@ -159,8 +161,9 @@ class Server:
         raise RuntimeError("the server did not become healthy")
 
     def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(60)
 
 
 def _print(args: argparse.Namespace, engine: list[Row], server: list[Row]) -> None:

@@ -1,12 +1,14 @@
 """The project's C++ CPU kernels (x86 AVX2 + FMA + F16C; `*_avx512.cpp` variants for AVX-512
-with AVX512-BF16; `*_amx.cpp` for AMX-BF16), compiled with the system compiler on first
-use and loaded with ctypes.
+with AVX512-BF16; `*_amx.cpp` for AMX-BF16), compiled with the system compiler and loaded
+with ctypes.
 
 Each kernel is one .cpp file beside this module with an `extern "C"` entry point. It is
 built once per source version into a cache folder (~/.cache/radixserve/kernels by default)
-and shared by every process after. Where the CPU lacks the kernel's instruction set, or no
-compiler is found, or the build fails, `load_kernel` warns and returns None and the caller
-keeps its torch path (or the AVX2 variant).
+and shared by every process after: by `radixserve build-kernels` (which `make` runs at
+setup), or by the first start that needs it, which builds its plan's missing kernels side
+by side while its model loads (`kernels_building`). Where the CPU lacks the kernel's
+instruction set, or no compiler is found, or the build fails, `load_kernel` warns and
+returns None and the caller keeps its torch path (or the AVX2 variant).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,11 +97,14 @@ def kernel_path(name: str, folder: Path | None = None, isa: str = "avx2") -> Pat
 _failed_builds: set[Path] = set()  # builds that failed in this process: not tried again
 
 
-def build_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> Path | None:
+def build_kernel(
+    name: str, folder: Path | None = None, isa: str = "avx2", cancel: threading.Event | None = None
+) -> Path | None:
     """The library built from `<name>.cpp` for `isa`, compiled into `folder` when it is not
     there yet; None, with a warning that names the reason, where this machine cannot run or
     build it. One build at a time per library, across threads and processes (a lock file
-    beside it): who comes second waits for the first's and takes it."""
+    beside it, gone once the library is there): who comes second waits for the first's and
+    takes it. `cancel` set: the compile under way is killed, None."""
     if not cpu_runs(isa):
         logger.warning("this CPU lacks the %s kernel's instructions (%s): not used", name, isa)
         return None
@@ -111,33 +118,63 @@ def build_kernel(name: str, folder: Path | None = None, isa: str = "avx2") -> Pa
         logger.warning("no C++ compiler (set CXX): the %s kernel is not used", name)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    lock_path = path.with_suffix(".lock")
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if path.is_file():  # built while this one waited
-            return path
-        if path in _failed_builds:
+        if not path.is_file() and path not in _failed_builds:
+            source = Path(__file__).with_name(f"{name}.cpp")
+            command = [compiler, *KERNEL_FLAGS, *ISA_FLAGS[isa], str(source), "-o"]
+            _compile(name, command, path, cancel)
+        if not path.is_file():
             return None
-        source_path = Path(__file__).with_name(f"{name}.cpp")
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            result = subprocess.run(
-                [compiler, *KERNEL_FLAGS, *ISA_FLAGS[isa], str(source_path), "-o", str(built)],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                _failed_builds.add(path)
-                logger.warning(
-                    "building the %s kernel with %s failed; it is not used:\n%s",
-                    name,
-                    compiler,
-                    result.stderr[-2000:],
-                )
-                return None
-            os.replace(built, path)  # atomic: a reader sees no file or the whole file
-        # who waits on the unlinked lock, or makes a new one, finds the library when it locks
-        path.with_suffix(".lock").unlink(missing_ok=True)
+        # whoever locks from now on (this file, or a new one made at its name) finds the
+        # library there first, and removes the file it made
+        lock_path.unlink(missing_ok=True)
     return path
+
+
+def _compile(name: str, command: list[str], path: Path, cancel: threading.Event | None) -> None:
+    """Run `command` + an output path in a temporary folder beside `path`, then move the
+    library to `path` (atomic: a reader sees no file or the whole file). A failure is
+    warned of and remembered; a cancel (or an exception here: SIGTERM's SystemExit) kills
+    the compiler, and the temporary folder goes either way."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        # its own process group: killed, the driver's cc1plus and as go with it
+        proc = subprocess.Popen(
+            [*command, str(built)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            process_group=0,
+        )
+        try:
+            while True:
+                try:
+                    _, stderr = proc.communicate(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancel is not None and cancel.is_set():
+                        _kill_group(proc)
+                        return
+        except BaseException:
+            _kill_group(proc)
+            raise
+        if proc.returncode != 0:
+            _failed_builds.add(path)
+            logger.warning(
+                "building the %s kernel with %s failed; it is not used:\n%s",
+                name,
+                command[0],
+                stderr.decode(errors="replace")[-2000:],
+            )
+            return
+        os.replace(built, path)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @functools.cache
@@ -163,8 +200,8 @@ def plan_kernels(
         builds.append((blocked, plan.blocked_isa))
         if plan.coded_linear:
             builds.append(("coded_find", "avx2"))
-        if plan.coded_amx_rows:
-            builds.append(("fp32_coded_amx", "amx"))
+        if plan.coded_amx_rows:  # (coded_amx_linear asks Linux for AMX through amx_linear)
+            builds += [("bf16_linear_amx", "amx"), ("fp32_coded_amx", "amx")]
         elif plan.coded_lut_rows:  # measured at load: every build this CPU runs
             builds += [("fp32_coded_lut", isa) for isa in ("avx512", "avx2") if cpu_runs(isa)]
     if quantization != "int8":
@@ -195,10 +232,18 @@ def build_kernels(
     builds: Sequence[tuple[str, str]], folder: Path | None = None, workers: int | None = None
 ) -> list[Path | None]:
     """Each of `builds` ((name, isa)) built into `folder` (`build_kernel`), `workers`
-    compilers at once (one per core by default)."""
+    compilers at once (one per core by default); interrupted, the compilers are killed."""
     workers = workers or len(os.sched_getaffinity(0))
-    with ThreadPoolExecutor(workers, thread_name_prefix="kernel-build") as pool:
-        return list(pool.map(lambda b: build_kernel(b[0], folder, b[1]), builds))
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="kernel-build")
+    try:
+        return list(pool.map(lambda b: build_kernel(b[0], folder, b[1], cancel), builds))
+    finally:
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_background_builds: list[Future] = []  # those of `kernels_building` blocks still open
 
 
 @contextlib.contextmanager
@@ -209,8 +254,9 @@ def kernels_building(
     yet built into `folder` are built in the background, `workers` compilers at once (one
     per core by default; yields them): a first start compiles side by side while the model
     loads, and `load_kernel` waits only for the one it asks for (or builds it itself where
-    none has begun). On leaving the block, builds not begun are dropped (the ones under way
-    end): what the block did not ask for stays unbuilt."""
+    none has begun). On leaving the block, however it is left, what is still building is
+    killed and what has not begun is dropped: what the block did not wait for is not
+    built."""
     missing = missing_kernels(builds, folder)
     if not missing or shutil.which(os.environ.get("CXX", "c++")) is None:
         yield []
@@ -221,13 +267,25 @@ def kernels_building(
         len(missing), folder or kernel_dir(), workers,
         ", ".join(f"{name} ({isa})" for name, isa in missing),
     )  # fmt: skip
+    cancel = threading.Event()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="kernel-build")
-    for name, isa in missing:
-        pool.submit(build_kernel, name, folder, isa)
+    futures = [pool.submit(build_kernel, name, folder, isa, cancel) for name, isa in missing]
+    _background_builds.extend(futures)
     try:
         yield missing
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        cancel.set()
+        pool.shutdown(wait=True, cancel_futures=True)  # (a killed compile ends at once)
+        for future in futures:
+            _background_builds.remove(future)
+
+
+def wait_for_builds() -> None:
+    """Wait for the background builds of the open `kernels_building` blocks (before timing
+    a kernel: compilers beside it would skew what it measures)."""
+    for future in list(_background_builds):
+        with contextlib.suppress(CancelledError):
+            future.result()
 
 
 class LinearKernel:
@@ -959,6 +1017,7 @@ def measure_coded_lut(
     times and by the medians both (the ratio reported is the smaller). None where no build
     loads or takes the codes."""
     builds = [(16, 1), (16, 2), (8, 2)] if cpu_runs("avx512") else [(8, 1), (8, 2)]
+    wait_for_builds()  # (a first start's compilers would share the cores it times)
     best: tuple[float, LutChoice] | None = None
     for lanes, chunk in builds:
         kernel = coded_lut_linear(lanes, chunk, folder)

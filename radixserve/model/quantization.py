@@ -7,7 +7,7 @@ fp32, so the only error is the rounding of the weights. The embedding lookup sta
 tied LM head gets its own int8 copy of the embedding matrix.
 
 The matmul is chosen once per process:
-- `int8_linear.cpp` (AVX2 + FMA; built by cpu_kernels.py on first use): it reads int8
+- `int8_linear.cpp` (AVX2 + FMA; built by cpu_kernels.py once): it reads int8
   and widens in registers.
 - otherwise torch's `_weight_int8pack_mm`: the same arithmetic, vectorized only for
   AVX-512 and ARM (on AVX2 it is 5-50x slower than fp32 matmul; a warning says so).
