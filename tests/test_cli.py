@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -147,15 +149,23 @@ def test_a_benchmark_stopped_by_sigterm_stops_the_server_it_started(tiny_model_d
          "--num-groups", "2", "--prompts-per-group", "2", "--output-len", "4"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (servers := _children(bench.pid, "serve")):
-        assert bench.poll() is None and time.monotonic() < deadline, "no server was started"
-        time.sleep(0.1)
-    bench.send_signal(signal.SIGTERM)
-    _, said = bench.communicate(timeout=120)
-    assert bench.returncode == 128 + signal.SIGTERM, said
-    for pid in servers:
-        assert not _alive(pid), f"the server {pid} outlived the benchmark"
+    servers = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (servers := _children(bench.pid, "serve")):
+            assert bench.poll() is None and time.monotonic() < deadline, "no server started"
+            time.sleep(0.1)
+        bench.send_signal(signal.SIGTERM)
+        _, said = bench.communicate(timeout=120)
+        assert bench.returncode == 128 + signal.SIGTERM, said
+        for pid in servers:
+            assert not _alive(pid), f"the server {pid} outlived the benchmark"
+    finally:  # (a failed check leaves nothing running either)
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        bench.kill()
+        bench.communicate()
 
 
 def _children(pid: int, word: str) -> list[int]:

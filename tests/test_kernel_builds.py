@@ -31,6 +31,7 @@ from radixserve.model.cpu_kernels import (
     kernel_path,
     kernels_building,
     plan_kernels,
+    wait_for_builds,
 )
 from radixserve.model.runner import ModelRunner
 from tests.conftest import FP32
@@ -125,16 +126,17 @@ def wait_for_compiles(calls: Path, count: int = 1) -> None:
         time.sleep(0.02)
 
 
-def test_leaving_the_block_kills_the_compile_under_way_and_drops_the_rest(
+def test_a_failure_in_the_block_kills_the_compile_under_way_and_drops_the_rest(
     tmp_path, counted_compiler
 ):
     folder = tmp_path / "kernels"
     (tmp_path / "delay").write_text("30.25")  # the compiler "runs" until it is killed
     wanted = [CHEAP, ("fp32_gemv", "avx2"), ("coded_find", "avx2")]
     start = time.monotonic()
-    with kernels_building(wanted, folder, workers=1) as building:
+    with pytest.raises(RuntimeError), kernels_building(wanted, folder, workers=1) as building:
         assert building == wanted
         wait_for_compiles(counted_compiler)
+        raise RuntimeError("the model did not load")
     assert time.monotonic() - start < 20  # not the 30 s compile
     assert not any(t.name.startswith("kernel-build") for t in threading.enumerate())
     compiler = int(counted_compiler.read_text().split()[0])
@@ -144,10 +146,43 @@ def test_leaving_the_block_kills_the_compile_under_way_and_drops_the_rest(
     assert not [p for p in folder.iterdir() if p.suffix != ".lock"]  # no library, no temp
     (tmp_path / "delay").unlink()
     with kernels_building(wanted[:1], folder) as building:
-        assert building == wanted[:1]  # not built: built by the next start
-        assert cpu_kernels.load_kernel(CHEAP[0], folder, CHEAP[1]) is not None
-    with kernels_building(wanted[:1], folder) as building:
+        assert building == wanted[:1]  # not built: the next start builds it
+
+
+def test_builds_go_on_after_the_block_left_normally(tmp_path, counted_compiler):
+    """A kernel the model did not ask for (its plan lists it, the model cannot use it) is
+    still built once, not dropped at every start."""
+    folder = tmp_path / "kernels"
+    (tmp_path / "delay").write_text("0.5")
+    wanted = [CHEAP, ("fp32_gemv", "avx2")]
+    with kernels_building(wanted, folder, workers=1):
+        pass
+    wait_for_builds()
+    assert all(kernel_path(n, folder, isa).is_file() for n, isa in wanted)
+    assert compiles(counted_compiler) == 2
+    with kernels_building(wanted, folder) as building:
         assert building == []
+
+
+def test_the_process_exit_kills_the_builds_still_running(tmp_path, counted_compiler):
+    folder = tmp_path / "kernels"
+    (tmp_path / "delay").write_text("30.5")
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from radixserve.model.cpu_kernels import kernels_building\n"
+        f"with kernels_building([{CHEAP!r}], Path({str(folder)!r})):\n"
+        "    pass\n"
+        f"while not Path({str(counted_compiler)!r}).exists():\n"
+        "    time.sleep(0.02)\n"
+        "sys.exit(3)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert done.returncode == 3
+    assert time.monotonic() - start < 25  # not the 30 s compile
+    assert not _running([b"sleep", b"30.5"])
+    assert not [p for p in folder.iterdir() if p.suffix != ".lock"]
 
 
 def test_a_kernel_asked_for_while_its_build_runs_waits_for_that_build(tmp_path, counted_compiler):
@@ -190,6 +225,7 @@ def test_the_plans_list_names_every_kernel_the_runner_loads(
         dtype=dtype,
         quantization=quantization,
         model_cache_dir=str(tmp_path),
+        device="cpu",
     )
     device, torch_dtype = resolve_device_and_dtype(config.model)
     kv_dtype = resolve_kv_dtype(config.cache, torch_dtype)
@@ -217,16 +253,18 @@ def test_the_plans_list_names_every_kernel_the_runner_loads(
 
 
 def test_build_kernels_command_reports_each_kernel(tmp_path, counted_compiler, capsys):
-    config = Config.from_flat(dtype=FP32)
+    config = Config.from_flat(dtype=FP32, device="cpu")
     device, dtype = resolve_device_and_dtype(config.model)
     plan = KernelPlan.choose("auto", device, dtype, dtype)
     listed = plan_kernels(plan, dtype)
     folder = tmp_path / "kernels"
     folder.mkdir()
-    for path in build_kernels(listed):  # where every process finds them
+    for (name, isa), path in zip(listed, build_kernels(listed)):  # where every process finds them
+        assert path is not None, f"{name} ({isa}) did not build"
         shutil.copy(path, folder / path.name)
     calls_before = compiles(counted_compiler)
-    assert main(["build-kernels", "--dtype", FP32, "--model-cache-dir", str(tmp_path)]) == 0
+    argv = ["build-kernels", "--dtype", FP32, "--device", "cpu", "--model-cache-dir", str(tmp_path)]
+    assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{len(listed)} kernels for cpu/torch.float32 on this CPU, in {folder}:"
     for (name, isa), line in zip(listed, lines[1:], strict=True):

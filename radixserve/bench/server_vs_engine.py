@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -141,10 +142,15 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
+        # a SIGTERM (SystemExit: cli._run_bench) waits until self.proc is set: the server
+        # is stopped whenever it comes
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             self.proc = subprocess.Popen(self.cmd, env=os.environ)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             return self._wait_healthy()
         except BaseException:  # (SIGTERM or Ctrl-C meanwhile too): no server left running
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self.__exit__()
             raise
 
@@ -163,7 +169,11 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             self.proc.terminate()
-            self.proc.wait(60)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _print(args: argparse.Namespace, engine: list[Row], server: list[Row]) -> None:

@@ -13,6 +13,7 @@ returns None and the caller keeps its torch path (or the AVX2 variant).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -20,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -121,7 +123,8 @@ def build_kernel(
     lock_path = path.with_suffix(".lock")
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not path.is_file() and path not in _failed_builds:
+        cancelled = cancel is not None and cancel.is_set()
+        if not path.is_file() and path not in _failed_builds and not cancelled:
             source = Path(__file__).with_name(f"{name}.cpp")
             command = [compiler, *KERNEL_FLAGS, *ISA_FLAGS[isa], str(source), "-o"]
             _compile(name, command, path, cancel)
@@ -140,12 +143,8 @@ def _compile(name: str, command: list[str], path: Path, cancel: threading.Event 
     the compiler, and the temporary folder goes either way."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        # its own process group: killed, the driver's cc1plus and as go with it
         proc = subprocess.Popen(
-            [*command, str(built)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            process_group=0,
+            [*command, str(built)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         try:
             while True:
@@ -154,10 +153,10 @@ def _compile(name: str, command: list[str], path: Path, cancel: threading.Event 
                     break
                 except subprocess.TimeoutExpired:
                     if cancel is not None and cancel.is_set():
-                        _kill_group(proc)
+                        _kill_tree(proc)
                         return
         except BaseException:
-            _kill_group(proc)
+            _kill_tree(proc)
             raise
         if proc.returncode != 0:
             _failed_builds.add(path)
@@ -171,9 +170,22 @@ def _compile(name: str, command: list[str], path: Path, cancel: threading.Event 
         os.replace(built, path)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the compiler driver and what it runs (cc1plus, as), so that none outlives
+    it; the driver stays in the caller's process group, where a killer of the group finds
+    it."""
+    pids, found = {proc.pid}, True
+    while found:  # the driver's descendants, from /proc
+        found = False
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                pid = int(stat.parent.name)
+                if pid not in pids and int(stat.read_text().rsplit(")", 1)[1].split()[1]) in pids:
+                    pids.add(pid)
+                    found = True
+    for pid in pids if proc.poll() is None else pids - {proc.pid}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -243,7 +255,71 @@ def build_kernels(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-_background_builds: list[Future] = []  # those of `kernels_building` blocks still open
+class BackgroundBuilds:
+    """Kernels built by daemon threads, `workers` compilers at once, in the order given
+    (`kernels_building`). Each job's Future ends with the library's path (None: not built).
+    At the process's exit (atexit), or `cancel`, the compilers under way are killed and the
+    rest dropped; a daemon thread never holds the exit back."""
+
+    def __init__(self, builds: Sequence[tuple[str, str]], folder: Path | None, workers: int):
+        self.cancelled = threading.Event()
+        self._jobs = queue.SimpleQueue()
+        self.futures: list[Future] = []
+        for name, isa in builds:
+            future: Future = Future()
+            self._jobs.put((name, isa, future))
+            self.futures.append(future)
+        self._folder = folder
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kernel-build-{i}", daemon=True)
+            for i in range(min(workers, len(builds)))
+        ]
+        _open_builds.add(self)
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                name, isa, future = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if self.cancelled.is_set() or not future.set_running_or_notify_cancel():
+                future.cancel()
+                continue
+            try:
+                future.set_result(build_kernel(name, self._folder, isa, self.cancelled))
+            except BaseException as e:  # (an OSError of the cache folder, say)
+                future.set_exception(e)
+        if all(f.done() for f in self.futures):
+            _open_builds.discard(self)
+
+    def cancel(self, wait_s: float = 5.0) -> None:
+        """Kill the compiles under way, drop the rest, and wait up to `wait_s` for the
+        threads (a build waiting on another process's lock may take longer: it then
+        returns as soon as it gets it)."""
+        self.cancelled.set()
+        for future in self.futures:
+            future.cancel()  # the ones not begun
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        _open_builds.discard(self)
+
+    def wait(self) -> None:
+        """Until every build has ended (done, failed or dropped)."""
+        for future in self.futures:
+            with contextlib.suppress(CancelledError):
+                future.exception()
+
+
+_open_builds: set[BackgroundBuilds] = set()
+
+
+@atexit.register
+def _cancel_open_builds() -> None:
+    for builds in list(_open_builds):
+        builds.cancel(wait_s=2.0)
 
 
 @contextlib.contextmanager
@@ -254,9 +330,10 @@ def kernels_building(
     yet built into `folder` are built in the background, `workers` compilers at once (one
     per core by default; yields them): a first start compiles side by side while the model
     loads, and `load_kernel` waits only for the one it asks for (or builds it itself where
-    none has begun). On leaving the block, however it is left, what is still building is
-    killed and what has not begun is dropped: what the block did not wait for is not
-    built."""
+    none has begun). The block left normally, the builds go on (a kernel the model turned
+    out not to use is built once, not at every start); left by an exception (a failed load,
+    SIGTERM's SystemExit), what is compiling is killed and the rest dropped; the process's
+    exit does the same."""
     missing = missing_kernels(builds, folder)
     if not missing or shutil.which(os.environ.get("CXX", "c++")) is None:
         yield []
@@ -267,25 +344,19 @@ def kernels_building(
         len(missing), folder or kernel_dir(), workers,
         ", ".join(f"{name} ({isa})" for name, isa in missing),
     )  # fmt: skip
-    cancel = threading.Event()
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="kernel-build")
-    futures = [pool.submit(build_kernel, name, folder, isa, cancel) for name, isa in missing]
-    _background_builds.extend(futures)
+    background = BackgroundBuilds(missing, folder, workers)
     try:
         yield missing
-    finally:
-        cancel.set()
-        pool.shutdown(wait=True, cancel_futures=True)  # (a killed compile ends at once)
-        for future in futures:
-            _background_builds.remove(future)
+    except BaseException:
+        background.cancel()
+        raise
 
 
 def wait_for_builds() -> None:
-    """Wait for the background builds of the open `kernels_building` blocks (before timing
-    a kernel: compilers beside it would skew what it measures)."""
-    for future in list(_background_builds):
-        with contextlib.suppress(CancelledError):
-            future.result()
+    """Wait for the background builds under way (before timing a kernel: compilers beside
+    it would skew what it measures)."""
+    for builds in list(_open_builds):
+        builds.wait()
 
 
 class LinearKernel:
