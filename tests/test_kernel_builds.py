@@ -49,6 +49,7 @@ AVX512 = " avx512f avx512bw avx512vl avx512dq avx512_bf16"
 def counted_compiler(tmp_path, monkeypatch):
     """CXX set to a wrapper of the system compiler that writes a line per call to the
     returned file (before compiling, `delay` seconds later: `tmp_path / "delay"`)."""
+    wait_for_builds()  # (an earlier test's runner may have left builds going on)
     calls = tmp_path / "calls"
     wrapper = tmp_path / "cxx"
     real = shutil.which(os.environ.get("CXX", "c++"))

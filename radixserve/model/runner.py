@@ -149,17 +149,18 @@ class ModelRunner:
             logger.info("%s", cpu_info().summary())
         if config.model.quantization == "int8":
             check_int8_supported(self.device, self.dtype)
-        # a first start compiles the plan's kernels side by side while the model loads
-        builds = plan_kernels(self.kernels, self.dtype, config.model.quantization)
-        with kernels_building(builds, config.model.cache_dir / "kernels"):
-            self._load(config, progress)
-
-    def _load(self, config: Config, progress: bool) -> None:
-        """The model, its KV memory and its adapters (after the plan is chosen)."""
         start = time.perf_counter()
         self.model_folder = resolve_model_folder(
             config.model.model_path, config.model.cache_dir, progress=progress
         )
+        # a first start compiles the plan's kernels side by side while the model loads
+        builds = plan_kernels(self.kernels, self.dtype, config.model.quantization)
+        with kernels_building(builds, config.model.cache_dir / "kernels"):
+            self._load(config, start)
+
+    def _load(self, config: Config, start: float) -> None:
+        """The model from its folder, its KV memory and its adapters (after the plan is
+        chosen; `start`: when loading began, for the log)."""
         self.hf_config, self.tokenizer = load_config_and_tokenizer(self.model_folder)
         self.architecture = read_architecture(self.model_folder)  # (the folder may go)
         self.context_len = self._context_length(config.model.context_length)  # (before load)
