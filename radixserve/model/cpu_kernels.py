@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,15 +85,26 @@ def kernel_dir() -> Path:
     return Path(default_model_cache_dir()) / "kernels"
 
 
+def _compiler() -> str | None:
+    """The C++ compiler's path: $CXX, else c++ (None: not found)."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def kernel_path(name: str, folder: Path | None = None, isa: str = "avx2") -> Path:
     """Where the library built from `<name>.cpp` for `isa` is kept: named by a digest of its
     source, the headers beside it and the flags, so that a changed kernel is built anew."""
+    return (folder or kernel_dir()) / f"{name}-{_source_digest(name, isa)}.so"
+
+
+@functools.cache
+def _source_digest(name: str, isa: str) -> str:
+    """A digest of `<name>.cpp`, the headers beside it and the flags for `isa` (read once
+    per process: a start asks for each kernel's path several times)."""
     source_path = Path(__file__).with_name(f"{name}.cpp")
     flags = (*KERNEL_FLAGS, *ISA_FLAGS[isa])
     source = source_path.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    digest = hashlib.sha256(source + headers + " ".join(flags).encode()).hexdigest()[:16]
-    return (folder or kernel_dir()) / f"{name}-{digest}.so"
+    return hashlib.sha256(source + headers + " ".join(flags).encode()).hexdigest()[:16]
 
 
 _failed_builds: set[Path] = set()  # builds that failed in this process: not tried again
@@ -115,7 +126,7 @@ def build_kernel(
         return path
     if path in _failed_builds:
         return None
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    compiler = _compiler()
     if compiler is None:
         logger.warning("no C++ compiler (set CXX): the %s kernel is not used", name)
         return None
@@ -245,14 +256,12 @@ def build_kernels(
 ) -> list[Path | None]:
     """Each of `builds` ((name, isa)) built into `folder` (`build_kernel`), `workers`
     compilers at once (one per core by default); interrupted, the compilers are killed."""
-    workers = workers or len(os.sched_getaffinity(0))
-    cancel = threading.Event()
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="kernel-build")
+    builder = BackgroundBuilds(builds, folder, workers)
     try:
-        return list(pool.map(lambda b: build_kernel(b[0], folder, b[1], cancel), builds))
-    finally:
-        cancel.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        return [future.result() for future in builder.futures]
+    except BaseException:
+        builder.cancel()
+        raise
 
 
 class BackgroundBuilds:
@@ -261,7 +270,10 @@ class BackgroundBuilds:
     At the process's exit (atexit), or `cancel`, the compilers under way are killed and the
     rest dropped; a daemon thread never holds the exit back."""
 
-    def __init__(self, builds: Sequence[tuple[str, str]], folder: Path | None, workers: int):
+    def __init__(
+        self, builds: Sequence[tuple[str, str]], folder: Path | None, workers: int | None = None
+    ):
+        workers = workers or len(os.sched_getaffinity(0))  # one compiler per core
         self.cancelled = threading.Event()
         self._jobs = queue.SimpleQueue()
         self.futures: list[Future] = []
@@ -270,12 +282,13 @@ class BackgroundBuilds:
             self._jobs.put((name, isa, future))
             self.futures.append(future)
         self._folder = folder
-        self._threads = [
+        self.threads = [
             threading.Thread(target=self._work, name=f"kernel-build-{i}", daemon=True)
             for i in range(min(workers, len(builds)))
         ]
-        _open_builds.add(self)
-        for thread in self._threads:
+        if self.futures:
+            _open_builds.add(self)
+        for thread in self.threads:
             thread.start()
 
     def _work(self) -> None:
@@ -302,7 +315,7 @@ class BackgroundBuilds:
         for future in self.futures:
             future.cancel()  # the ones not begun
         deadline = time.monotonic() + wait_s
-        for thread in self._threads:
+        for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         _open_builds.discard(self)
 
@@ -335,16 +348,15 @@ def kernels_building(
     SIGTERM's SystemExit), what is compiling is killed and the rest dropped; the process's
     exit does the same."""
     missing = missing_kernels(builds, folder)
-    if not missing or shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not missing or _compiler() is None:
         yield []
         return
-    workers = workers or len(os.sched_getaffinity(0))
+    background = BackgroundBuilds(missing, folder, workers)
     logger.info(
         "building %d kernels for this CPU into %s, %d at a time (later starts load them): %s",
-        len(missing), folder or kernel_dir(), workers,
+        len(missing), folder or kernel_dir(), len(background.threads),
         ", ".join(f"{name} ({isa})" for name, isa in missing),
     )  # fmt: skip
-    background = BackgroundBuilds(missing, folder, workers)
     try:
         yield missing
     except BaseException:
