@@ -62,59 +62,32 @@ class Mkl:
         self.pack_size.restype = ctypes.c_size_t
 
     def product(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        (m, k), n = x.shape, w.shape[0]
-        out = torch.empty(m, n)
-        self.sgemm(
-            b"T",
-            b"N",
-            ref(n),
-            ref(m),
-            ref(k),
-            ref(1.0),
-            Ptr(w.data_ptr()),
-            ref(k),
-            Ptr(x.data_ptr()),
-            ref(k),
-            ref(0.0),
-            Ptr(out.data_ptr()),
-            ref(n),
-        )
-        return out
+        return self._call(self.sgemm, b"T", w, x, w.shape[0])
 
     def packed(self, w: torch.Tensor, rows: int) -> torch.Tensor:
         n, k = w.shape
         size = self.pack_size(b"A", ref(n), ref(rows), ref(k))
         buffer = torch.empty(size // 4 + 16)
         self.pack(
-            b"A",
-            b"T",
-            ref(n),
-            ref(rows),
-            ref(k),
-            ref(1.0),
-            Ptr(w.data_ptr()),
-            ref(k),
+            b"A", b"T", ref(n), ref(rows), ref(k), ref(1.0), Ptr(w.data_ptr()), ref(k),
             Ptr(buffer.data_ptr()),
-        )
+        )  # fmt: skip
         return buffer
 
     def packed_product(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return self._call(self.compute, b"P", packed, x, n)
+
+    @staticmethod
+    def _call(fn, transa: bytes, a: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+        """out (m, n) = op(a) . x^T, transposed; sgemm takes alpha (1) where sgemm_compute
+        takes none."""
         m, k = x.shape
         out = torch.empty(m, n)
-        self.compute(
-            b"P",
-            b"N",
-            ref(n),
-            ref(m),
-            ref(k),
-            Ptr(packed.data_ptr()),
-            ref(k),
-            Ptr(x.data_ptr()),
-            ref(k),
-            ref(0.0),
-            Ptr(out.data_ptr()),
-            ref(n),
-        )
+        alpha = [] if transa == b"P" else [ref(1.0)]
+        fn(
+            transa, b"N", ref(n), ref(m), ref(k), *alpha, Ptr(a.data_ptr()), ref(k),
+            Ptr(x.data_ptr()), ref(k), ref(0.0), Ptr(out.data_ptr()), ref(n),
+        )  # fmt: skip
         return out
 
 
