@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.hardware import cpu_info
+from radixserve.model.cpu_kernels import function_address
+from radixserve.model.decode_layers import torch_sgemm_address
 
 LAYERS = 30
 HIDDEN, INTER, Q_WIDTH, KV_WIDTH = 576, 1536, 576, 192  # SmolLM2-135M
@@ -57,6 +59,9 @@ class Mkl:
 
     def __init__(self) -> None:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        engine = torch_sgemm_address()  # the sgemm the engine's large steps call
+        if engine is None or function_address(lib.sgemm_) != engine:
+            raise SystemExit("torch's F.linear reaches no sgemm_ of libtorch_cpu.so here")
         self.sgemm, self.pack, self.compute = lib.sgemm_, lib.SGEMM_PACK, lib.SGEMM_COMPUTE
         self.pack_size = lib.SGEMM_PACK_GET_SIZE
         self.pack_size.restype = ctypes.c_size_t

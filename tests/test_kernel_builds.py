@@ -37,7 +37,7 @@ from radixserve.model.runner import ModelRunner
 from tests.conftest import FP32
 
 pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None or not cpu_kernels.cpu_runs("avx2"),
+    cpu_kernels._compiler() is None or not cpu_kernels.cpu_runs("avx2"),
     reason="no C++ compiler, or a CPU without AVX2",
 )
 CHEAP = ("decode_layers", "avx2")  # the quickest kernel to build (~0.3 s)
@@ -52,7 +52,7 @@ def counted_compiler(tmp_path, monkeypatch):
     wait_for_builds()  # (an earlier test's runner may have left builds going on)
     calls = tmp_path / "calls"
     wrapper = tmp_path / "cxx"
-    real = shutil.which(os.environ.get("CXX", "c++"))
+    real = cpu_kernels._compiler()  # (before CXX names the wrapper)
     wrapper.write_text(
         "#!/bin/sh\n"
         f'echo "$$" >> {calls}\n'
